@@ -1,0 +1,1 @@
+"""aiokvcache: asyncio-native KV-cache transfer between processes and hosts."""
