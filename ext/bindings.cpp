@@ -1,0 +1,174 @@
+// The only file that knows Python. Only ids, ints, bytes and buffers cross
+// this boundary; every call that can wait releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "engine.hpp"
+
+namespace py = pybind11;
+using akv::Engine;
+
+namespace {
+
+std::vector<akv::SegmentIn> segments_from(const py::buffer& segs) {
+  py::buffer_info info = segs.request();
+  const std::string& fmt = info.format;
+  bool u64 = info.itemsize == 8 && !fmt.empty() && (fmt.back() == 'Q' || fmt.back() == 'L');
+  if (!u64) throw py::type_error("segments must be a uint64 array");
+  if (info.ndim != 2 || info.shape[1] != 4) {
+    throw py::value_error("segments must have shape (n, 4): local, remote, length, rkey id");
+  }
+  if (info.shape[0] > 0 && (info.strides[1] != 8 || info.strides[0] != 32)) {
+    throw py::value_error("segments must be C-contiguous");
+  }
+  std::vector<akv::SegmentIn> out(static_cast<size_t>(info.shape[0]));
+  if (!out.empty()) std::memcpy(out.data(), info.ptr, out.size() * sizeof(akv::SegmentIn));
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "aiokvcache native transfer engine (UCX)";
+  static_assert(sizeof(akv::SegmentIn) == 32, "segment rows are four uint64");
+
+  static py::exception<akv::ClosedError> closed_exc(m, "EngineClosedError", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const akv::ClosedError& e) {
+      py::set_error(closed_exc, e.what());
+    }
+  });
+
+  m.attr("OP_PUT") = static_cast<int>(akv::Op::kPut);
+  m.attr("OP_GET") = static_cast<int>(akv::Op::kGet);
+  m.attr("KIND_JOB") = static_cast<int>(akv::EntryKind::kJob);
+  m.attr("KIND_NOTIFY") = static_cast<int>(akv::EntryKind::kNotify);
+  m.attr("KIND_ENDPOINT") = static_cast<int>(akv::EntryKind::kEndpoint);
+  m.attr("ST_OK") = static_cast<int>(akv::Status::kOk);
+  m.attr("ST_CANCELLED") = static_cast<int>(akv::Status::kCancelled);
+  m.attr("ST_TIMEOUT") = static_cast<int>(akv::Status::kTimeout);
+  m.attr("ST_LINK_FAILED") = static_cast<int>(akv::Status::kLinkFailed);
+  m.attr("ST_ENGINE_CLOSED") = static_cast<int>(akv::Status::kEngineClosed);
+  m.attr("ST_ERROR") = static_cast<int>(akv::Status::kError);
+  m.attr("ST_INVALID") = static_cast<int>(akv::Status::kInvalid);
+  m.attr("MAX_PAYLOAD") = akv::Engine::kMaxPayload;
+
+  m.def("ucx_version", []() {
+    unsigned major, minor, release;
+    ucp_get_version(&major, &minor, &release);
+    return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release);
+  });
+  m.def(
+      "ucs_status_string", [](int st) { return std::string(ucs_status_string(static_cast<ucs_status_t>(st))); },
+      py::arg("status"));
+  m.def(
+      "buffer_from_address",
+      [](uint64_t addr, uint64_t len, bool readonly) {
+        if (addr == 0) throw py::value_error("address must not be 0");
+        return py::memoryview::from_memory(reinterpret_cast<void*>(addr), static_cast<ssize_t>(len), readonly);
+      },
+      py::arg("address"), py::arg("length"), py::arg("readonly") = false);
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](const std::string& transport, uint64_t max_inflight_bytes, uint64_t chunk_bytes,
+                       const std::map<std::string, std::string>& ucx_options) {
+             akv::EngineConfig cfg;
+             cfg.transport = transport;
+             cfg.max_inflight_bytes = max_inflight_bytes;
+             cfg.chunk_bytes = chunk_bytes;
+             for (const auto& kv : ucx_options) cfg.ucx_options.emplace_back(kv.first, kv.second);
+             py::gil_scoped_release nogil;
+             return new Engine(std::move(cfg));
+           }),
+           py::arg("transport") = "auto", py::arg("max_inflight_bytes") = 64ull << 20,
+           py::arg("chunk_bytes") = 1ull << 20,
+           py::arg("ucx_options") = std::map<std::string, std::string>{})
+      .def_property_readonly("event_fd", &Engine::event_fd)
+      .def_property_readonly("worker_address", [](const Engine& e) { return py::bytes(e.worker_address()); })
+      .def_property_readonly("closed", &Engine::closed)
+      .def("info", &Engine::info, py::call_guard<py::gil_scoped_release>())
+      .def("mem_alloc", &Engine::mem_alloc, py::arg("length"), py::call_guard<py::gil_scoped_release>())
+      .def("mem_register", &Engine::mem_register, py::arg("address"), py::arg("length"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("mem_release", &Engine::mem_release, py::arg("region_id"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "rkey_pack",
+          [](Engine& e, uint64_t rid) {
+            std::string s;
+            {
+              py::gil_scoped_release nogil;
+              s = e.rkey_pack(rid);
+            }
+            return py::bytes(s);
+          },
+          py::arg("region_id"))
+      .def(
+          "connect",
+          [](Engine& e, const py::bytes& addr, bool peer_errors) {
+            std::string a = addr;
+            py::gil_scoped_release nogil;
+            return e.connect(a, peer_errors);
+          },
+          py::arg("worker_address"), py::arg("peer_errors") = true)
+      .def("disconnect", &Engine::disconnect, py::arg("ep_id"), py::call_guard<py::gil_scoped_release>())
+      .def("fail_endpoint", &Engine::fail_endpoint, py::arg("ep_id"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "rkey_unpack",
+          [](Engine& e, uint64_t ep, const py::bytes& packed, uint64_t base, uint64_t len) {
+            std::string p = packed;
+            py::gil_scoped_release nogil;
+            return e.rkey_unpack(ep, p, base, len);
+          },
+          py::arg("ep_id"), py::arg("packed"), py::arg("base"), py::arg("length"))
+      .def("rkey_release", &Engine::rkey_release, py::arg("rkey_id"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "submit",
+          [](Engine& e, int op, uint64_t ep, const py::buffer& segs, const py::bytes& payload, uint64_t timeout_ms) {
+            if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
+              throw py::value_error("op must be OP_PUT or OP_GET");
+            }
+            std::vector<akv::SegmentIn> v = segments_from(segs);
+            std::string p = payload;
+            return e.submit(static_cast<akv::Op>(op), ep, std::move(v), std::move(p), timeout_ms);
+          },
+          py::arg("op"), py::arg("ep_id"), py::arg("segments"), py::arg("payload") = py::bytes(),
+          py::arg("timeout_ms") = 0)
+      .def("cancel", &Engine::cancel, py::arg("job_id"))
+      .def("drain",
+           [](Engine& e) {
+             std::vector<akv::Completion> items = e.drain();
+             py::list out(items.size());
+             for (size_t i = 0; i < items.size(); ++i) {
+               const akv::Completion& c = items[i];
+               out[i] = py::make_tuple(static_cast<int>(c.kind), c.id, static_cast<int>(c.status), c.ucs_status,
+                                       c.bytes, py::bytes(c.payload));
+             }
+             return out;
+           })
+      .def("stats",
+           [](const Engine& e) {
+             akv::EngineStats s = e.stats();
+             py::dict d;
+             d["live_jobs"] = s.live_jobs;
+             d["jobs_submitted"] = s.jobs_submitted;
+             d["jobs_completed"] = s.jobs_completed;
+             d["jobs_failed"] = s.jobs_failed;
+             d["bytes_put"] = s.bytes_put;
+             d["bytes_get"] = s.bytes_get;
+             d["notifications_sent"] = s.notifications_sent;
+             d["notifications_received"] = s.notifications_received;
+             d["endpoints"] = s.endpoints;
+             d["endpoint_errors"] = s.endpoint_errors;
+             d["regions"] = s.regions;
+             d["inflight_bytes"] = s.inflight_bytes;
+             return d;
+           })
+      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,100 @@
+// Completion queue shared by the progress thread (producer) and the event
+// loop (consumer). One eventfd tells the loop that the queue went from empty
+// to non-empty; the loop reads the eventfd and then drains everything, so a
+// single counter bump may stand for many entries.
+#pragma once
+
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace akv {
+
+// Raised by calls on a closed engine; Python sees EngineClosedError.
+class ClosedError : public std::logic_error {
+ public:
+  ClosedError() : std::logic_error("engine is closed") {}
+};
+
+enum class EntryKind : uint8_t {
+  kJob = 0,       // a job finished (any status); its buffers are released
+  kNotify = 1,    // a peer's notification payload arrived
+  kEndpoint = 2,  // an endpoint failed or closed
+};
+
+// Statuses reported to Python. Python maps them to LLMStatusCode.
+enum class Status : int32_t {
+  kOk = 0,
+  kCancelled = 1,
+  kTimeout = 2,
+  kLinkFailed = 3,
+  kEngineClosed = 4,
+  kError = 5,
+  kInvalid = 6,
+};
+
+struct Completion {
+  EntryKind kind;
+  uint64_t id;
+  Status status;
+  int32_t ucs_status;  // the UCX status behind a failure, 0 otherwise
+  uint64_t bytes;
+  std::string payload;
+};
+
+class CompletionQueue {
+ public:
+  CompletionQueue() {
+    fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd_ < 0) throw std::runtime_error("eventfd failed");
+  }
+  ~CompletionQueue() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  CompletionQueue(const CompletionQueue&) = delete;
+  CompletionQueue& operator=(const CompletionQueue&) = delete;
+
+  int fd() const { return fd_; }
+
+  void push(Completion&& c) {
+    bool signal;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      signal = items_.empty();
+      items_.push_back(std::move(c));
+    }
+    // Only the empty -> non-empty edge needs a wakeup: the consumer drains
+    // everything after reading the eventfd.
+    if (signal) bump();
+  }
+
+  std::vector<Completion> drain() {
+    std::vector<Completion> out;
+    std::lock_guard<std::mutex> lk(mu_);
+    out.swap(items_);
+    return out;
+  }
+
+ private:
+  void bump() {
+    uint64_t one = 1;
+    ssize_t rc;
+    do {
+      rc = ::write(fd_, &one, sizeof(one));
+    } while (rc < 0 && errno == EINTR);
+    // EAGAIN means the counter is saturated: the reader is already due.
+  }
+
+  int fd_ = -1;
+  std::mutex mu_;
+  std::vector<Completion> items_;
+};
+
+}  // namespace akv

@@ -1,0 +1,177 @@
+// The native transfer engine: one UCX context and one worker, owned by one
+// progress thread. Every UCX call happens on that thread; other threads talk
+// to it through a command queue and learn results from the completion queue.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "completion_queue.hpp"
+#include "job.hpp"
+#include "memory.hpp"
+
+namespace akv {
+
+struct EngineConfig {
+  std::string transport = "auto";  // auto | shm | tcp | rdma
+  uint64_t max_inflight_bytes = 64ull << 20;
+  uint64_t chunk_bytes = 1ull << 20;
+  std::vector<std::pair<std::string, std::string>> ucx_options;  // extra UCX config
+};
+
+class Engine;
+
+struct Endpoint {
+  uint64_t id = 0;
+  Engine* owner = nullptr;
+  ucp_ep_h handle = nullptr;
+  bool broken = false;
+  bool closing = false;  // disconnect asked; closed once its jobs are done
+  bool close_posted = false;
+  bool close_done = false;
+  std::chrono::steady_clock::time_point force_after{};  // forced close once passed
+  int32_t ucs_status = 0;
+  int jobs = 0;
+  std::vector<RemoteKey*> rkeys;
+};
+
+struct EngineStats {
+  uint64_t live_jobs;
+  uint64_t jobs_submitted;
+  uint64_t jobs_completed;
+  uint64_t jobs_failed;
+  uint64_t bytes_put;
+  uint64_t bytes_get;
+  uint64_t notifications_sent;
+  uint64_t notifications_received;
+  uint64_t endpoints;
+  uint64_t endpoint_errors;
+  uint64_t regions;
+  uint64_t inflight_bytes;
+};
+
+class Engine {
+ public:
+  explicit Engine(EngineConfig cfg);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int event_fd() const { return cq_.fd(); }
+  std::string worker_address() const { return worker_address_; }
+  std::string info();
+
+  // Memory regions.
+  std::pair<uint64_t, uint64_t> mem_alloc(uint64_t len);  // -> (region id, address)
+  uint64_t mem_register(uint64_t addr, uint64_t len);
+  void mem_release(uint64_t region_id);
+  std::string rkey_pack(uint64_t region_id);
+
+  // Endpoints and remote keys.
+  // peer_errors: UCX peer failure handling. Shared-memory transports do not
+  // support it (UCX then refuses the endpoint), so same-host peers connect
+  // without it and rely on the control plane to notice a dead peer.
+  uint64_t connect(const std::string& worker_address, bool peer_errors);
+  void disconnect(uint64_t ep_id);
+  void fail_endpoint(uint64_t ep_id);
+  uint64_t rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t base, uint64_t len);
+  void rkey_release(uint64_t rkey_id);
+
+  // Jobs. Segments are (local, remote, len, rkey id) rows.
+  uint64_t submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, std::string&& payload,
+                  uint64_t timeout_ms);
+  void cancel(uint64_t job_id);
+  // Payloads of notifications go out as eager active messages: keep them small.
+  static constexpr size_t kMaxPayload = 4096;
+
+  std::vector<Completion> drain() { return cq_.drain(); }
+  EngineStats stats() const;
+  void close();
+  bool closed() const { return closed_.load(); }
+
+ private:
+  // Progress-thread side.
+  void run();
+  void run_commands();
+  bool step();
+  bool post_all();
+  void post_job(Job* j);
+  void touch(Job* j);
+  void process_touched();
+  void advance(Job* j);
+  void finish(Job* j);
+  void check_deadlines();
+  void admit(std::unique_ptr<Job> j);
+  void close_endpoint(Endpoint* ep, bool force);
+  void reap_endpoints();
+  void endpoint_failed(Endpoint* ep, ucs_status_t st);
+  void shutdown_all();
+  void destroy_rkey(RemoteKey* rk);
+  int wait_timeout_ms();
+
+  static void on_data_done(void* request, ucs_status_t status, void* user_data);
+  static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
+                            size_t length, const ucp_am_recv_param_t* param);
+  void op_done(RequestCtx* ctx, ucs_status_t status);
+
+  // Runs fn on the progress thread and waits for its result.
+  template <typename T>
+  T call(std::function<T()> fn);
+  void post_command(std::function<void()> fn);
+  void wake();
+  void check_open() const;
+
+  EngineConfig cfg_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::string worker_address_;
+  int worker_efd_ = -1;
+  int cmd_efd_ = -1;
+  int epfd_ = -1;
+  CompletionQueue cq_;
+
+  std::mutex cmd_mu_;
+  std::vector<std::function<void()>> commands_;
+  std::mutex close_mu_;
+  std::atomic<bool> closed_{false};
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+
+  // Owned by the progress thread after construction.
+  std::unordered_map<uint64_t, std::unique_ptr<Job>> jobs_;
+  std::deque<Job*> active_;  // jobs with something left to post, FIFO
+  std::unordered_map<uint64_t, std::unique_ptr<Endpoint>> eps_;
+  std::unordered_map<uint64_t, std::unique_ptr<RemoteKey>> rkeys_;
+  std::unordered_map<uint64_t, std::unique_ptr<Region>> regions_;
+  std::vector<Endpoint*> failed_eps_;  // reported by the error callback
+  std::vector<Job*> touched_;          // jobs whose state machine may move
+  DeadlineMap deadlines_;
+  bool window_full_ = false;
+  uint64_t inflight_bytes_ = 0;
+  uint64_t next_region_ = 1, next_ep_ = 1, next_rkey_ = 1;
+
+  std::atomic<uint64_t> next_job_{1};
+  std::atomic<uint64_t> live_jobs_{0};
+  std::atomic<uint64_t> jobs_submitted_{0}, jobs_completed_{0}, jobs_failed_{0};
+  std::atomic<uint64_t> bytes_put_{0}, bytes_get_{0};
+  std::atomic<uint64_t> notes_sent_{0}, notes_received_{0};
+  std::atomic<uint64_t> n_eps_{0}, ep_errors_{0}, n_regions_{0}, inflight_snapshot_{0};
+};
+
+}  // namespace akv

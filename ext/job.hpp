@@ -1,0 +1,93 @@
+// A transfer job: a list of segments moved with one-sided UCX operations on
+// one endpoint. Jobs live on the progress thread only.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "completion_queue.hpp"
+
+namespace akv {
+
+enum class Op : int { kPut = 0, kGet = 1 };
+
+// One row of the segment table handed over from Python.
+struct SegmentIn {
+  uint64_t local;
+  uint64_t remote;
+  uint64_t len;
+  uint64_t rkey_id;
+};
+
+struct RemoteKey {
+  uint64_t id = 0;
+  uint64_t ep_id = 0;
+  ucp_rkey_h handle = nullptr;
+  uint64_t base = 0;  // remote region covered by this key
+  uint64_t len = 0;
+  bool released = false;  // Python let go; destroyed once no job uses it
+  int users = 0;
+};
+
+struct Segment {
+  uint64_t local;
+  uint64_t remote;
+  uint64_t len;
+  RemoteKey* rkey;
+};
+
+enum class Phase { kPosting, kFlushing, kNotifying, kDone };
+
+using DeadlineMap = std::multimap<std::chrono::steady_clock::time_point, uint64_t>;
+
+struct Endpoint;
+
+struct Job {
+  uint64_t id = 0;
+  Op op = Op::kPut;
+  uint64_t ep_id = 0;
+  Endpoint* ep = nullptr;
+  std::vector<Segment> segs;
+  std::vector<SegmentIn> raw;  // as submitted; resolved on the progress thread
+  std::string payload;         // sent to the peer after a put has landed
+  std::chrono::steady_clock::time_point deadline{};
+  bool has_deadline = false;
+  DeadlineMap::iterator dl_it;
+  std::vector<RemoteKey*> keys;  // distinct keys this job uses (counted in users)
+  bool in_active = false;        // queued for posting
+  bool touched = false;          // queued for a state-machine step
+
+  size_t seg_idx = 0;
+  uint64_t seg_off = 0;
+  uint64_t inflight_ops = 0;
+  uint64_t inflight_bytes = 0;
+  uint64_t bytes_done = 0;
+  bool posted_any = false;
+  bool cancel = false;
+  Phase phase = Phase::kPosting;
+  Status status = Status::kOk;
+  int32_t ucs_status = 0;
+
+  void fail(Status s, int32_t ucs = 0) {
+    if (status == Status::kOk) {
+      status = s;
+      ucs_status = ucs;
+    }
+  }
+};
+
+// What a UCX request carries in its reserved area (ucp_params.request_size).
+struct RequestCtx {
+  enum Kind : uint8_t { kData, kFlush, kNotify, kClose } kind;
+  Job* job;
+  Endpoint* ep;
+  uint64_t len;
+};
+
+}  // namespace akv
