@@ -25,6 +25,9 @@ constexpr int kIdleWaitMs = 100;
 constexpr auto kShutdownGrace = std::chrono::seconds(3);
 // How long a locally failed endpoint waits for its in-flight ops to drain.
 constexpr auto kFailGrace = std::chrono::seconds(1);
+// How long a cancelled job may wait for in-flight ops before its endpoint is
+// declared dead: a frozen peer must not make cancellation hang.
+constexpr auto kCancelGrace = std::chrono::seconds(2);
 
 Status status_from_ucs(ucs_status_t st) {
   switch (st) {
@@ -266,11 +269,7 @@ void Engine::disconnect(uint64_t ep_id) {
     ep->closing = true;
     for (auto& kv : jobs_) {
       Job* j = kv.second.get();
-      if (j->ep == ep && !j->cancel) {
-        j->cancel = true;
-        j->fail(Status::kLinkFailed);
-        touch(j);
-      }
+      if (j->ep == ep) cancel_job(j, Status::kLinkFailed);
     }
   });
 }
@@ -352,11 +351,7 @@ void Engine::cancel(uint64_t job_id) {
     post_command([this, job_id]() {
       auto it = jobs_.find(job_id);
       if (it == jobs_.end()) return;  // already finished; its completion is queued
-      Job* j = it->second.get();
-      if (j->cancel) return;
-      j->cancel = true;
-      j->fail(Status::kCancelled);
-      touch(j);
+      cancel_job(it->second.get(), Status::kCancelled);
     });
   } catch (const ClosedError&) {
   }
@@ -623,6 +618,7 @@ void Engine::finish(Job* j) {
     if (rk->released && rk->users == 0) destroy_rkey(rk);
   }
   if (j->ep != nullptr) j->ep->jobs--;
+  if (j->cancel) cancelling_--;
   if (j->status == Status::kOk) {
     jobs_completed_.fetch_add(1);
   } else {
@@ -699,8 +695,7 @@ void Engine::endpoint_failed(Endpoint* ep, ucs_status_t st) {
     Job* j = kv.second.get();
     if (j->ep == ep) {
       j->fail(Status::kLinkFailed, ep->ucs_status);
-      j->cancel = true;
-      touch(j);
+      cancel_job(j, Status::kLinkFailed);
     }
   }
   cq_.push(Completion{EntryKind::kEndpoint, ep->id, Status::kLinkFailed, ep->ucs_status, 0, {}});
@@ -793,11 +788,36 @@ void Engine::check_deadlines() {
     auto it = jobs_.find(deadlines_.begin()->second);
     deadlines_.erase(deadlines_.begin());
     if (it == jobs_.end()) continue;
-    Job* j = it->second.get();
-    j->has_deadline = false;
+    it->second->has_deadline = false;
+    cancel_job(it->second.get(), Status::kTimeout);
+  }
+}
+
+void Engine::cancel_job(Job* j, Status why) {
+  j->fail(why);
+  if (!j->cancel) {
     j->cancel = true;
-    j->fail(Status::kTimeout);
-    touch(j);
+    j->cancelled_at = std::chrono::steady_clock::now();
+    cancelling_++;
+  }
+  touch(j);
+}
+
+void Engine::check_stuck() {
+  if (cancelling_ == 0) return;
+  auto now = std::chrono::steady_clock::now();
+  std::vector<Endpoint*> stuck;
+  for (auto& kv : jobs_) {
+    Job* j = kv.second.get();
+    if (j->cancel && j->inflight_ops > 0 && j->ep != nullptr && !j->ep->broken &&
+        now - j->cancelled_at > kCancelGrace) {
+      stuck.push_back(j->ep);
+    }
+  }
+  for (Endpoint* ep : stuck) {
+    if (ep->broken) continue;
+    endpoint_failed(ep, UCS_ERR_ENDPOINT_TIMEOUT);
+    close_endpoint(ep, true);  // purges the requests the peer never answered
   }
 }
 
@@ -821,6 +841,7 @@ bool Engine::step() {
   process_touched();
   check_deadlines();
   process_touched();
+  check_stuck();
   inflight_snapshot_.store(inflight_bytes_);
   return busy;
 }
@@ -860,10 +881,7 @@ void Engine::run() {
 void Engine::shutdown_all() {
   run_commands();  // nothing can be queued after this: closed_ is set
   for (auto& kv : jobs_) {
-    Job* j = kv.second.get();
-    j->cancel = true;
-    j->fail(Status::kEngineClosed);
-    touch(j);
+    cancel_job(kv.second.get(), Status::kEngineClosed);
   }
   for (auto& kv : eps_) kv.second->closing = true;
   auto give_up = std::chrono::steady_clock::now() + kShutdownGrace;

@@ -116,6 +116,8 @@ class Engine {
   void advance(Job* j);
   void finish(Job* j);
   void check_deadlines();
+  void check_stuck();
+  void cancel_job(Job* j, Status why);
   void admit(std::unique_ptr<Job> j);
   void close_endpoint(Endpoint* ep, bool force);
   void reap_endpoints();
@@ -163,6 +165,7 @@ class Engine {
   std::vector<Job*> touched_;          // jobs whose state machine may move
   DeadlineMap deadlines_;
   bool window_full_ = false;
+  uint64_t cancelling_ = 0;  // cancelled jobs not yet finished
   uint64_t inflight_bytes_ = 0;
   uint64_t next_region_ = 1, next_ep_ = 1, next_rkey_ = 1;
 

@@ -70,6 +70,7 @@ struct Job {
   uint64_t bytes_done = 0;
   bool posted_any = false;
   bool cancel = false;
+  std::chrono::steady_clock::time_point cancelled_at{};  // when cancel was set
   Phase phase = Phase::kPosting;
   Status status = Status::kOk;
   int32_t ucs_status = 0;

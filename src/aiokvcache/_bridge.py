@@ -1,0 +1,314 @@
+"""The event-loop side of the native completion queue.
+
+The native progress thread never touches Python. It pushes completions into a
+queue and bumps one eventfd; :class:`Bridge` watches that eventfd with
+``loop.add_reader``, drains everything, and resolves futures on the loop's own
+thread. A group of jobs (one per layer of a push) is awaited as one unit:
+
+* it returns when every job has completed successfully;
+* on the first failure, cancellation or timeout it cancels the rest natively,
+  waits until the engine has *released* every job (nothing in flight, nothing
+  can be written any more), and only then raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._loader import native
+from .errors import InternalError, LLMException, LLMStatusCode, make_error
+
+__all__ = ["Bridge", "JobResult", "native_status_to_code"]
+
+log = logging.getLogger("aiokvcache")
+
+OP_PUT: int = native.OP_PUT
+OP_GET: int = native.OP_GET
+
+_CODE_OF_STATUS: dict[int, LLMStatusCode] = {
+    native.ST_OK: LLMStatusCode.LLM_SUCCESS,
+    native.ST_CANCELLED: LLMStatusCode.LLM_FAILED,
+    native.ST_TIMEOUT: LLMStatusCode.LLM_TIMEOUT,
+    native.ST_LINK_FAILED: LLMStatusCode.LLM_LINK_FAILED,
+    native.ST_ENGINE_CLOSED: LLMStatusCode.LLM_ENGINE_FINALIZED,
+    native.ST_ERROR: LLMStatusCode.LLM_FAILED,
+    native.ST_INVALID: LLMStatusCode.LLM_PARAM_INVALID,
+}
+_WORDS: dict[int, str] = {
+    native.ST_OK: "ok",
+    native.ST_CANCELLED: "cancelled",
+    native.ST_TIMEOUT: "timed out",
+    native.ST_LINK_FAILED: "link failed",
+    native.ST_ENGINE_CLOSED: "engine finalized",
+    native.ST_ERROR: "transfer error",
+    native.ST_INVALID: "invalid job (unknown endpoint or key, or out of the key's range)",
+}
+
+
+def native_status_to_code(status: int) -> LLMStatusCode:
+    """Map a native job status to the LLM-DataDist status code it stands for."""
+    return _CODE_OF_STATUS.get(status, LLMStatusCode.LLM_FAILED)
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """How one native job ended."""
+
+    job_id: int
+    status: int
+    ucs_status: int
+    nbytes: int
+
+    @property
+    def ok(self) -> bool:
+        """True when the job moved all its bytes (and, for a put, they landed)."""
+        return self.status == native.ST_OK
+
+    def describe(self) -> str:
+        """A short human-readable reason."""
+        text = _WORDS.get(self.status, f"status {self.status}")
+        if self.ucs_status:
+            text += f" ({native.ucs_status_string(self.ucs_status)})"
+        return text
+
+
+@dataclass(slots=True, eq=False)
+class _Group:
+    results: list[JobResult | None]
+    pending: int
+    first: asyncio.Future[None]  # resolved at the first failure or when all are done
+    released: asyncio.Future[None]  # resolved when every job is released
+    index: dict[int, int] = field(default_factory=dict)
+
+
+class Bridge:
+    """Binds one native ``Engine`` to the running event loop."""
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._engine = engine
+        self._loop = loop if loop is not None else asyncio.get_running_loop()
+        self._fd: int = engine.event_fd
+        self._groups: dict[int, _Group] = {}
+        self._closed = False
+        #: Called with each notification payload a peer sent us.
+        self.on_notify: Callable[[bytes], None] | None = None
+        #: Called with (endpoint id, UCX status) when an endpoint fails.
+        self.on_endpoint_error: Callable[[int, int], None] | None = None
+        self._loop.add_reader(self._fd, self._on_readable)
+
+    # ------------------------------------------------------------ plumbing
+
+    @property
+    def engine(self) -> Any:
+        """The native engine."""
+        return self._engine
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    @property
+    def pending_jobs(self) -> int:
+        """Jobs submitted through this bridge and not yet reported released."""
+        return len(self._groups)
+
+    def _on_readable(self) -> None:
+        try:
+            os.read(self._fd, 8)
+        except BlockingIOError:
+            pass  # several completions can share one counter bump
+        except OSError:
+            return  # closed under us; close() resolves what is left
+        self._dispatch_all()
+
+    def _dispatch_all(self) -> None:
+        # Never trust one wakeup to be the last one: drain until empty.
+        while True:
+            try:
+                entries = self._engine.drain()
+            except Exception as exc:  # engine torn down: fail what waits
+                self._fail_everything(exc)
+                return
+            if not entries:
+                return
+            for kind, ident, status, ucs, nbytes, payload in entries:
+                try:
+                    if kind == native.KIND_JOB:
+                        self._job_done(JobResult(ident, status, ucs, nbytes))
+                    elif kind == native.KIND_NOTIFY:
+                        if self.on_notify is not None:
+                            self.on_notify(payload)
+                    elif kind == native.KIND_ENDPOINT:
+                        if self.on_endpoint_error is not None:
+                            self.on_endpoint_error(ident, ucs)
+                except Exception:
+                    # A handler bug must not escape into the loop nor leave a
+                    # waiter hanging; the job's own group was resolved above.
+                    log.exception("aiokvcache: completion handler failed (kind %d)", kind)
+
+    def _job_done(self, res: JobResult) -> None:
+        group = self._groups.pop(res.job_id, None)
+        if group is None:
+            return
+        group.results[group.index.pop(res.job_id)] = res
+        group.pending -= 1
+        if not res.ok and not group.first.done():
+            group.first.set_result(None)
+        if group.pending == 0:
+            if not group.first.done():
+                group.first.set_result(None)
+            if not group.released.done():
+                group.released.set_result(None)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        groups = {id(g): g for g in self._groups.values()}
+        self._groups.clear()
+        for g in groups.values():
+            for fut in (g.first, g.released):
+                if not fut.done():
+                    fut.set_exception(InternalError(f"native engine failed: {exc}"))
+
+    # ----------------------------------------------------------- submission
+
+    def submit_group(
+        self, jobs: Sequence[tuple[int, int, Any, bytes, int]]
+    ) -> _Group:
+        """Submit (op, endpoint id, segments, payload, timeout_ms) jobs as one group."""
+        if self._closed:
+            raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized")
+        group = _Group(
+            results=[None] * len(jobs),
+            pending=0,
+            first=self._loop.create_future(),
+            released=self._loop.create_future(),
+        )
+        try:
+            for i, (op, ep, segs, payload, timeout_ms) in enumerate(jobs):
+                jid = self._engine.submit(op, ep, segs, payload, timeout_ms)
+                group.index[jid] = i
+                group.pending += 1
+                self._groups[jid] = group
+        except native.EngineClosedError as exc:
+            self._abandon(group)
+            raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized") from exc
+        except BaseException:
+            self._abandon(group)
+            raise
+        if group.pending == 0:
+            group.first.set_result(None)
+            group.released.set_result(None)
+        return group
+
+    def _abandon(self, group: _Group) -> None:
+        # A submission failed half-way: cancel what went in. Its completions
+        # still resolve the group, which nobody awaits; mark them retrieved.
+        for jid in list(group.index):
+            self._engine.cancel(jid)
+        if group.pending == 0:
+            group.first.cancel()
+            group.released.cancel()
+
+    async def run(
+        self,
+        jobs: Sequence[tuple[int, int, Any, bytes, int]],
+        *,
+        timeout: float | None = None,
+        labels: Sequence[str] | None = None,
+    ) -> list[JobResult]:
+        """Submit jobs as a group and await them all; see the module docstring.
+
+        Raises an :class:`LLMException` naming the jobs that landed when one
+        fails (its ``results`` attribute lists each job's :class:`JobResult`), :class:`~aiokvcache.LLMTimeoutError` when
+        ``timeout`` (seconds, whole group) passes, and re-raises cancellation;
+        in every case only after all jobs are released.
+        """
+        group = self.submit_group(jobs)
+        return await self.wait(group, timeout=timeout, labels=labels)
+
+    async def wait(
+        self,
+        group: _Group,
+        *,
+        timeout: float | None = None,
+        labels: Sequence[str] | None = None,
+    ) -> list[JobResult]:
+        """Await a group from :meth:`submit_group` (see :meth:`run`)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(group.first)
+        except TimeoutError:
+            await self._release(group)
+            raise self._failure(group, labels, timed_out=True) from None
+        except BaseException:
+            await self._release(group)
+            raise
+        if group.pending:
+            await self._release(group)
+        results = group.results
+        if all(r is not None and r.ok for r in results):
+            return [r for r in results if r is not None]
+        raise self._failure(group, labels, timed_out=False)
+
+    async def _release(self, group: _Group) -> None:
+        """Cancel what is left of a group and wait until the engine lets go."""
+        for jid in list(group.index):
+            self._engine.cancel(jid)
+        interrupted: asyncio.CancelledError | None = None
+        # Quiescence before anything else: a second cancel while we wait is
+        # remembered and re-raised once the engine has released every job.
+        while not group.released.done():
+            try:
+                await asyncio.shield(group.released)
+            except asyncio.CancelledError as exc:
+                interrupted = exc
+        if interrupted is not None:
+            raise interrupted
+
+    def _failure(
+        self, group: _Group, labels: Sequence[str] | None, *, timed_out: bool
+    ) -> LLMException:
+        names = list(labels) if labels is not None else [f"job {i}" for i in range(len(group.results))]
+        landed = [names[i] for i, r in enumerate(group.results) if r is not None and r.ok]
+        failed = [(names[i], r) for i, r in enumerate(group.results) if r is not None and not r.ok]
+        # The root cause first: a timeout or link failure, not the jobs we
+        # cancelled because of it.
+        failed.sort(key=lambda item: item[1].status == native.ST_CANCELLED)
+        if timed_out:
+            code = LLMStatusCode.LLM_TIMEOUT
+            reason = "timed out"
+        elif failed:
+            code = native_status_to_code(failed[0][1].status)
+            reason = f"{failed[0][0]} failed: {failed[0][1].describe()}"
+        else:  # pragma: no cover - a failure without a failed job
+            code = LLMStatusCode.LLM_FAILED
+            reason = "failed"
+        landed_text = ", ".join(landed) if landed else "none"
+        message = f"{reason}; landed: {landed_text}"
+        exc = make_error(code, message)
+        exc.results = list(group.results)  # type: ignore[attr-defined]
+        return exc
+
+    # ---------------------------------------------------------------- close
+
+    def close(self) -> None:
+        """Close the engine, resolve every pending job, stop watching the eventfd.
+
+        Idempotent. Jobs still in flight are reported released with
+        ENGINE_FINALIZED once the native engine has stopped them.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._engine.close()  # joins the progress thread: all jobs reported
+        self._dispatch_all()
+        self._fail_everything(RuntimeError("engine closed"))
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._fd)

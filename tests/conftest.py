@@ -1,0 +1,44 @@
+"""Shared fixtures: a guard on the loop's exception handler, transports, peers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+TRANSPORTS = ("shm", "tcp")
+
+
+@pytest.fixture(autouse=True)
+async def loop_guard() -> AsyncIterator[None]:
+    """Fail any test during which the event loop's exception handler ran.
+
+    A callback that raised, a future whose exception nobody retrieved, a task
+    destroyed while pending: all land there, and all are bugs.
+    """
+    loop = asyncio.get_running_loop()
+    calls: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: calls.append(ctx))
+    yield
+    # Let done-callbacks and finalizers of this test run before judging.
+    await asyncio.sleep(0)
+    loop.set_exception_handler(previous)
+    assert not calls, f"loop exception handler was called: {calls!r}"
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    """Each transport the suite must pass with (shm, tcp)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def tmp_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """Environment for child processes: the same interpreter and paths."""
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    yield env

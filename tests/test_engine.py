@@ -1,0 +1,473 @@
+"""The native engine and its asyncio bridge: transfers, cancellation, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from aiokvcache import _bridge
+from aiokvcache._loader import native
+from aiokvcache.errors import LLMException, LLMStatusCode, LLMTimeoutError
+
+PEER = Path(__file__).with_name("_engine_peer.py")
+MiB = 1 << 20
+
+
+def segs(*rows: tuple[int, int, int, int]) -> np.ndarray:
+    return np.array(rows, dtype=np.uint64).reshape(-1, 4)
+
+
+def sha(a: np.ndarray) -> str:
+    return hashlib.sha256(a.tobytes()).hexdigest()
+
+
+def pattern(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+@dataclass
+class Side:
+    """One engine with its bridge and (optionally) a region."""
+
+    engine: Any
+    bridge: _bridge.Bridge
+    region: int = 0
+    addr: int = 0
+    size: int = 0
+
+    def view(self) -> np.ndarray:
+        return np.frombuffer(native.buffer_from_address(self.addr, self.size), dtype=np.uint8)
+
+
+@dataclass
+class Link:
+    """Local side, the remote side's key as seen from it, and the endpoint."""
+
+    a: Side
+    b: Side
+    ep: int
+    rkey: int
+
+
+def make_side(transport: str, size: int = 0, **kw: Any) -> Side:
+    eng = native.Engine(transport, **kw)
+    side = Side(eng, _bridge.Bridge(eng))
+    if size:
+        side.region, side.addr = eng.mem_alloc(size)
+        side.size = size
+        side.view()[:] = 0
+    return side
+
+
+def link(a: Side, b: Side, transport: str) -> Link:
+    ep = a.engine.connect(b.engine.worker_address, transport != "shm")
+    rkey = a.engine.rkey_unpack(ep, b.engine.rkey_pack(b.region), b.addr, b.size)
+    return Link(a, b, ep, rkey)
+
+
+@pytest.fixture
+async def pair(transport: str) -> AsyncIterator[Link]:
+    """Two engines in this process; b owns a 64 MiB region that a writes."""
+    a = make_side(transport)
+    b = make_side(transport, 64 * MiB)
+    lk = link(a, b, transport)
+    yield lk
+    a.bridge.close()
+    b.bridge.close()
+    assert a.engine.stats()["live_jobs"] == 0
+    assert b.engine.stats()["live_jobs"] == 0
+
+
+def put(lk: Link, src: np.ndarray, off: int = 0, payload: bytes = b"", timeout_ms: int = 0) -> tuple:
+    return (
+        _bridge.OP_PUT,
+        lk.ep,
+        segs((src.ctypes.data, lk.b.addr + off, src.nbytes, lk.rkey)),
+        payload,
+        timeout_ms,
+    )
+
+
+# ------------------------------------------------------------ in-process
+
+
+@pytest.mark.parametrize("size", [1, 4093, MiB + 7, 64 * MiB])
+async def test_put_get_exact_bytes(pair: Link, size: int) -> None:
+    src = pattern(size, size)
+    res = await pair.a.bridge.run([put(pair, src)])
+    assert res[0].ok and res[0].nbytes == size
+    assert sha(pair.b.view()[:size]) == sha(src)
+    assert not pair.b.view()[size : size + 4096].any()  # nothing past the end
+
+    back = np.zeros(size, np.uint8)
+    job = (_bridge.OP_GET, pair.ep, segs((back.ctypes.data, pair.b.addr, size, pair.rkey)), b"", 0)
+    await pair.a.bridge.run([job])
+    assert sha(back) == sha(src)
+
+
+async def test_many_segments_scatter_and_coalesce(pair: Link) -> None:
+    src = pattern(MiB, 3)
+    # 256 contiguous 4 KiB rows (coalesced into one) and 256 scattered rows.
+    rows = [(src.ctypes.data + i * 4096, pair.b.addr + i * 4096, 4096, pair.rkey) for i in range(256)]
+    rows += [
+        (src.ctypes.data + i * 4096, pair.b.addr + 2 * MiB + i * 8192, 4096, pair.rkey)
+        for i in range(256)
+    ]
+    await pair.a.bridge.run([(_bridge.OP_PUT, pair.ep, segs(*rows), b"", 0)])
+    dst = pair.b.view()
+    assert sha(dst[:MiB]) == sha(src)
+    scattered = dst[2 * MiB : 4 * MiB].reshape(256, 8192)
+    assert sha(scattered[:, :4096].copy()) == sha(src)
+    assert not scattered[:, 4096:].any()
+
+
+async def test_thousand_concurrent_small_jobs(pair: Link) -> None:
+    src = pattern(1000 * 1024, 5)
+
+    async def one(i: int) -> None:
+        chunk = src[i * 1024 : (i + 1) * 1024]
+        await pair.a.bridge.run([put(pair, chunk, off=i * 1024)])
+
+    await asyncio.gather(*(one(i) for i in range(1000)))
+    assert sha(pair.b.view()[: src.nbytes]) == sha(src)
+    assert pair.a.engine.stats()["live_jobs"] == 0
+
+
+async def test_notification_carries_payload_after_data(pair: Link) -> None:
+    seen: list[tuple[bytes, bool]] = []
+    expected: dict[bytes, str] = {}
+
+    def on_notify(payload: bytes) -> None:
+        # The data must already be in memory when the notification is seen.
+        off, n = (int(x) for x in payload.split(b":"))
+        seen.append((payload, sha(pair.b.view()[off : off + n]) == expected[payload]))
+
+    pair.b.bridge.on_notify = on_notify
+    jobs = []
+    for i in range(16):
+        src = pattern(MiB, 100 + i)
+        payload = f"{i * MiB}:{MiB}".encode()
+        expected[payload] = sha(src)
+        jobs.append((src, put(pair, src, off=i * MiB, payload=payload)))
+    await pair.a.bridge.run([j for _, j in jobs])
+    for _ in range(200):
+        if len(seen) == 16:
+            break
+        await asyncio.sleep(0.01)
+    assert sorted(p for p, _ in seen) == sorted(expected)
+    assert all(ok for _, ok in seen)
+    assert pair.a.engine.stats()["notifications_sent"] == 16
+
+
+async def test_payload_too_large_is_rejected(pair: Link) -> None:
+    src = pattern(16, 1)
+    with pytest.raises(ValueError, match="payload"):
+        await pair.a.bridge.run([put(pair, src, payload=b"x" * (native.MAX_PAYLOAD + 1))])
+    await pair.a.bridge.run([put(pair, src)])  # still usable
+
+
+async def test_out_of_key_range_is_invalid_and_writes_nothing(pair: Link) -> None:
+    src = pattern(4096, 2)
+    job = (_bridge.OP_PUT, pair.ep, segs((src.ctypes.data, pair.b.addr + pair.b.size - 100, 4096, pair.rkey)), b"", 0)
+    with pytest.raises(LLMException) as ei:
+        await pair.a.bridge.run([job])
+    assert ei.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert not pair.b.view().any()
+
+
+async def test_bad_segment_table_is_a_type_or_value_error(pair: Link) -> None:
+    with pytest.raises(TypeError):
+        pair.a.engine.submit(_bridge.OP_PUT, pair.ep, np.zeros((1, 4), np.int64), b"", 0)
+    with pytest.raises(ValueError):
+        pair.a.engine.submit(_bridge.OP_PUT, pair.ep, np.zeros((1, 3), np.uint64), b"", 0)
+    with pytest.raises(ValueError):
+        pair.a.engine.submit(_bridge.OP_PUT, pair.ep, np.zeros((4, 8), np.uint64)[:, ::2], b"", 0)
+    assert pair.a.engine.stats()["live_jobs"] == 0
+
+
+# ------------------------------------------------------ cancel / timeout
+
+
+def slow_side(transport: str) -> Side:
+    # A tiny window makes every job take many round trips: easy to catch
+    # mid-flight.
+    return make_side(transport, max_inflight_bytes=64 * 1024, chunk_bytes=16 * 1024)
+
+
+@pytest.fixture
+async def slow_pair(transport: str) -> AsyncIterator[Link]:
+    a = slow_side(transport)
+    b = make_side(transport, 64 * MiB)
+    lk = link(a, b, transport)
+    yield lk
+    a.bridge.close()
+    b.bridge.close()
+
+
+async def assert_quiescent(lk: Link) -> None:
+    """Nothing changes in the destination after the call returned."""
+    before = lk.b.view().copy()
+    await asyncio.sleep(0.2)
+    assert np.array_equal(lk.b.view(), before), "write after the call returned"
+
+
+async def test_timeout_is_quiescent_and_bridge_reusable(slow_pair: Link) -> None:
+    src = pattern(64 * MiB, 9)
+    with pytest.raises(LLMTimeoutError) as ei:
+        await slow_pair.a.bridge.run([put(slow_pair, src)], timeout=0.002)
+    assert isinstance(ei.value, TimeoutError)
+    assert ei.value.status_code == LLMStatusCode.LLM_TIMEOUT
+    assert slow_pair.a.engine.stats()["live_jobs"] == 0
+    await assert_quiescent(slow_pair)
+    small = pattern(4096, 10)
+    await slow_pair.a.bridge.run([put(slow_pair, small)])
+    assert sha(slow_pair.b.view()[:4096]) == sha(small)
+
+
+async def test_native_per_job_timeout(slow_pair: Link) -> None:
+    src = pattern(64 * MiB, 11)
+    with pytest.raises(LLMTimeoutError, match="timed out"):
+        await slow_pair.a.bridge.run([put(slow_pair, src, timeout_ms=1)])
+    assert slow_pair.a.engine.stats()["live_jobs"] == 0
+    await assert_quiescent(slow_pair)
+
+
+async def test_task_cancel_is_quiescent(slow_pair: Link) -> None:
+    src = pattern(64 * MiB, 12)
+    task = asyncio.create_task(slow_pair.a.bridge.run([put(slow_pair, src)]))
+    await asyncio.sleep(0.005)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert slow_pair.a.engine.stats()["live_jobs"] == 0
+    await assert_quiescent(slow_pair)
+
+
+async def test_anyio_fail_after_is_quiescent(slow_pair: Link) -> None:
+    src = pattern(64 * MiB, 13)
+    with pytest.raises(TimeoutError):
+        with anyio.fail_after(0.005):
+            await slow_pair.a.bridge.run([put(slow_pair, src)])
+    assert slow_pair.a.engine.stats()["live_jobs"] == 0
+    await assert_quiescent(slow_pair)
+
+
+async def test_asyncio_timeout_context_is_quiescent(slow_pair: Link) -> None:
+    src = pattern(64 * MiB, 14)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.005):
+            await slow_pair.a.bridge.run([put(slow_pair, src)])
+    await assert_quiescent(slow_pair)
+
+
+async def test_cancellation_storm(slow_pair: Link) -> None:
+    rng = random.Random(1234)
+    src = pattern(2 * MiB, 15)
+    tasks = []
+    for i in range(300):
+        off = (i % 32) * 2 * MiB
+        tasks.append(asyncio.create_task(slow_pair.a.bridge.run([put(slow_pair, src, off=off)])))
+    for t in tasks:
+        await asyncio.sleep(rng.random() * 0.0005)
+        t.cancel()
+        # Cancel twice at random: the second must not break the release wait.
+        if rng.random() < 0.3:
+            await asyncio.sleep(0)
+            t.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(r is None or isinstance(r, (list, asyncio.CancelledError)) for r in results), results
+    assert slow_pair.a.engine.stats()["live_jobs"] == 0
+    assert slow_pair.a.bridge.pending_jobs == 0
+    await assert_quiescent(slow_pair)
+    # Still usable afterwards.
+    await slow_pair.a.bridge.run([put(slow_pair, pattern(4096, 16))])
+
+
+# --------------------------------------------------------------- close
+
+
+async def test_close_with_jobs_in_flight(transport: str) -> None:
+    a = slow_side(transport)
+    b = make_side(transport, 64 * MiB)
+    lk = link(a, b, transport)
+    src = pattern(64 * MiB, 17)
+    task = asyncio.create_task(a.bridge.run([put(lk, src)]))
+    await asyncio.sleep(0.01)
+    a.bridge.close()
+    with pytest.raises(LLMException) as ei:
+        await task
+    assert ei.value.status_code == LLMStatusCode.LLM_ENGINE_FINALIZED
+    a.bridge.close()  # double close
+    a.engine.close()
+    with pytest.raises(LLMException) as ei:
+        await a.bridge.run([put(lk, src)])
+    assert ei.value.status_code == LLMStatusCode.LLM_ENGINE_FINALIZED
+    with pytest.raises(native.EngineClosedError):
+        a.engine.mem_alloc(4096)
+    with pytest.raises(native.EngineClosedError):
+        a.engine.connect(b.engine.worker_address)
+    a.engine.cancel(1)  # harmless
+    assert a.engine.stats()["live_jobs"] == 0
+    b.bridge.close()
+
+
+def test_engine_dropped_without_close_is_safe(transport: str) -> None:
+    eng = native.Engine(transport)
+    eng.mem_alloc(MiB)
+    del eng  # the finaliser joins the progress thread and frees UCX
+
+
+def test_bad_transport_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="transport"):
+        native.Engine("carrier-pigeon")
+    with pytest.raises(ValueError, match="max_inflight_bytes"):
+        native.Engine("shm", max_inflight_bytes=0)
+
+
+# ---------------------------------------------------------- two processes
+
+
+class Peer:
+    """A peer process owning one region (see _engine_peer.py)."""
+
+    def __init__(self, transport: str, size: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), transport, str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.info = self._reply()
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise EOFError("peer exited")
+            if line.startswith("{"):  # skip anything else (build chatter)
+                return dict(json.loads(line))
+
+    def cmd(self, line: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.cmd("exit")
+            except (BrokenPipeError, ValueError, EOFError):
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
+
+
+@pytest.fixture
+async def remote(transport: str) -> AsyncIterator[tuple[Side, Peer, Link]]:
+    peer = Peer(transport, 256 * MiB + 4096)
+    a = make_side(transport)
+    ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), transport != "shm")
+    rkey = a.engine.rkey_unpack(ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"])
+    b = Side(None, a.bridge, 0, peer.info["addr"], peer.info["size"])  # addresses only
+    yield a, peer, Link(a, b, ep, rkey)
+    a.bridge.close()
+    peer.close()
+    assert a.engine.stats()["live_jobs"] == 0
+
+
+@pytest.mark.parametrize("size", [1, 4093, MiB, 256 * MiB])
+async def test_cross_process_put_get(remote: tuple[Side, Peer, Link], size: int) -> None:
+    a, peer, lk = remote
+    src = pattern(size, size + 1)
+    await a.bridge.run([put(lk, src, off=4096)])
+    assert peer.cmd(f"hash 4096 {size}")["sha"] == sha(src)
+    assert peer.cmd("hash 0 4096")["sha"] == sha(np.zeros(4096, np.uint8))
+
+    peer.cmd("fill 77")
+    expect = pattern(lk.b.size, 77)[4096 : 4096 + size]
+    back = np.zeros(size, np.uint8)
+    job = (_bridge.OP_GET, lk.ep, segs((back.ctypes.data, lk.b.addr + 4096, size, lk.rkey)), b"", 0)
+    await a.bridge.run([job])
+    assert sha(back) == sha(expect)
+
+
+async def test_cross_process_notifications_after_data(remote: tuple[Side, Peer, Link]) -> None:
+    a, peer, lk = remote
+    jobs = []
+    for i in range(8):
+        src = pattern(4 * MiB, 200 + i)
+        payload = f"{i * 4 * MiB}:{4 * MiB}:{sha(src)}".encode()
+        jobs.append((src, put(lk, src, off=i * 4 * MiB, payload=payload)))
+    await a.bridge.run([j for _, j in jobs])
+    assert peer.cmd("notes 8")["notes"] == ["ok"] * 8
+
+
+async def test_cross_process_many_concurrent(remote: tuple[Side, Peer, Link]) -> None:
+    a, peer, lk = remote
+    src = pattern(1000 * 4096, 21)
+
+    async def one(i: int) -> None:
+        await a.bridge.run([put(lk, src[i * 4096 : (i + 1) * 4096], off=i * 4096)])
+
+    await asyncio.gather(*(one(i) for i in range(1000)))
+    assert peer.cmd(f"hash 0 {src.nbytes}")["sha"] == sha(src)
+
+
+async def test_peer_killed_mid_transfer(transport: str) -> None:
+    peer = Peer(transport, 64 * MiB)
+    a = slow_side(transport)
+    try:
+        ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), transport != "shm")
+        rkey = a.engine.rkey_unpack(ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"])
+        lk = Link(a, Side(None, a.bridge, 0, peer.info["addr"], peer.info["size"]), ep, rkey)
+        if transport == "shm":
+            # Shared memory has no peer-failure detection in UCX; the library
+            # learns of a dead peer from its control connection. Stand in for
+            # it: the peer's stdout closing fails the endpoint.
+            loop = asyncio.get_running_loop()
+            assert peer.proc.stdout is not None
+            fd = peer.proc.stdout.fileno()
+
+            def on_eof() -> None:
+                loop.remove_reader(fd)
+                a.engine.fail_endpoint(ep)
+
+            loop.add_reader(fd, on_eof)
+        src = pattern(64 * MiB, 31)
+        jobs = [put(lk, src) for _ in range(64)]  # ~4 GiB through a 64 KiB window
+        task = asyncio.create_task(a.bridge.run(jobs))
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        os.kill(peer.proc.pid, signal.SIGKILL)
+        peer.proc.wait()
+        with pytest.raises(LLMException) as ei:
+            async with asyncio.timeout(15):
+                await task
+        assert ei.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+        assert "landed" in str(ei.value)
+        assert a.engine.stats()["live_jobs"] == 0
+    finally:
+        a.bridge.close()
+        peer.close()
