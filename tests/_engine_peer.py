@@ -55,7 +55,9 @@ def main() -> None:
                     if kind == native.KIND_NOTIFY:
                         # The bytes must be there when the notification is.
                         off, n, sha = payload.decode().split(":")
-                        got = hashlib.sha256(mem[int(off) : int(off) + int(n)].tobytes()).hexdigest()
+                        got = hashlib.sha256(
+                            mem[int(off) : int(off) + int(n)].tobytes()
+                        ).hexdigest()
                         notes.append("ok" if got == sha else "early")
                 time.sleep(0.001)
             out = {"notes": notes}

@@ -92,7 +92,9 @@ async def pair(transport: str) -> AsyncIterator[Link]:
     assert b.engine.stats()["live_jobs"] == 0
 
 
-def put(lk: Link, src: np.ndarray, off: int = 0, payload: bytes = b"", timeout_ms: int = 0) -> tuple:
+def put(
+    lk: Link, src: np.ndarray, off: int = 0, payload: bytes = b"", timeout_ms: int = 0
+) -> tuple:
     return (
         _bridge.OP_PUT,
         lk.ep,
@@ -122,7 +124,9 @@ async def test_put_get_exact_bytes(pair: Link, size: int) -> None:
 async def test_many_segments_scatter_and_coalesce(pair: Link) -> None:
     src = pattern(MiB, 3)
     # 256 contiguous 4 KiB rows (coalesced into one) and 256 scattered rows.
-    rows = [(src.ctypes.data + i * 4096, pair.b.addr + i * 4096, 4096, pair.rkey) for i in range(256)]
+    rows = [
+        (src.ctypes.data + i * 4096, pair.b.addr + i * 4096, 4096, pair.rkey) for i in range(256)
+    ]
     rows += [
         (src.ctypes.data + i * 4096, pair.b.addr + 2 * MiB + i * 8192, 4096, pair.rkey)
         for i in range(256)
@@ -182,7 +186,13 @@ async def test_payload_too_large_is_rejected(pair: Link) -> None:
 
 async def test_out_of_key_range_is_invalid_and_writes_nothing(pair: Link) -> None:
     src = pattern(4096, 2)
-    job = (_bridge.OP_PUT, pair.ep, segs((src.ctypes.data, pair.b.addr + pair.b.size - 100, 4096, pair.rkey)), b"", 0)
+    job = (
+        _bridge.OP_PUT,
+        pair.ep,
+        segs((src.ctypes.data, pair.b.addr + pair.b.size - 100, 4096, pair.rkey)),
+        b"",
+        0,
+    )
     with pytest.raises(LLMException) as ei:
         await pair.a.bridge.run([job])
     assert ei.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
@@ -389,7 +399,9 @@ async def remote(transport: str) -> AsyncIterator[tuple[Side, Peer, Link]]:
     peer = Peer(transport, 256 * MiB + 4096)
     a = make_side(transport)
     ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), transport != "shm")
-    rkey = a.engine.rkey_unpack(ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"])
+    rkey = a.engine.rkey_unpack(
+        ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"]
+    )
     b = Side(None, a.bridge, 0, peer.info["addr"], peer.info["size"])  # addresses only
     yield a, peer, Link(a, b, ep, rkey)
     a.bridge.close()
@@ -440,7 +452,9 @@ async def test_peer_killed_mid_transfer(transport: str) -> None:
     a = slow_side(transport)
     try:
         ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), transport != "shm")
-        rkey = a.engine.rkey_unpack(ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"])
+        rkey = a.engine.rkey_unpack(
+            ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"]
+        )
         lk = Link(a, Side(None, a.bridge, 0, peer.info["addr"], peer.info["size"]), ep, rkey)
         if transport == "shm":
             # Shared memory has no peer-failure detection in UCX; the library

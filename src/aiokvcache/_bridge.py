@@ -177,9 +177,7 @@ class Bridge:
 
     # ----------------------------------------------------------- submission
 
-    def submit_group(
-        self, jobs: Sequence[tuple[int, int, Any, bytes, int]]
-    ) -> _Group:
+    def submit_group(self, jobs: Sequence[tuple[int, int, Any, bytes, int]]) -> _Group:
         """Submit (op, endpoint id, segments, payload, timeout_ms) jobs as one group."""
         if self._closed:
             raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized")
@@ -274,7 +272,9 @@ class Bridge:
     def _failure(
         self, group: _Group, labels: Sequence[str] | None, *, timed_out: bool
     ) -> LLMException:
-        names = list(labels) if labels is not None else [f"job {i}" for i in range(len(group.results))]
+        names = (
+            list(labels) if labels is not None else [f"job {i}" for i in range(len(group.results))]
+        )
         landed = [names[i] for i, r in enumerate(group.results) if r is not None and r.ok]
         failed = [(names[i], r) for i, r in enumerate(group.results) if r is not None and not r.ok]
         # The root cause first: a timeout or link failure, not the jobs we
