@@ -223,7 +223,8 @@ class Bridge:
         """Submit jobs as a group and await them all; see the module docstring.
 
         Raises an :class:`LLMException` naming the jobs that landed when one
-        fails (its ``results`` attribute lists each job's :class:`JobResult`), :class:`~aiokvcache.LLMTimeoutError` when
+        fails (its ``results`` attribute lists each job's :class:`JobResult`),
+        :class:`~aiokvcache.LLMTimeoutError` when
         ``timeout`` (seconds, whole group) passes, and re-raises cancellation;
         in every case only after all jobs are released.
         """

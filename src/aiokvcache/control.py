@@ -466,7 +466,7 @@ class ControlConnection:
         self,
         op: str,
         body: dict[str, Any],
-        timeout: float | None = None,  # noqa: ASYNC109
+        timeout: float | None = None,
     ) -> dict[str, Any]:
         """Send a request and wait for the peer's response body.
 
@@ -890,7 +890,7 @@ async def connect(
     port: int,
     local: LocalInfo,
     handler: Handler,
-    timeout: float,  # noqa: ASYNC109  (the API's convention: timeout= on awaitables)
+    timeout: float,
 ) -> ControlConnection:
     """Open a control connection to ``host:port`` and run the handshake.
 
