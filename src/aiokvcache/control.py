@@ -352,6 +352,9 @@ class LocalInfo:
     role: int
     worker_address: bytes
     auth_token: bytes | None = None
+    #: Identifies the machine (boot id): peers on the same host may use
+    #: shared memory. Informational; empty when unknown.
+    host_id: bytes = b""
 
 
 class Handler(Protocol):
@@ -411,6 +414,7 @@ class ControlConnection:
     peer_cluster_id: int
     peer_role: int
     peer_worker_address: bytes
+    peer_host_id: bytes
     peer_address: tuple[str, int]
     initiator: bool
 
@@ -424,8 +428,10 @@ class ControlConnection:
         peer_cluster_id: int,
         peer_role: int,
         peer_worker_address: bytes,
+        peer_host_id: bytes = b"",
     ) -> None:
         self.peer_cluster_id = peer_cluster_id
+        self.peer_host_id = peer_host_id
         self.peer_role = peer_role
         self.peer_worker_address = peer_worker_address
         self.peer_address = _peer_address(writer)
@@ -743,6 +749,7 @@ def _hello(local: LocalInfo, nonce: bytes) -> dict[str, Any]:
         "worker_address": bytes(local.worker_address),
         "nonce": nonce,
         "auth": local.auth_token is not None,
+        "host_id": bytes(local.host_id),
     }
 
 
@@ -752,6 +759,7 @@ def _check_hello(kind: _Kind, payload: dict[str, Any]) -> dict[str, Any]:
     _get(payload, "role", int, kind)
     _get(payload, "worker_address", bytes, kind)
     _get(payload, "auth", bool, kind)
+    _get(payload, "host_id", bytes, kind)
     if len(_get(payload, "nonce", bytes, kind)) != _NONCE_LEN:
         raise ProtocolError(f"{kind.name}: nonce must be {_NONCE_LEN} bytes")
     return payload
@@ -860,6 +868,7 @@ async def _accept_handshake(
         peer_cluster_id=hello["cluster_id"],
         peer_role=hello["role"],
         peer_worker_address=hello["worker_address"],
+        peer_host_id=hello["host_id"],
     )
     try:
         handler.on_connected(conn)
@@ -970,6 +979,7 @@ async def connect(
         peer_cluster_id=reply["cluster_id"],
         peer_role=reply["role"],
         peer_worker_address=reply["worker_address"],
+        peer_host_id=reply["host_id"],
     )
     try:
         handler.on_connected(conn)
