@@ -91,8 +91,14 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: Sequence
         ]
         return "| " + " | ".join(out) + " |"
 
-    rule = "|" + "|".join(("-" * (w + 1) + ":") if r else "-" * (w + 2) for w, r in zip(
-        widths, align, strict=True)) + "|"
+    rule = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if r else "-" * (w + 2)
+            for w, r in zip(widths, align, strict=True)
+        )
+        + "|"
+    )
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
@@ -101,7 +107,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return 0.0
     s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(q / 100.0 * len(s) + 0.5)) - 1))
+    k = max(0, min(len(s) - 1, round(q / 100.0 * len(s) + 0.5) - 1))
     return s[k]
 
 

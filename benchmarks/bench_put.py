@@ -193,9 +193,8 @@ async def measure_puts(
             await asyncio.wait([wait, *tasks], return_when=asyncio.FIRST_COMPLETED)
             wait.cancel()
         else:
-            end = t0 + seconds
-            while time.perf_counter() < end and not any(t.done() for t in tasks):
-                await asyncio.sleep(min(0.01, max(0.0, end - time.perf_counter())))
+            # Returns early only if a worker failed (its error is raised below).
+            await asyncio.wait(tasks, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         c1, t1 = done, time.perf_counter()
     finally:
         stop = True
@@ -228,8 +227,9 @@ async def measure_lag(link: Link, total: int, *, min_seconds: float, max_pushes:
     jobs = []
     for i in range(max(1, total // per)):
         off = i * per
-        jobs.append(link.put_job(off % (link.src_size - per + 1), off % (link.remote_size - per + 1),
-                                 per))
+        src_off = off % (link.src_size - per + 1)
+        dst_off = off % (link.remote_size - per + 1)
+        jobs.append(link.put_job(src_off, dst_off, per))
     await link.bridge.run(jobs[:2], timeout=60)  # warm
     while lag.pushes < max_pushes and (lag.pushes == 0 or lag.push_seconds < min_seconds):
         samples: list[float] = []
@@ -316,14 +316,22 @@ def run_transport(
                 n = perftest_iters(size, row.ours_ops, plan.seconds, plan.iters)
                 try:
                     row.perf = C.run_perftest(
-                        children, "ucp_put_bw", size, n, tls,
+                        children,
+                        "ucp_put_bw",
+                        size,
+                        n,
+                        tls,
                         timeout=60 + n * size / 2e8,
                     )
                 except Exception as exc:
                     row.error += ("; " if row.error else "") + f"perftest: {exc}"
-            print(f"  {transport} {C.fmt_size(size):>7}: ours {C.fmt_gbs(row.ours_bps)} GB/s"
-                  f", perftest {C.fmt_gbs(row.perf.bytes_per_s if row.perf else None)} GB/s"
-                  + (f"  [{row.error}]" if row.error else ""), file=sys.stderr, flush=True)
+            print(
+                f"  {transport} {C.fmt_size(size):>7}: ours {C.fmt_gbs(row.ours_bps)} GB/s"
+                f", perftest {C.fmt_gbs(row.perf.bytes_per_s if row.perf else None)} GB/s"
+                + (f"  [{row.error}]" if row.error else ""),
+                file=sys.stderr,
+                flush=True,
+            )
         if need_small:
             try:
                 res.small_ops = runner.run(
@@ -335,8 +343,12 @@ def run_transport(
             res.small_ops = next(r.ours_ops for r in res.rows if r.size == SMALL)
         try:
             res.lag = runner.run(
-                measure_lag(link, plan.lag_bytes, min_seconds=plan.lag_seconds,
-                            max_pushes=2 if plan.quick else 5)
+                measure_lag(
+                    link,
+                    plan.lag_bytes,
+                    min_seconds=plan.lag_seconds,
+                    max_pushes=2 if plan.quick else 5,
+                )
             )
         except Exception as exc:
             res.errors.append(f"loop lag: {type(exc).__name__}: {exc}")
@@ -360,19 +372,34 @@ def report(plan: Plan, results: Sequence[TransportResult]) -> str:
         out.append("")
         out.append(f"### put bandwidth over {r.transport} (UCX_TLS={r.tls})")
         out.append("")
-        headers = ["size", "in flight", "ours GB/s", "ours ops/s", "perftest GB/s",
-                   "perftest ops/s", "ours/perftest", "target"]
+        headers = [
+            "size",
+            "in flight",
+            "ours GB/s",
+            "ours ops/s",
+            "perftest GB/s",
+            "perftest ops/s",
+            "ours/perftest",
+            "target",
+        ]
         rows = []
         for row in r.rows:
             tgt = ""
             if row.size >= TARGET_RATIO_FROM:
                 flag = None if row.ratio is None else row.ratio >= TARGET_RATIO
                 tgt = f"≥ {TARGET_RATIO:.1f} {ok(flag)}"
-            rows.append([
-                C.fmt_size(row.size), str(row.window), C.fmt_gbs(row.ours_bps),
-                C.fmt_rate(row.ours_ops), C.fmt_gbs(row.perf.bytes_per_s if row.perf else None),
-                C.fmt_rate(row.perf.ops_per_s if row.perf else None), C.fmt_ratio(row.ratio), tgt,
-            ])
+            rows.append(
+                [
+                    C.fmt_size(row.size),
+                    str(row.window),
+                    C.fmt_gbs(row.ours_bps),
+                    C.fmt_rate(row.ours_ops),
+                    C.fmt_gbs(row.perf.bytes_per_s if row.perf else None),
+                    C.fmt_rate(row.perf.ops_per_s if row.perf else None),
+                    C.fmt_ratio(row.ratio),
+                    tgt,
+                ]
+            )
         out.append(C.table(headers, rows, right=[True] * 7))
         for row in r.rows:
             if row.error:
@@ -387,29 +414,48 @@ def report(plan: Plan, results: Sequence[TransportResult]) -> str:
     for r in results:
         big = [row.ratio for row in r.rows if row.size >= TARGET_RATIO_FROM]
         worst = None if not big or any(x is None for x in big) else min(x for x in big if x)
-        rows.append([
-            f"put GB/s ÷ perftest, sizes ≥ {C.fmt_size(TARGET_RATIO_FROM)} (worst)", r.transport,
-            C.fmt_ratio(worst), f"≥ {TARGET_RATIO:.1f}",
-            ok(None if worst is None else worst >= TARGET_RATIO),
-        ])
+        rows.append(
+            [
+                f"put GB/s ÷ perftest, sizes ≥ {C.fmt_size(TARGET_RATIO_FROM)} (worst)",
+                r.transport,
+                C.fmt_ratio(worst),
+                f"≥ {TARGET_RATIO:.1f}",
+                ok(None if worst is None else worst >= TARGET_RATIO),
+            ]
+        )
     for r in results:
-        rows.append([
-            f"awaited {C.fmt_size(SMALL)} puts/s, {SMALL_WINDOW} in flight", r.transport,
-            C.fmt_rate(r.small_ops), f"≥ {TARGET_SMALL_OPS:,.0f}",
-            ok(None if r.small_ops is None else r.small_ops >= TARGET_SMALL_OPS),
-        ])
+        rows.append(
+            [
+                f"awaited {C.fmt_size(SMALL)} puts/s, {SMALL_WINDOW} in flight",
+                r.transport,
+                C.fmt_rate(r.small_ops),
+                f"≥ {TARGET_SMALL_OPS:,.0f}",
+                ok(None if r.small_ops is None else r.small_ops >= TARGET_SMALL_OPS),
+            ]
+        )
     for r in results:
         lag = r.lag
         if lag is None or not lag.busy:
-            rows.append([f"loop lag during a {C.fmt_size(plan.lag_bytes)} push", r.transport,
-                         "n/a", f"< {TARGET_LAG_MS:g} ms", "n/a"])
+            rows.append(
+                [
+                    f"loop lag during a {C.fmt_size(plan.lag_bytes)} push",
+                    r.transport,
+                    "n/a",
+                    f"< {TARGET_LAG_MS:g} ms",
+                    "n/a",
+                ]
+            )
             continue
         worst_ms = max(lag.busy) * 1e3
-        rows.append([
-            f"loop lag during a {C.fmt_size(plan.lag_bytes)} push, max / p99", r.transport,
-            f"{worst_ms:.2f} / {C.percentile(lag.busy, 99) * 1e3:.2f} ms",
-            f"< {TARGET_LAG_MS:g} ms", ok(worst_ms < TARGET_LAG_MS),
-        ])
+        rows.append(
+            [
+                f"loop lag during a {C.fmt_size(plan.lag_bytes)} push, max / p99",
+                r.transport,
+                f"{worst_ms:.2f} / {C.percentile(lag.busy, 99) * 1e3:.2f} ms",
+                f"< {TARGET_LAG_MS:g} ms",
+                ok(worst_ms < TARGET_LAG_MS),
+            ]
+        )
     out.append(C.table(["check", "transport", "measured", "target", "ok"], rows))
 
     lag_rows = []
@@ -417,27 +463,41 @@ def report(plan: Plan, results: Sequence[TransportResult]) -> str:
         lag = r.lag
         if lag is None or not lag.busy:
             continue
-        lag_rows.append([
-            r.transport, "idle loop (baseline)", str(len(lag.idle)),
-            f"{C.percentile(lag.idle, 50) * 1e3:.3f}", f"{C.percentile(lag.idle, 99) * 1e3:.3f}",
-            f"{max(lag.idle, default=0.0) * 1e3:.3f}", "",
-        ])
+        lag_rows.append(
+            [
+                r.transport,
+                "idle loop (baseline)",
+                str(len(lag.idle)),
+                f"{C.percentile(lag.idle, 50) * 1e3:.3f}",
+                f"{C.percentile(lag.idle, 99) * 1e3:.3f}",
+                f"{max(lag.idle, default=0.0) * 1e3:.3f}",
+                "",
+            ]
+        )
         gbs = lag.push_bytes / lag.push_seconds if lag.push_seconds else None
-        lag_rows.append([
-            r.transport,
-            f"{lag.pushes} × {C.fmt_size(plan.lag_bytes)} push "
-            f"({lag.push_bytes // max(1, lag.pushes) // min(LAG_JOB, plan.lag_bytes)} jobs)",
-            str(len(lag.busy)), f"{C.percentile(lag.busy, 50) * 1e3:.3f}",
-            f"{C.percentile(lag.busy, 99) * 1e3:.3f}", f"{max(lag.busy) * 1e3:.3f}",
-            C.fmt_gbs(gbs),
-        ])
+        lag_rows.append(
+            [
+                r.transport,
+                f"{lag.pushes} × {C.fmt_size(plan.lag_bytes)} push "
+                f"({lag.push_bytes // max(1, lag.pushes) // min(LAG_JOB, plan.lag_bytes)} jobs)",
+                str(len(lag.busy)),
+                f"{C.percentile(lag.busy, 50) * 1e3:.3f}",
+                f"{C.percentile(lag.busy, 99) * 1e3:.3f}",
+                f"{max(lag.busy) * 1e3:.3f}",
+                C.fmt_gbs(gbs),
+            ]
+        )
     if lag_rows:
         out.append("")
         out.append("### event-loop lag: lateness of a 1 ms asyncio.sleep ticker")
         out.append("")
-        out.append(C.table(["transport", "while", "ticks", "p50 ms", "p99 ms", "max ms",
-                            "push GB/s"], lag_rows, right=[False, False, True, True, True, True,
-                                                           True]))
+        out.append(
+            C.table(
+                ["transport", "while", "ticks", "p50 ms", "p99 ms", "max ms", "push GB/s"],
+                lag_rows,
+                right=[False, False, True, True, True, True, True],
+            )
+        )
     return "\n".join(out)
 
 
@@ -457,7 +517,7 @@ def header(plan: Plan) -> str:
         f"max_inflight_bytes={kw.get('max_inflight_bytes', 'default')}",
         "- baseline: `ucx_perftest -t ucp_put_bw` over the same UCX_TLS (its default window, "
         "overall columns); GB = 1e9 bytes",
-        f"- per size: {'%d puts' % plan.iters if plan.iters else '%.2f s' % plan.seconds}"
+        f"- per size: {f'{plan.iters} puts' if plan.iters else f'{plan.seconds:.2f} s'}"
         " after warm-up",
     ]
     return "\n".join(lines)
@@ -467,26 +527,56 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--transport", choices=["shm", "tcp", "both"], default="both")
     p.add_argument("--sizes", default=None, help=f"comma-separated (default {DEFAULT_SIZES})")
-    p.add_argument("--seconds", type=float, default=None,
-                   help="measured time per size (default 0.6; --quick 0.15)")
-    p.add_argument("--iters", type=int, default=None,
-                   help="puts per size instead of --seconds (also perftest's -n)")
+    p.add_argument(
+        "--seconds",
+        type=float,
+        default=None,
+        help="measured time per size (default 0.6; --quick 0.15)",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="puts per size instead of --seconds (also perftest's -n)",
+    )
     p.add_argument("--quick", action="store_true", help="a fast smoke run (~20 s)")
-    p.add_argument("--window-bytes", type=C.parse_size, default=64 * C.MiB,
-                   help="bytes kept in flight (default 64M)")
+    p.add_argument(
+        "--window-bytes",
+        type=C.parse_size,
+        default=64 * C.MiB,
+        help="bytes kept in flight (default 64M)",
+    )
     p.add_argument("--max-jobs", type=int, default=64, help="most puts in flight (default 64)")
-    p.add_argument("--lag-bytes", type=C.parse_size, default=None,
-                   help="bytes per push in the loop-lag check (default 1G; --quick 256M)")
+    p.add_argument(
+        "--lag-bytes",
+        type=C.parse_size,
+        default=None,
+        help="bytes per push in the loop-lag check (default 1G; --quick 256M)",
+    )
     p.add_argument("--no-perftest", action="store_true", help="skip the ucx_perftest baseline")
-    p.add_argument("--shm-tls", default=C.ENGINE_TLS["shm"],
-                   help="UCX_TLS for 'shm', both sides and perftest (default sm,self; try "
-                        "posix,self)")
-    p.add_argument("--chunk-bytes", type=C.parse_size, default=None,
-                   help="engine chunk size (default: the engine's)")
-    p.add_argument("--max-inflight-bytes", type=C.parse_size, default=None,
-                   help="engine in-flight window (default: the engine's)")
-    p.add_argument("--serve", nargs=3, metavar=("TRANSPORT", "SIZE", "UCX_OPTIONS_JSON"),
-                   help=argparse.SUPPRESS)
+    p.add_argument(
+        "--shm-tls",
+        default=C.ENGINE_TLS["shm"],
+        help="UCX_TLS for 'shm', both sides and perftest (default sm,self; try posix,self)",
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        type=C.parse_size,
+        default=None,
+        help="engine chunk size (default: the engine's)",
+    )
+    p.add_argument(
+        "--max-inflight-bytes",
+        type=C.parse_size,
+        default=None,
+        help="engine in-flight window (default: the engine's)",
+    )
+    p.add_argument(
+        "--serve",
+        nargs=3,
+        metavar=("TRANSPORT", "SIZE", "UCX_OPTIONS_JSON"),
+        help=argparse.SUPPRESS,
+    )
     return p.parse_args(argv)
 
 

@@ -102,6 +102,21 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
                              "): " + ucs_status_string(st));
   }
 
+  if (cfg_.transport == "rdma") {
+    // UCX falls back to what it has (and only warns); an "rdma" engine
+    // without a verbs transport would silently be useless.
+    std::string resources = capture([this](FILE* f) { ucp_context_print_info(context_, f); });
+    bool verbs = resources.find("/rc_") != std::string::npos || resources.find("/ud_") != std::string::npos ||
+                 resources.find("/dc_") != std::string::npos || resources.find("rc_verbs") != std::string::npos ||
+                 resources.find("ud_verbs") != std::string::npos;
+    if (!verbs) {
+      ucp_cleanup(context_);
+      throw std::runtime_error(
+          "no RDMA (verbs) transport in this UCX; set RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true to use a "
+          "system UCX built with verbs");
+    }
+  }
+
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;

@@ -734,6 +734,19 @@ class CacheManager:
         remote.active.add(group)
         try:
             await self._bridge_wait(group, timeout, labels)
+        except LLMException as exc:
+            # Jobs we cancelled because a cache went away: say so.
+            cancelled = exc.status_code in (
+                LLMStatusCode.LLM_FAILED,
+                LLMStatusCode.LLM_PARAM_INVALID,
+            )
+            for rec, what in ((remote, "the remote cache"), (local, "the local cache")):
+                if not rec.valid and cancelled:
+                    raise make_error(
+                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                        f"{what} was deallocated during the transfer; {exc.message}",
+                    ) from exc
+            raise
         finally:
             local.active.discard(group)
             remote.active.discard(group)
