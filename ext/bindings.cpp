@@ -78,18 +78,19 @@ PYBIND11_MODULE(_native, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const std::string& transport, uint64_t max_inflight_bytes, uint64_t chunk_bytes,
-                       const std::map<std::string, std::string>& ucx_options) {
+                       const std::map<std::string, std::string>& ucx_options, bool direct_copy) {
              akv::EngineConfig cfg;
              cfg.transport = transport;
              cfg.max_inflight_bytes = max_inflight_bytes;
              cfg.chunk_bytes = chunk_bytes;
+             cfg.direct_copy = direct_copy;
              for (const auto& kv : ucx_options) cfg.ucx_options.emplace_back(kv.first, kv.second);
              py::gil_scoped_release nogil;
              return new Engine(std::move(cfg));
            }),
            py::arg("transport") = "auto", py::arg("max_inflight_bytes") = 64ull << 20,
            py::arg("chunk_bytes") = 1ull << 20,
-           py::arg("ucx_options") = std::map<std::string, std::string>{})
+           py::arg("ucx_options") = std::map<std::string, std::string>{}, py::arg("direct_copy") = true)
       .def_property_readonly("event_fd", &Engine::event_fd)
       .def_property_readonly("worker_address", [](const Engine& e) { return py::bytes(e.worker_address()); })
       .def_property_readonly("closed", &Engine::closed)
@@ -168,6 +169,7 @@ PYBIND11_MODULE(_native, m) {
              d["endpoint_errors"] = s.endpoint_errors;
              d["regions"] = s.regions;
              d["inflight_bytes"] = s.inflight_bytes;
+             d["bytes_direct"] = s.bytes_direct;
              return d;
            })
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());

@@ -310,6 +310,12 @@ uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t
     auto rk = std::make_unique<RemoteKey>();
     ucs_status_t st = ucp_ep_rkey_unpack(ep->handle, packed.data(), &rk->handle);
     if (st != UCS_OK) throw std::runtime_error(std::string("ucp_ep_rkey_unpack: ") + ucs_status_string(st));
+    // Same-host shared memory can be mapped here: then a transfer is one
+    // memcpy on the progress thread, whatever lane UCX would have picked.
+    void* mapped = nullptr;
+    if (cfg_.direct_copy && len > 0 && ucp_rkey_ptr(rk->handle, base, &mapped) == UCS_OK) {
+      rk->mapped = static_cast<uint8_t*>(mapped);
+    }
     rk->id = next_rkey_++;
     rk->ep_id = ep_id;
     rk->base = base;
@@ -376,7 +382,8 @@ EngineStats Engine::stats() const {
   return EngineStats{live_jobs_.load(),      jobs_submitted_.load(), jobs_completed_.load(),
                      jobs_failed_.load(),    bytes_put_.load(),      bytes_get_.load(),
                      notes_sent_.load(),     notes_received_.load(), n_eps_.load(),
-                     ep_errors_.load(),      n_regions_.load(),      inflight_snapshot_.load()};
+                     ep_errors_.load(),      n_regions_.load(),      inflight_snapshot_.load(),
+                     bytes_direct_.load()};
 }
 
 std::string Engine::info() {
@@ -484,12 +491,37 @@ void Engine::post_job(Job* j) {
       window_full_ = true;
       return;
     }
+    void* local = reinterpret_cast<void*>(s.local + j->seg_off);
+    uint64_t remote = s.remote + j->seg_off;
+    if (s.rkey->mapped != nullptr) {
+      // Copies run on this thread: yield to commands (cancel) and deadlines
+      // every few chunks so a huge job stays cancellable.
+      if (copy_budget_ < n) {
+        window_full_ = true;
+        return;
+      }
+      copy_budget_ -= n;
+      uint8_t* peer = s.rkey->mapped + (remote - s.rkey->base);
+      if (j->op == Op::kPut) {
+        std::memcpy(peer, local, n);
+      } else {
+        std::memcpy(local, peer, n);
+      }
+      j->copied_any = true;
+      bytes_direct_.fetch_add(n);
+      j->bytes_done += n;
+      (j->op == Op::kPut ? bytes_put_ : bytes_get_).fetch_add(n);
+      j->seg_off += n;
+      if (j->seg_off == s.len) {
+        j->seg_idx++;
+        j->seg_off = 0;
+      }
+      continue;
+    }
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = &Engine::on_data_done;
     p.user_data = this;
-    void* local = reinterpret_cast<void*>(s.local + j->seg_off);
-    uint64_t remote = s.remote + j->seg_off;
     ucs_status_ptr_t r = j->op == Op::kPut
                              ? ucp_put_nbx(j->ep->handle, local, n, remote, s.rkey->handle, &p)
                              : ucp_get_nbx(j->ep->handle, local, n, remote, s.rkey->handle, &p);
@@ -522,6 +554,7 @@ void Engine::post_job(Job* j) {
 bool Engine::post_all() {
   bool any = false;
   window_full_ = false;
+  copy_budget_ = 4 * cfg_.chunk_bytes;
   while (!active_.empty() && !window_full_) {
     Job* j = active_.front();
     post_job(j);
@@ -591,6 +624,9 @@ void Engine::advance(Job* j) {
   if (j->phase == Phase::kFlushing) {
     j->phase = Phase::kNotifying;
     if (j->status == Status::kOk && !j->cancel && !j->payload.empty()) {
+      // Copies into mapped memory may use non-temporal stores: make them
+      // visible before the notification that announces them.
+      if (j->copied_any) std::atomic_thread_fence(std::memory_order_seq_cst);
       ucp_request_param_t p{};
       p.op_attr_mask =
           UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;

@@ -31,6 +31,7 @@ struct EngineConfig {
   std::string transport = "auto";  // auto | shm | tcp | rdma
   uint64_t max_inflight_bytes = 64ull << 20;
   uint64_t chunk_bytes = 1ull << 20;
+  bool direct_copy = true;  // memcpy into same-host peers' mapped memory
   std::vector<std::pair<std::string, std::string>> ucx_options;  // extra UCX config
 };
 
@@ -63,6 +64,7 @@ struct EngineStats {
   uint64_t endpoint_errors;
   uint64_t regions;
   uint64_t inflight_bytes;
+  uint64_t bytes_direct;  // moved by memcpy into mapped shared memory
 };
 
 class Engine {
@@ -165,6 +167,7 @@ class Engine {
   std::vector<Job*> touched_;          // jobs whose state machine may move
   DeadlineMap deadlines_;
   bool window_full_ = false;
+  uint64_t copy_budget_ = 0;  // bytes of direct copies left in this step
   uint64_t cancelling_ = 0;  // cancelled jobs not yet finished
   uint64_t inflight_bytes_ = 0;
   uint64_t next_region_ = 1, next_ep_ = 1, next_rkey_ = 1;
@@ -172,7 +175,7 @@ class Engine {
   std::atomic<uint64_t> next_job_{1};
   std::atomic<uint64_t> live_jobs_{0};
   std::atomic<uint64_t> jobs_submitted_{0}, jobs_completed_{0}, jobs_failed_{0};
-  std::atomic<uint64_t> bytes_put_{0}, bytes_get_{0};
+  std::atomic<uint64_t> bytes_put_{0}, bytes_get_{0}, bytes_direct_{0};
   std::atomic<uint64_t> notes_sent_{0}, notes_received_{0};
   std::atomic<uint64_t> n_eps_{0}, ep_errors_{0}, n_regions_{0}, inflight_snapshot_{0};
 };

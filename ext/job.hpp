@@ -29,6 +29,9 @@ struct RemoteKey {
   uint64_t id = 0;
   uint64_t ep_id = 0;
   ucp_rkey_h handle = nullptr;
+  // Where the remote region is mapped into this process (same-host shared
+  // memory, from ucp_rkey_ptr), or null: then data moves with plain memcpy.
+  uint8_t* mapped = nullptr;
   uint64_t base = 0;  // remote region covered by this key
   uint64_t len = 0;
   bool released = false;  // Python let go; destroyed once no job uses it
@@ -68,7 +71,8 @@ struct Job {
   uint64_t inflight_ops = 0;
   uint64_t inflight_bytes = 0;
   uint64_t bytes_done = 0;
-  bool posted_any = false;
+  bool posted_any = false;  // a UCX operation was posted (a put then needs a flush)
+  bool copied_any = false;  // bytes were memcpy'd into mapped shared memory
   bool cancel = false;
   std::chrono::steady_clock::time_point cancelled_at{};  // when cancel was set
   Phase phase = Phase::kPosting;

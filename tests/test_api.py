@@ -578,8 +578,9 @@ async def test_peer_finalize_fails_pushes_with_link_failed(pair: Pair) -> None:
 
 
 async def slow_pair(transport: str) -> Pair:
-    # A 64 KiB in-flight window: a 64 MiB push takes many round trips.
-    return await make_pair(transport, max_inflight_bytes=64 * 1024)
+    # A 64 KiB in-flight window: a 64 MiB push takes many round trips (with
+    # direct copies off, which bypass the window).
+    return await make_pair(transport, max_inflight_bytes=64 * 1024, direct_copy=False)
 
 
 def big_desc() -> CacheDesc:
@@ -624,7 +625,9 @@ async def test_timeout_cancel_quiescent_and_reusable(transport: str) -> None:
 
 
 async def test_sync_kv_timeout_per_layer(transport: str) -> None:
-    pr = await make_pair(transport, max_inflight_bytes=64 * 1024, sync_kv_timeout=1)
+    pr = await make_pair(
+        transport, max_inflight_bytes=64 * 1024, sync_kv_timeout=1, direct_copy=False
+    )
     try:
         dst = pr.d.allocate_cache(big_desc())
         src = pr.p.allocate_cache(big_desc())

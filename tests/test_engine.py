@@ -215,7 +215,10 @@ async def test_bad_segment_table_is_a_type_or_value_error(pair: Link) -> None:
 def slow_side(transport: str) -> Side:
     # A tiny window makes every job take many round trips: easy to catch
     # mid-flight.
-    return make_side(transport, max_inflight_bytes=64 * 1024, chunk_bytes=16 * 1024)
+    # Direct copies into mapped shared memory bypass the window: off here.
+    return make_side(
+        transport, max_inflight_bytes=64 * 1024, chunk_bytes=16 * 1024, direct_copy=False
+    )
 
 
 @pytest.fixture
@@ -485,3 +488,34 @@ async def test_peer_killed_mid_transfer(transport: str) -> None:
     finally:
         a.bridge.close()
         peer.close()
+
+
+async def test_direct_copy_used_on_shared_memory_only(pair: Link, transport: str) -> None:
+    src = pattern(4 * MiB, 41)
+    await pair.a.bridge.run([put(pair, src)])
+    direct = pair.a.engine.stats()["bytes_direct"]
+    # Same-host shared memory is mapped and copied into directly; TCP is not.
+    assert direct == (4 * MiB if transport == "shm" else 0)
+    assert sha(pair.b.view()[: 4 * MiB]) == sha(src)
+
+
+async def test_huge_direct_copy_is_cancellable_and_quiescent(transport: str) -> None:
+    a = make_side(transport)
+    b = make_side(transport, 256 * MiB)
+    lk = link(a, b, transport)
+    try:
+        src = np.full(256 * MiB, 7, np.uint8)
+        for _ in range(3):
+            b.view()[:] = 0
+            task = asyncio.create_task(a.bridge.run([put(lk, src)]))
+            await asyncio.sleep(0.002)
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            assert a.engine.stats()["live_jobs"] == 0
+            await assert_quiescent(lk)
+    finally:
+        a.bridge.close()
+        b.bridge.close()

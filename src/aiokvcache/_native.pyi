@@ -29,6 +29,7 @@ class Engine:
         max_inflight_bytes: int = ...,
         chunk_bytes: int = ...,
         ucx_options: dict[str, str] = ...,
+        direct_copy: bool = True,
     ) -> None: ...
     @property
     def event_fd(self) -> int: ...

@@ -124,7 +124,11 @@ class LLMDataDist:
         if opts.unknown_keys:
             log.info("aiokvcache: ignoring options %s", ", ".join(opts.unknown_keys))
         try:
-            engine = native.Engine(opts.transport, max_inflight_bytes=opts.max_inflight_bytes)
+            engine = native.Engine(
+                opts.transport,
+                max_inflight_bytes=opts.max_inflight_bytes,
+                direct_copy=opts.direct_copy,
+            )
         except Exception as exc:
             code = (
                 LLMStatusCode.LLM_FEATURE_NOT_ENABLED

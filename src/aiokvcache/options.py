@@ -29,6 +29,7 @@ __all__ = [
     "KEY_LINK_RETRY_COUNT",
     "KEY_LINK_TOTAL_TIME",
     "KEY_LISTEN_IP_INFO",
+    "KEY_DIRECT_COPY",
     "KEY_MAX_INFLIGHT_BYTES",
     "KEY_MEM_POOL_CONFIG",
     "KEY_SYNC_KV_TIMEOUT",
@@ -49,6 +50,7 @@ KEY_LINK_RETRY_COUNT = "llm.LinkRetryCount"
 KEY_TRANSPORT = "aiokvcache.transport"
 KEY_AUTH_TOKEN = "aiokvcache.authToken"
 KEY_MAX_INFLIGHT_BYTES = "aiokvcache.maxInflightBytes"
+KEY_DIRECT_COPY = "aiokvcache.directCopy"
 # Emitted by LLMConfig.device_id for code ported from LLM-DataDist; the
 # engine ignores them.
 _KEY_DEVICE_ID = "ge.exec.deviceId"
@@ -195,6 +197,7 @@ class LLMConfig:
         self._transport: str | None = None
         self._auth_token: str | None = None
         self._max_inflight_bytes: int | None = None
+        self._direct_copy: bool | None = None
         self._device_id: int | tuple[int, ...] | None = None
         self._ge_options: dict[str, str] = {}
 
@@ -229,6 +232,8 @@ class LLMConfig:
             options[KEY_AUTH_TOKEN] = self._auth_token
         if self._max_inflight_bytes is not None:
             options[KEY_MAX_INFLIGHT_BYTES] = str(self._max_inflight_bytes)
+        if self._direct_copy is not None:
+            options[KEY_DIRECT_COPY] = "1" if self._direct_copy else "0"
         return options
 
     @property
@@ -371,6 +376,17 @@ class LLMConfig:
         self._max_inflight_bytes = check_int("max_inflight_bytes", value, 1, INT64_MAX)
 
     @property
+    def direct_copy(self) -> bool:
+        """**[ours]** Move bytes to and from same-host peers with one memcpy
+        into their mapped shared memory (default on); off, every byte goes
+        through UCX's own lanes.  Key ``aiokvcache.directCopy``."""
+        return True if self._direct_copy is None else self._direct_copy
+
+    @direct_copy.setter
+    def direct_copy(self, value: bool) -> None:
+        self._direct_copy = _check_bool("direct_copy", value)
+
+    @property
     def device_id(self) -> int | tuple[int, ...] | None:
         """LLM-DataDist's device id (``ge.exec.deviceId``): accepted so ported
         code runs; aiokvcache ignores it."""
@@ -428,6 +444,7 @@ class EngineOptions:
     transport: str = "auto"
     auth_token: bytes | None = field(default=None, repr=False)
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+    direct_copy: bool = True
     unknown_keys: tuple[str, ...] = ()
 
     @property
@@ -489,4 +506,5 @@ _FIELD_PARSERS: dict[str, Callable[[str], dict[str, Any]]] = {
     KEY_TRANSPORT: lambda t: {"transport": _parse_transport(t)},
     KEY_AUTH_TOKEN: lambda t: {"auth_token": _parse_auth_token(t)},
     KEY_MAX_INFLIGHT_BYTES: lambda t: {"max_inflight_bytes": _parse_uint(t, 1, INT64_MAX)},
+    KEY_DIRECT_COPY: lambda t: {"direct_copy": _parse_flag(t)},
 }
