@@ -242,7 +242,7 @@ async def _bench_main(args: argparse.Namespace) -> int:
             info = LLMClusterInfo()
             info.remote_cluster_id = DECODE_ID
             info.append_remote_ip_info(host, int(port))
-            rc, per = await dd.link_clusters([info], timeout=10_000)
+            _, per = await dd.link_clusters([info], timeout=10_000)
             if per[0] != per[0].LLM_SUCCESS:
                 print(f"link failed: {per[0].name}", file=sys.stderr)
                 return 1
