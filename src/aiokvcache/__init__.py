@@ -11,6 +11,7 @@ from __future__ import annotations
 from .cache_manager import CacheManager, Notification
 from .datadist import LLMDataDist
 from .errors import InternalError, LLMException, LLMStatusCode, LLMTimeoutError
+from .layerwise import CacheTask
 from .options import LLMConfig
 from .types import (
     BlocksCacheKey,
@@ -36,6 +37,7 @@ __all__ = [
     "CacheKey",
     "CacheKeyByIdAndIndex",
     "CacheManager",
+    "CacheTask",
     "DataType",
     "InternalError",
     "LLMClusterInfo",

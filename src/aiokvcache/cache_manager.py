@@ -20,17 +20,21 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from . import control
+from . import blocks, control, layerwise
 from ._bridge import OP_GET, OP_PUT
 from ._loader import native
 from .errors import LLMException, LLMStatusCode, LLMTimeoutError, make_error, param_invalid
 from .types import (
+    BlocksCacheKey,
     Cache,
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
+    LayerSynchronizer,
     Placement,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
     check_cache_key,
     check_int,
     check_isinstance,
@@ -49,19 +53,40 @@ log = logging.getLogger("aiokvcache")
 # not write it any more before it is released anyway.
 _RETIRE_TIMEOUT_S = 5.0
 _METADATA_TIMEOUT_S = 10.0
+_MAX_ADDRS_PER_REQUEST = 4096
 # Receiver state caps (see API.md, "Receiver notifications").
 MAX_TAG_RECORDS = 4096
 MAX_QUEUED_NOTIFICATIONS = 65536
 
 
+class _NoBlocks:
+    """Marks a notification of a contiguous (not blocks) destination."""
+
+
+_NO_BLOCKS = _NoBlocks()
+
+
 class Notification(NamedTuple):
-    """A layer of a tagged push landed in one of our caches."""
+    """A layer of a tagged push landed in one of our caches.
+
+    ``batch_index`` is the destination batch index for a contiguous cache;
+    for a blocks destination it is the tuple of destination block ids — or
+    None when that list was too long to travel with the notification (more
+    than about 1000 scattered ids; runs of consecutive ids travel as runs, so
+    long consecutive lists fit), or when a ``TransferConfig``'s raw address
+    does not name a batch slot.
+    """
 
     tag: str | bytes
     src_cluster_id: int
     cache_id: int
-    batch_index: int
+    batch_index: int | tuple[int, ...] | None
     layer: int
+
+    @property
+    def blocks(self) -> tuple[int, ...] | None:
+        """The destination block ids of a blocks push (None otherwise)."""
+        return self.batch_index if isinstance(self.batch_index, tuple) else None
 
 
 @dataclass(eq=False)
@@ -77,6 +102,7 @@ class _LocalCache:
     active: set[Any] = field(default_factory=set)  # bridge groups using it
     valid: bool = True
     rkeys: list[bytes] | None = None  # packed, per region (lazily)
+    blocks_key: BlocksCacheKey | None = None
 
 
 @dataclass(eq=False)
@@ -86,6 +112,7 @@ class _RemoteCache:
     addrs: list[int]
     tensor_rkey: list[int]  # native rkey id per tensor
     rkey_ids: list[int]
+    is_blocks: bool = False
     active: set[Any] = field(default_factory=set)
     valid: bool = True
 
@@ -157,6 +184,7 @@ class CacheManager:
         self._next_cache_id = 1
         self._caches: dict[int, _LocalCache] = {}
         self._keys: dict[CacheKey, tuple[int, int]] = {}  # key -> (cache id, batch index)
+        self._blocks_keys: dict[BlocksCacheKey, int] = {}  # key -> cache id
         self._allocated_bytes = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         # Receiver notifications.
@@ -261,12 +289,46 @@ class CacheManager:
         self._check_ready()
         desc = self._check_host_desc(cache_desc)
         keys = self._check_keys(cache_keys, desc.batch_size)
+        return self._allocate("allocate_cache", desc, keys, None, False)
+
+    def allocate_blocks_cache(
+        self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
+    ) -> Cache:
+        """Allocate a blocks (paged) cache: ``cache_desc.shape[0]`` blocks per tensor.
+
+        Block *b* of a tensor is bytes ``[b*s, (b+1)*s)`` with ``s =
+        cache_desc.size // shape[0]``. ``blocks_cache_key`` lets peers find
+        it (``push_blocks`` / ``pull_blocks``). Free it with
+        :meth:`deallocate_blocks_cache`.
+        """
+        self._check_ready()
+        desc = self._check_host_desc(cache_desc)
+        key = self._check_blocks_key(blocks_cache_key)
+        return self._allocate("allocate_blocks_cache", desc, [], key, True)
+
+    def _check_blocks_key(self, key: Any) -> BlocksCacheKey | None:
+        if key is None:
+            return None
+        check_isinstance("blocks_cache_key", key, BlocksCacheKey)
+        if key in self._blocks_keys:
+            raise param_invalid(f"blocks_cache_key = {key!r} is already bound to a cache")
+        result: BlocksCacheKey = key
+        return result
+
+    def _allocate(
+        self,
+        what: str,
+        desc: CacheDesc,
+        keys: list[CacheKey],
+        blocks_key: BlocksCacheKey | None,
+        is_blocks: bool,
+    ) -> Cache:
         total = desc.size * desc.num_tensors
         cap = self._dd.options.host_mem_pool_bytes
         if cap is not None and self._allocated_bytes + total > cap:
             raise make_error(
                 LLMStatusCode.LLM_OUT_OF_MEMORY,
-                f"allocate_cache: {total} bytes would exceed the host memory pool "
+                f"{what}: {total} bytes would exceed the host memory pool "
                 f"({self._allocated_bytes} of {cap} bytes in use)",
             )
         try:
@@ -274,19 +336,23 @@ class CacheManager:
         except native.EngineClosedError as exc:
             raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "engine is finalized") from exc
         except Exception as exc:
-            raise make_error(
-                LLMStatusCode.LLM_OUT_OF_MEMORY, f"allocate_cache failed: {exc}"
-            ) from exc
+            raise make_error(LLMStatusCode.LLM_OUT_OF_MEMORY, f"{what} failed: {exc}") from exc
         addrs = [base + i * desc.size for i in range(desc.num_tensors)]
         arrays = self._views(desc, addrs)
-        cache = Cache(self._new_cache_id(), desc, addrs, arrays=arrays, owner=self)
+        cache = Cache(self._new_cache_id(), desc, addrs, is_blocks, arrays=arrays, owner=self)
         rec = _LocalCache(
             cache, desc, addrs, [(region, base, total)], [0] * desc.num_tensors, True, True
         )
         self._caches[cache.cache_id] = rec
         self._bind_keys(rec, keys)
+        self._bind_blocks_key(rec, blocks_key)
         self._allocated_bytes += total
         return cache
+
+    def _bind_blocks_key(self, rec: _LocalCache, key: BlocksCacheKey | None) -> None:
+        if key is not None:
+            rec.blocks_key = key
+            self._blocks_keys[key] = rec.cache.cache_id
 
     @staticmethod
     def _views(desc: CacheDesc, addrs: list[int]) -> list[npt.NDArray[Any]]:
@@ -313,15 +379,46 @@ class CacheManager:
         """
         self._check_ready()
         desc = self._check_host_desc(cache_desc)
+        if remote_accessible is not None:
+            check_isinstance("remote_accessible", remote_accessible, bool)
+        keys = self._check_keys(cache_keys, desc.batch_size)
+        return self._register(desc, addrs, keys, None, False, remote_accessible)
+
+    def register_blocks_cache(
+        self,
+        cache_desc: CacheDesc,
+        addrs: Sequence[Any],
+        blocks_cache_key: BlocksCacheKey | None = None,
+        remote_accessible: bool | None = None,
+    ) -> Cache:
+        """Register user memory as a blocks (paged) cache.
+
+        ``addrs`` as for :meth:`register_cache`; the layout is
+        :meth:`allocate_blocks_cache`'s. Forget it with :meth:`unregister_cache`
+        (or :meth:`deallocate_blocks_cache`).
+        """
+        self._check_ready()
+        desc = self._check_host_desc(cache_desc)
+        if remote_accessible is not None:
+            check_isinstance("remote_accessible", remote_accessible, bool)
+        key = self._check_blocks_key(blocks_cache_key)
+        return self._register(desc, addrs, [], key, True, remote_accessible)
+
+    def _register(
+        self,
+        desc: CacheDesc,
+        addrs: Sequence[Any],
+        keys: list[CacheKey],
+        blocks_key: BlocksCacheKey | None,
+        is_blocks: bool,
+        remote_accessible: bool | None,
+    ) -> Cache:
         if not isinstance(addrs, (list, tuple)):
             raise TypeError(f"addrs must be a list, got {type(addrs).__name__}")
         if len(addrs) != desc.num_tensors:
             raise param_invalid(
                 f"addrs has {len(addrs)} entries but cache_desc.num_tensors is {desc.num_tensors}"
             )
-        if remote_accessible is not None:
-            check_isinstance("remote_accessible", remote_accessible, bool)
-        keys = self._check_keys(cache_keys, desc.batch_size)
         owners: list[Any] = []
         addr_list: list[int] = []
         for i, a in enumerate(addrs):
@@ -352,7 +449,7 @@ class CacheManager:
                 raise make_error(LLMStatusCode.LLM_FAILED, f"register_cache failed: {exc}") from exc
             raise
         arrays = self._views(desc, addr_list)
-        cache = Cache(self._new_cache_id(), desc, addr_list, arrays=arrays, owner=owners)
+        cache = Cache(self._new_cache_id(), desc, addr_list, is_blocks, arrays=arrays, owner=owners)
         rec = _LocalCache(
             cache,
             desc,
@@ -364,6 +461,7 @@ class CacheManager:
         )
         self._caches[cache.cache_id] = rec
         self._bind_keys(rec, keys)
+        self._bind_blocks_key(rec, blocks_key)
         return cache
 
     def deallocate_cache(self, cache: Cache) -> None:
@@ -376,8 +474,25 @@ class CacheManager:
         """
         self._check_ready()
         rec = self._local("cache", cache)
+        if rec.cache.is_blocks_cache:
+            raise param_invalid(
+                f"cache {cache.cache_id} is a blocks cache: use deallocate_blocks_cache"
+            )
         if not rec.allocated:
             raise param_invalid(f"cache {cache.cache_id} was registered: use unregister_cache")
+        self._retire(rec)
+
+    def deallocate_blocks_cache(self, cache: Cache) -> None:
+        """Free a blocks cache (allocated, or registered: then like :meth:`unregister_cache`).
+
+        Same safety as :meth:`deallocate_cache`; its BlocksCacheKey is unbound.
+        """
+        self._check_ready()
+        rec = self._local("cache", cache)
+        if not rec.cache.is_blocks_cache:
+            raise param_invalid(
+                f"cache {cache.cache_id} is not a blocks cache: use deallocate_cache"
+            )
         self._retire(rec)
 
     def unregister_cache(self, cache_id: int) -> None:
@@ -409,6 +524,8 @@ class CacheManager:
         del self._caches[cid]
         for k in rec.keys:
             self._keys.pop(k, None)
+        if rec.blocks_key is not None and self._blocks_keys.get(rec.blocks_key) == cid:
+            del self._blocks_keys[rec.blocks_key]
         if rec.allocated:
             self._allocated_bytes -= sum(r[2] for r in rec.regions)
         owners = rec.cache._owner
@@ -501,6 +618,34 @@ class CacheManager:
             out = self._metadata(self._served(bound[0]))
             out["batch_index"] = bound[1]
             return out
+        if op == "blocks_by_key":
+            try:
+                bkey = BlocksCacheKey(body["cluster_id"], body["model_id"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise param_invalid(f"blocks_by_key: bad key: {exc}") from None
+            bound_id = self._blocks_keys.get(bkey)
+            if bound_id is None:
+                raise make_error(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no blocks cache is bound to {bkey!r}"
+                )
+            return self._metadata(self._served(bound_id))
+        if op == "cache_by_addr":
+            addrs = body.get("addrs")
+            if (
+                not isinstance(addrs, list)
+                or len(addrs) > _MAX_ADDRS_PER_REQUEST
+                or not all(isinstance(a, int) for a in addrs)
+            ):
+                raise param_invalid("cache_by_addr: addrs must be a list of ints")
+            found: dict[int, dict[str, Any]] = {}
+            for a in addrs:
+                for rec in self._caches.values():
+                    if rec.cache.cache_id in found or not rec.valid or not rec.remote_accessible:
+                        continue
+                    if any(t <= a < t + rec.desc.size for t in rec.addrs):
+                        found[rec.cache.cache_id] = self._metadata(self._served(rec.cache.cache_id))
+                        break
+            return {"caches": list(found.values())}
         if op == "invalidate":
             cid = body.get("cache_id")
             if not isinstance(cid, int):
@@ -552,6 +697,9 @@ class CacheManager:
             addrs = [int(a) for a in meta["addrs"]]
             regions = meta["regions"]
             tensor_region = [int(i) for i in meta["tensor_region"]]
+            is_blocks = meta.get("is_blocks", False)
+            if not isinstance(is_blocks, bool):
+                raise ValueError("is_blocks must be a bool")
             if len(addrs) != desc.num_tensors or len(tensor_region) != desc.num_tensors:
                 raise ValueError("tensor count mismatch")
             for a, r in zip(addrs, tensor_region, strict=True):
@@ -583,7 +731,9 @@ class CacheManager:
             raise make_error(
                 LLMStatusCode.LLM_LINK_FAILED, f"cannot use cluster {link.cluster_id}'s keys: {exc}"
             ) from exc
-        rc = _RemoteCache(cid, desc, addrs, [rkey_ids[r] for r in tensor_region], rkey_ids)
+        rc = _RemoteCache(
+            cid, desc, addrs, [rkey_ids[r] for r in tensor_region], rkey_ids, bool(is_blocks)
+        )
         link.remote[cid] = rc
         return rc
 
@@ -713,13 +863,38 @@ class CacheManager:
         return rows
 
     def _payload(
-        self, tag: str | bytes | None, cache_id: int, batch_index: int, layer: int
+        self,
+        tag: str | bytes | None,
+        cache_id: int,
+        batch_index: int | None,
+        layer: int,
+        block_list: bytes | _NoBlocks | None = _NO_BLOCKS,
     ) -> bytes:
+        """One layer's notification: ``block_list`` from :meth:`_block_list` for blocks."""
         if tag is None:
             return b""
-        return control.encode(
-            {"t": tag, "c": self._dd.cluster_id, "i": cache_id, "b": batch_index, "l": layer}
-        )
+        d: dict[str, Any] = {
+            "t": tag,
+            "c": self._dd.cluster_id,
+            "i": cache_id,
+            "b": batch_index,
+            "l": layer,
+        }
+        if not isinstance(block_list, _NoBlocks):
+            d["k"] = block_list
+        out = control.encode(d)
+        if len(out) > native.MAX_PAYLOAD:
+            raise param_invalid(
+                f"tag is too long for a notification ({len(out)} > {native.MAX_PAYLOAD} bytes)"
+            )
+        return out
+
+    def _block_list(self, tag: str | bytes | None, ids: npt.NDArray[np.int64]) -> bytes | None:
+        """Destination block ids in the compact form that fits next to ``tag``, or None."""
+        if tag is None:
+            return None
+        base = len(self._payload(tag, 2**63 - 1, None, 2**31 - 1, b""))
+        return blocks.encode_block_ids(ids, native.MAX_PAYLOAD - base)
 
     async def _run(
         self,
@@ -851,6 +1026,56 @@ class CacheManager:
             )
         await self._run(jobs, [f"layer {dl}" for _, dl in pairs], tmo, src, remote)
 
+    async def _remote_slot(
+        self,
+        link: _Link,
+        cache_key: CacheKey | CacheKeyByIdAndIndex,
+        tmo: float | None,
+        what: str,
+    ) -> tuple[_RemoteCache, int]:
+        """The remote cache and batch index a CacheKey / CacheKeyByIdAndIndex names."""
+        try:
+            async with asyncio.timeout(tmo):
+                if isinstance(cache_key, CacheKey):
+                    meta = await link.conn.request(
+                        "cache_by_key",
+                        {
+                            "cluster_id": cache_key.cluster_id,
+                            "req_id": cache_key.req_id,
+                            "model_id": cache_key.model_id,
+                            "prefix_id": cache_key.prefix_id,
+                        },
+                        timeout=_METADATA_TIMEOUT_S,
+                    )
+                    sb = meta.get("batch_index")
+                    if not isinstance(sb, int):
+                        raise make_error(LLMStatusCode.LLM_FAILED, "peer sent no batch_index")
+                    return self._install_remote(link, meta), sb
+                remote = await self._remote_cache(link, cache_key.cache_id, None)
+                return remote, cache_key.batch_index
+        except TimeoutError:
+            raise LLMTimeoutError(f"{what} timed out looking up the source cache") from None
+
+    async def _remote_blocks(
+        self, link: _Link, key: BlocksCacheKey, tmo: float | None, what: str
+    ) -> _RemoteCache:
+        """The remote blocks cache bound to ``key`` (asked every time: keys rebind)."""
+        try:
+            async with asyncio.timeout(tmo):
+                meta = await link.conn.request(
+                    "blocks_by_key",
+                    {"cluster_id": key.cluster_id, "model_id": key.model_id},
+                    timeout=_METADATA_TIMEOUT_S,
+                )
+        except TimeoutError:
+            raise LLMTimeoutError(f"{what} timed out looking up {key!r}") from None
+        remote = self._install_remote(link, meta)
+        if not remote.is_blocks:
+            raise make_error(
+                LLMStatusCode.LLM_FAILED, f"cluster {link.cluster_id} sent a non-blocks cache"
+            )
+        return remote
+
     async def pull_cache(
         self,
         cache_key: CacheKey | CacheKeyByIdAndIndex,
@@ -889,30 +1114,7 @@ class CacheManager:
         link = self._dd._link_for(cache_key.cluster_id)
         loop = asyncio.get_running_loop()
         start = loop.time()
-        try:
-            async with asyncio.timeout(tmo):
-                if isinstance(cache_key, CacheKey):
-                    meta = await link.conn.request(
-                        "cache_by_key",
-                        {
-                            "cluster_id": cache_key.cluster_id,
-                            "req_id": cache_key.req_id,
-                            "model_id": cache_key.model_id,
-                            "prefix_id": cache_key.prefix_id,
-                        },
-                        timeout=_METADATA_TIMEOUT_S,
-                    )
-                    sb = meta.get("batch_index")
-                    if not isinstance(sb, int):
-                        raise make_error(LLMStatusCode.LLM_FAILED, "peer sent no batch_index")
-                    remote = link.remote.get(meta.get("cache_id", -1)) or self._install_remote(
-                        link, meta
-                    )
-                else:
-                    sb = cache_key.batch_index
-                    remote = await self._remote_cache(link, cache_key.cache_id, None)
-        except TimeoutError:
-            raise LLMTimeoutError("pull_cache timed out looking up the source cache") from None
+        remote, sb = await self._remote_slot(link, cache_key, tmo, "pull_cache")
         if tmo is not None:
             tmo = max(tmo - (loop.time() - start), 1e-6)
         if sb >= remote.desc.batch_size:
@@ -1001,6 +1203,364 @@ class CacheManager:
         if interrupted is not None:
             raise interrupted
 
+    # --------------------------------------------------------------- blocks
+
+    @staticmethod
+    def _ids(name: str, value: Any) -> npt.NDArray[np.int64]:
+        return blocks.block_ids(name, value)
+
+    @staticmethod
+    def _slot_span(desc: CacheDesc, batch_index: int, what: str) -> tuple[int, int]:
+        """(offset, length) of a batch slot that must be one contiguous span."""
+        off, length = _slot_spans(desc, batch_index)
+        if len(off) != 1:
+            raise param_invalid(
+                f"{what}'s batch slots are not contiguous (shape {list(desc.shape)}, "
+                f"batch_dim_index {desc.batch_dim_index}): it cannot be split into blocks"
+            )
+        return int(off[0]), length
+
+    @staticmethod
+    def _check_block_count(
+        name: str, ids: npt.NDArray[np.int64], slot_len: int, block: int
+    ) -> None:
+        need = -(-slot_len // block)
+        if ids.size != need:
+            raise param_invalid(
+                f"{name} has {ids.size} blocks but a batch slot of {slot_len} bytes fills "
+                f"{need} blocks of {block} bytes"
+            )
+
+    @staticmethod
+    def _check_block_sizes(src_desc: CacheDesc, dst_desc: CacheDesc, src: str, dst: str) -> int:
+        sb, db = blocks.block_bytes(src_desc), blocks.block_bytes(dst_desc)
+        if sb != db:
+            raise param_invalid(f"{src} has blocks of {sb} bytes but {dst} has {db}-byte blocks")
+        return sb
+
+    async def push_blocks(
+        self,
+        dst_cache_key: BlocksCacheKey,
+        src_cache: Cache,
+        src_blocks: Sequence[int] | npt.NDArray[np.integer[Any]] = (),
+        dst_blocks: Sequence[int] | npt.NDArray[np.integer[Any]] = (),
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+        *,
+        timeout: float | None = None,
+        tag: str | bytes | None = None,
+    ) -> None:
+        """Push blocks ``src_blocks`` of a local blocks cache into blocks ``dst_blocks``
+        of the remote blocks cache bound to ``dst_cache_key``.
+
+        Block lists are lists, tuples or NumPy integer arrays of equal length;
+        every id is checked against both caches and destination ids must be
+        distinct, before any byte moves. Runs of blocks consecutive on both
+        sides travel as one segment. One native job per layer, as
+        :meth:`push_cache`; ``tag`` notifications carry the destination block
+        ids (see :class:`Notification`).
+        """
+        self._check_ready()
+        check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey)
+        src = self._local("src_cache", src_cache)
+        src_ids = self._ids("src_blocks", src_blocks)
+        dst_ids = self._ids("dst_blocks", dst_blocks)
+        n, src_r, dst_r, tmo = self._check_common(
+            tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
+        )
+        tag_v = check_tag("tag", tag)
+        if not src.cache.is_blocks_cache:
+            raise param_invalid("src_cache is not a blocks cache: use push_cache")
+        if dst_ids.size == 0:
+            raise param_invalid("dst_blocks can not be empty")
+        if src_ids.size != dst_ids.size:
+            raise param_invalid(
+                f"src_blocks has {src_ids.size} blocks but dst_blocks has {dst_ids.size}"
+            )
+        blocks.check_in_range("src_blocks", src_ids, blocks.num_blocks(src.desc), "src_cache")
+        if not self._dd.options.enable_remote_cache_accessible:
+            raise make_error(
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                "push_blocks needs llm.EnableRemoteCacheAccessible on",
+            )
+        link = self._dd._link_for(dst_cache_key.cluster_id)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        remote = await self._remote_blocks(link, dst_cache_key, tmo, "push_blocks")
+        if tmo is not None:
+            tmo = max(tmo - (loop.time() - start), 1e-6)
+        nb = blocks.num_blocks(remote.desc)
+        blocks.check_in_range("dst_blocks", dst_ids, nb, "the remote cache")
+        blocks.check_unique("dst_blocks", dst_ids, nb)
+        pairs = self._layers(
+            n, src.desc, remote.desc, src_r, dst_r, "src_cache", "the remote cache"
+        )
+        size = self._check_block_sizes(src.desc, remote.desc, "src_cache", "the remote cache")
+        plan = blocks.blocks_plan(src_ids, dst_ids, size)
+        block_list = self._block_list(tag_v, dst_ids)
+        per_job_ms = self._dd.options.sync_kv_timeout_ms
+        jobs = []
+        for sl, dl in pairs:
+            rows = blocks.layer_rows(
+                plan,
+                src.addrs[sl * n : (sl + 1) * n],
+                remote.addrs[dl * n : (dl + 1) * n],
+                remote.tensor_rkey[dl * n : (dl + 1) * n],
+            )
+            payload = self._payload(tag_v, remote.cache_id, None, dl, block_list)
+            jobs.append((OP_PUT, link.ep, rows, payload, per_job_ms))
+        await self._run(jobs, [f"layer {dl}" for _, dl in pairs], tmo, src, remote)
+
+    async def pull_blocks(
+        self,
+        src_cache_key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
+        dst_cache: Cache,
+        src_blocks: Sequence[int] | npt.NDArray[np.integer[Any]] = (),
+        dst_blocks: Sequence[int] | npt.NDArray[np.integer[Any]] = (),
+        *,
+        src_layer_range: range | None = None,
+        dst_layer_range: range | None = None,
+        tensor_num_per_layer: int = 2,
+        timeout: float | None = None,
+    ) -> None:
+        """Pull remote blocks into blocks ``dst_blocks`` of a local blocks cache.
+
+        With a :class:`BlocksCacheKey`, ``src_blocks`` (same length) names the
+        remote blocks. With a :class:`CacheKey` or
+        :class:`CacheKeyByIdAndIndex`, ``src_blocks`` must be empty: the
+        remote batch slot (contiguous) is split over ``dst_blocks`` in order,
+        ``ceil(slot bytes / block bytes)`` of them, the last one partly used.
+        Same checks, failure and quiescence rules as :meth:`push_blocks`.
+        """
+        self._check_ready()
+        check_isinstance(
+            "src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
+        )
+        dst = self._local("dst_cache", dst_cache)
+        src_ids = self._ids("src_blocks", src_blocks)
+        dst_ids = self._ids("dst_blocks", dst_blocks)
+        n, src_r, dst_r, tmo = self._check_common(
+            tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
+        )
+        if not dst.cache.is_blocks_cache:
+            raise param_invalid("dst_cache is not a blocks cache: use pull_cache")
+        if dst_ids.size == 0:
+            raise param_invalid("dst_blocks can not be empty")
+        nb = blocks.num_blocks(dst.desc)
+        blocks.check_in_range("dst_blocks", dst_ids, nb, "dst_cache")
+        blocks.check_unique("dst_blocks", dst_ids, nb)
+        by_blocks = isinstance(src_cache_key, BlocksCacheKey)
+        if by_blocks:
+            if src_ids.size != dst_ids.size:
+                raise param_invalid(
+                    f"src_blocks has {src_ids.size} blocks but dst_blocks has {dst_ids.size}"
+                )
+        else:
+            if isinstance(src_cache_key, CacheKey):
+                check_cache_key("src_cache_key", src_cache_key)
+            if src_ids.size:
+                raise param_invalid(
+                    "src_blocks must be empty when src_cache_key is not a BlocksCacheKey"
+                )
+        link = self._dd._link_for(src_cache_key.cluster_id)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        if isinstance(src_cache_key, BlocksCacheKey):
+            remote = await self._remote_blocks(link, src_cache_key, tmo, "pull_blocks")
+            sb = 0
+        else:
+            remote, sb = await self._remote_slot(link, src_cache_key, tmo, "pull_blocks")
+        if tmo is not None:
+            tmo = max(tmo - (loop.time() - start), 1e-6)
+        pairs = self._layers(
+            n, remote.desc, dst.desc, src_r, dst_r, "the remote cache", "dst_cache"
+        )
+        block = blocks.block_bytes(dst.desc)
+        if by_blocks:
+            blocks.check_in_range(
+                "src_blocks", src_ids, blocks.num_blocks(remote.desc), "the remote cache"
+            )
+            self._check_block_sizes(remote.desc, dst.desc, "the remote cache", "dst_cache")
+            plan = blocks.blocks_plan(dst_ids, src_ids, block)
+        else:
+            if sb >= remote.desc.batch_size:
+                raise param_invalid(
+                    f"src_cache_key.batch_index={sb} is out of range for the remote batch size "
+                    f"{remote.desc.batch_size}"
+                )
+            off, length = self._slot_span(remote.desc, sb, "the remote cache")
+            self._check_block_count("dst_blocks", dst_ids, length, block)
+            plan = blocks.slot_blocks_plan(off, length, dst_ids, block, blocks_local=True)
+        per_job_ms = self._dd.options.sync_kv_timeout_ms
+        jobs = []
+        for sl, dl in pairs:
+            rows = blocks.layer_rows(
+                plan,
+                dst.addrs[dl * n : (dl + 1) * n],
+                remote.addrs[sl * n : (sl + 1) * n],
+                remote.tensor_rkey[sl * n : (sl + 1) * n],
+            )
+            jobs.append((OP_GET, link.ep, rows, b"", per_job_ms))
+        await self._run(jobs, [f"layer {dl}" for _, dl in pairs], tmo, dst, remote)
+
+    @staticmethod
+    def _mapping(name: str, value: Any, many: bool) -> tuple[list[int], list[int]]:
+        """``{src: [dst, ...]}`` (many) or ``{src: dst}`` as parallel id lists."""
+        if not isinstance(value, dict):
+            raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
+        srcs: list[int] = []
+        dsts: list[int] = []
+        for k, v in value.items():
+            src = check_int(f"{name} key", k, 0, 2**63 - 1)
+            if many:
+                if not isinstance(v, (list, tuple)):
+                    raise TypeError(f"{name}[{src}] must be a list of ints, got {type(v).__name__}")
+                for d in v:
+                    dsts.append(check_int(f"{name}[{src}][]", d, 0, 2**63 - 1))
+                    srcs.append(src)
+            else:
+                dsts.append(check_int(f"{name}[{src}]", v, 0, 2**63 - 1))
+                srcs.append(src)
+        return srcs, dsts
+
+    async def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
+        """Copy blocks inside one blocks cache: ``{src block: [dst block, ...]}``, every tensor.
+
+        Ids are checked against the cache; a destination may appear only once
+        and may not also be a source (the result would depend on order).
+        """
+        self._check_ready()
+        rec = self._local("cache", cache)
+        srcs, dsts = self._mapping("copy_block_info", copy_block_info, True)
+        if not rec.cache.is_blocks_cache:
+            raise param_invalid("cache is not a blocks cache")
+        nb = blocks.num_blocks(rec.desc)
+        s_ids = np.asarray(srcs, dtype=np.int64)
+        d_ids = np.asarray(dsts, dtype=np.int64)
+        blocks.check_in_range("copy_block_info (source)", s_ids, nb, "cache")
+        blocks.check_in_range("copy_block_info (destination)", d_ids, nb, "cache")
+        blocks.check_unique("copy_block_info (destination)", d_ids, nb)
+        both = np.intersect1d(s_ids, d_ids)
+        if both.size:
+            raise param_invalid(
+                f"copy_block_info: block {int(both[0])} is both a source and a destination"
+            )
+        if not srcs:
+            return
+        bs = blocks.block_bytes(rec.desc)
+        views = [self._block_view(a, nb, bs) for a in rec.addrs]
+        await self._in_thread(_copy_blocks_all, [(v, v) for v in views], s_ids, d_ids)
+
+    async def swap_blocks(
+        self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]
+    ) -> None:
+        """Copy block ``src`` of ``src_cache`` to block ``dst`` of ``dst_cache``, every tensor.
+
+        Both are blocks caches with the same number of tensors and block size.
+        LLM-DataDist swaps between HOST and DEVICE; without a CUDA device,
+        HOST↔HOST is what is allowed here **[ours]**.
+        """
+        self._check_ready()
+        s = self._local("src_cache", src_cache)
+        d = self._local("dst_cache", dst_cache)
+        srcs, dsts = self._mapping("src_to_dst", src_to_dst, False)
+        if not s.cache.is_blocks_cache:
+            raise param_invalid("src_cache is not a blocks cache")
+        if not d.cache.is_blocks_cache:
+            raise param_invalid("dst_cache is not a blocks cache")
+        if s is d:
+            raise param_invalid("src_cache and dst_cache are the same cache: use copy_blocks")
+        if s.desc.num_tensors != d.desc.num_tensors:
+            raise param_invalid(
+                f"src_cache has {s.desc.num_tensors} tensors but dst_cache has {d.desc.num_tensors}"
+            )
+        bs = self._check_block_sizes(s.desc, d.desc, "src_cache", "dst_cache")
+        s_nb, d_nb = blocks.num_blocks(s.desc), blocks.num_blocks(d.desc)
+        s_ids = np.asarray(srcs, dtype=np.int64)
+        d_ids = np.asarray(dsts, dtype=np.int64)
+        blocks.check_in_range("src_to_dst (source)", s_ids, s_nb, "src_cache")
+        blocks.check_in_range("src_to_dst (destination)", d_ids, d_nb, "dst_cache")
+        blocks.check_unique("src_to_dst (destination)", d_ids, d_nb)
+        if not srcs:
+            return
+        pairs = [
+            (self._block_view(da, d_nb, bs), self._block_view(sa, s_nb, bs))
+            for da, sa in zip(d.addrs, s.addrs, strict=True)
+        ]
+        await self._in_thread(_copy_blocks_all, pairs, s_ids, d_ids)
+
+    @staticmethod
+    def _block_view(addr: int, nb: int, bs: int) -> npt.NDArray[np.uint8]:
+        return np.frombuffer(native.buffer_from_address(addr, nb * bs), np.uint8).reshape(nb, bs)
+
+    @staticmethod
+    async def _in_thread(fn: Any, *args: Any) -> None:
+        # Host copies run in a worker thread; a cancelled caller still waits
+        # for the copy to finish, so nothing is written after we return.
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        interrupted: asyncio.CancelledError | None = None
+        while not work.done():
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError as exc:
+                interrupted = exc
+        work.result()
+        if interrupted is not None:
+            raise interrupted
+
+    # ------------------------------------------------------ layer-wise
+
+    async def transfer_cache_async(
+        self,
+        src_cache: Cache,
+        layer_synchronizer: LayerSynchronizer,
+        transfer_configs: Sequence[TransferConfig | TransferWithCacheKeyConfig],
+        src_block_indices: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
+        dst_block_indices: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
+        dst_block_memory_size: int | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> layerwise.CacheTask:
+        """Send ``src_cache`` layer by layer as each layer becomes ready.
+
+        For each source layer *i* that some config includes, awaits
+        ``layer_synchronizer.synchronize_layer(i, None)`` (a plain method, or
+        **[ours]** a coroutine; a plain one runs on the event loop and must
+        not block), then pushes layer *i* to every config that includes it
+        and moves on without waiting for those bytes: transfer of layer *i*
+        overlaps the computation of layer *i + 1*. The synchronizer
+        returning False stops the task: configs that include layer *i* end
+        with ``LLM_PARAM_INVALID``, nothing from layer *i* on is sent.
+
+        Destinations: :class:`TransferWithCacheKeyConfig` (a
+        :class:`CacheKeyByIdAndIndex` batch slot, or a
+        :class:`BlocksCacheKey` with ``dst_block_indices``) or
+        :class:`TransferConfig` (raw destination tensor addresses, two per
+        layer, which must lie inside remote-accessible caches of that
+        cluster). Blocks: a blocks ``src_cache`` needs ``src_block_indices``
+        and ``dst_block_indices`` of equal length; a contiguous
+        ``src_cache`` with ``dst_block_indices`` splits its batch slot over
+        those blocks (``dst_block_memory_size`` gives the block size of a
+        ``TransferConfig`` destination).
+
+        Every argument, destination and bound is checked here, before any
+        byte moves; then the returned :class:`CacheTask` runs in the
+        background. ``timeout`` **[ours]** (seconds) bounds lookups plus the
+        whole task. A failing destination stops receiving layers; the others
+        go on.
+        """
+        return await layerwise.transfer_cache_async(
+            self,
+            src_cache,
+            layer_synchronizer,
+            transfer_configs,
+            src_block_indices,
+            dst_block_indices,
+            dst_block_memory_size,
+            timeout,
+        )
+
     # --------------------------------------------------------- notifications
 
     def _on_notify(self, payload: bytes) -> None:
@@ -1008,10 +1568,15 @@ class CacheManager:
             d = control.decode(payload)
             if not isinstance(d, dict):
                 raise control.ProtocolError("not a dict")
-            note = Notification(d["t"], int(d["c"]), int(d["i"]), int(d["b"]), int(d["l"]))
+            where: int | tuple[int, ...] | None
+            if "k" in d:
+                where = None if d["k"] is None else blocks.decode_block_ids(d["k"])
+            else:
+                where = None if d["b"] is None else int(d["b"])
+            note = Notification(d["t"], int(d["c"]), int(d["i"]), where, int(d["l"]))
             if not isinstance(note.tag, (str, bytes)):
                 raise control.ProtocolError("bad tag")
-        except (control.ProtocolError, KeyError, TypeError, ValueError):
+        except (control.ProtocolError, KeyError, TypeError, ValueError, IndexError):
             self._bad_notifications += 1
             log.warning("aiokvcache: dropped a malformed notification (%d bytes)", len(payload))
             return
@@ -1111,6 +1676,16 @@ class CacheManager:
             rec.cache._invalidate()
         self._caches.clear()
         self._keys.clear()
+        self._blocks_keys.clear()
+
+
+def _copy_blocks_all(
+    pairs: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]],
+    src: npt.NDArray[np.int64],
+    dst: npt.NDArray[np.int64],
+) -> None:
+    for d, s in pairs:
+        d[dst] = s[src]
 
 
 def _copy_all(views: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]]) -> None:
