@@ -24,6 +24,7 @@ __all__ = ["LLMDataDist"]
 log = logging.getLogger("aiokvcache")
 
 _DEFAULT_LINK_TIMEOUT_MS = 3000
+_PEER_FINALIZING = "the peer finalized"
 
 
 def _host_id() -> bytes:
@@ -180,6 +181,14 @@ class LLMDataDist:
         self._finalized = True
         if self._cache_manager is not None:
             self._cache_manager._finalizing()
+        # Tell peers first, so the transport errors they are about to see
+        # read as a shutdown, not a failure.
+        links = [lk for lk in self._links.values() if not lk.broken]
+        if links:
+            await asyncio.gather(
+                *(lk.conn.request("finalizing", {}, timeout=1.0) for lk in links),
+                return_exceptions=True,
+            )
         if self._bridge is not None:
             # Joins the progress thread: every in-flight job is reported
             # released (ENGINE_FINALIZED) before memory goes.
@@ -385,7 +394,9 @@ class LLMDataDist:
         for link in self._links.values():
             if link.ep == ep and not link.broken:
                 reason = f"transport error: {native.ucs_status_string(ucs_status)}"
-                log.warning("aiokvcache: link to cluster %d broke: %s", link.cluster_id, reason)
+                # INFO: the control connection's close (logged below) says
+                # whether this was a failure or the peer shutting down.
+                log.info("aiokvcache: link to cluster %d broke: %s", link.cluster_id, reason)
                 link.broken = True
                 link.reason = reason
                 # The control connection may still be up; close it so the
@@ -434,6 +445,12 @@ class LLMDataDist:
         link = self._links.get(conn.peer_cluster_id)
         if link is None or link.conn is not conn:
             raise make_error(LLMStatusCode.LLM_NOT_YET_LINK, "not linked")
+        if op == "finalizing":
+            # The peer's engine is about to go: break the link now, so the
+            # transport errors that follow read as a shutdown, not a failure.
+            log.info("aiokvcache: cluster %d is finalizing", link.cluster_id)
+            self._break(link, _PEER_FINALIZING)
+            return {}
         return await self._cache_manager._serve(link, op, body)
 
     def on_event(self, conn: control.ControlConnection, op: str, body: dict[str, Any]) -> None:
@@ -448,7 +465,13 @@ class LLMDataDist:
         if reason == "peer closed: unlinked":
             self._drop_link(link, "unlinked by peer")
             return
-        log.warning("aiokvcache: link to cluster %d closed: %s", link.cluster_id, reason)
+        if self._finalized:
+            level = logging.DEBUG
+        elif reason == "peer closed: finalized" or link.reason == _PEER_FINALIZING:
+            level = logging.INFO
+        else:
+            level = logging.WARNING
+        log.log(level, "aiokvcache: link to cluster %d closed: %s", link.cluster_id, reason)
         self._break(link, f"control connection closed ({reason})")
         if self._cache_manager is not None:
             self._cache_manager._forget_link(link)
