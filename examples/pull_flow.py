@@ -1,9 +1,11 @@
 """LLM-DataDist pull flow, two processes: the prompt allocates its KV cache
 with CacheKeys and listens; the decoder links to it and pulls by CacheKey.
 
-Run both roles on this machine:   python examples/pull_flow.py
-Or on two hosts:                  python examples/pull_flow.py --role prompt --listen 0.0.0.0:26001
-                                  python examples/pull_flow.py --role decoder --peer HOST:26001
+Run both roles on this machine:
+    python examples/pull_flow.py
+Or on two hosts:
+    python examples/pull_flow.py --role prompt --listen 0.0.0.0:26001
+    python examples/pull_flow.py --role decoder --peer HOST:26001
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def main() -> int:
         child.stdout.close()
     ok = got == expected and child.returncode == 0
     print(
-        f"pull flow: {len(REQUESTS)} requests pulled by CacheKey, bytes {'match' if ok else 'DIFFER'}"
+        f"pull flow: {len(REQUESTS)} requests pulled by CacheKey, "
+        f"bytes {'match' if ok else 'DIFFER'}"
     )
     return 0 if ok else 1
 

@@ -2,9 +2,11 @@
 prompt links to it and pushes its KV cache into it by CacheKeyByIdAndIndex,
 layer by layer, with a tag so the decoder sees each layer land.
 
-Run both roles on this machine:   python examples/push_flow.py
-Or on two hosts:                  python examples/push_flow.py --role decoder --listen 0.0.0.0:26000
-                                  python examples/push_flow.py --role prompt --peer HOST:26000 --cache-id 1
+Run both roles on this machine:
+    python examples/push_flow.py
+Or on two hosts:
+    python examples/push_flow.py --role decoder --listen 0.0.0.0:26000
+    python examples/push_flow.py --role prompt --peer HOST:26000 --cache-id 1
 """
 
 from __future__ import annotations

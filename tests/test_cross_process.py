@@ -26,7 +26,7 @@ from aiokvcache.__main__ import Shape
 
 async def test_decoder_killed_mid_push(transport: str) -> None:
     shape = Shape(layers=16, batch=1, tokens=4096, heads=8, head_dim=64, dtype="float16")
-    child = subprocess.Popen(
+    child = subprocess.Popen(  # noqa: ASYNC220 - setup; the loop has nothing to do yet
         [
             sys.executable,
             "-m",
