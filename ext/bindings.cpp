@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "engine.hpp"
@@ -32,6 +33,13 @@ std::vector<akv::SegmentIn> segments_from(const py::buffer& segs) {
 }
 
 }  // namespace
+
+// The Python-facing engine also keeps registered buffer objects alive until
+// their region is released.
+struct PyEngine : Engine {
+  using Engine::Engine;
+  std::unordered_map<uint64_t, py::object> keep;
+};
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "aiokvcache native transfer engine (UCX)";
@@ -76,7 +84,7 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("address"), py::arg("length"), py::arg("readonly") = false);
 
-  py::class_<Engine>(m, "Engine")
+  py::class_<PyEngine>(m, "Engine")
       .def(py::init([](const std::string& transport, uint64_t max_inflight_bytes, uint64_t chunk_bytes,
                        const std::map<std::string, std::string>& ucx_options, bool direct_copy) {
              akv::EngineConfig cfg;
@@ -86,22 +94,53 @@ PYBIND11_MODULE(_native, m) {
              cfg.direct_copy = direct_copy;
              for (const auto& kv : ucx_options) cfg.ucx_options.emplace_back(kv.first, kv.second);
              py::gil_scoped_release nogil;
-             return new Engine(std::move(cfg));
+             return new PyEngine(std::move(cfg));
            }),
            py::arg("transport") = "auto", py::arg("max_inflight_bytes") = 64ull << 20,
            py::arg("chunk_bytes") = 1ull << 20,
            py::arg("ucx_options") = std::map<std::string, std::string>{}, py::arg("direct_copy") = true)
       .def_property_readonly("event_fd", &Engine::event_fd)
-      .def_property_readonly("worker_address", [](const Engine& e) { return py::bytes(e.worker_address()); })
+      .def_property_readonly("worker_address", [](const PyEngine& e) { return py::bytes(e.worker_address()); })
       .def_property_readonly("closed", &Engine::closed)
       .def("info", &Engine::info, py::call_guard<py::gil_scoped_release>())
       .def("mem_alloc", &Engine::mem_alloc, py::arg("length"), py::call_guard<py::gil_scoped_release>())
       .def("mem_register", &Engine::mem_register, py::arg("address"), py::arg("length"),
            py::call_guard<py::gil_scoped_release>())
-      .def("mem_release", &Engine::mem_release, py::arg("region_id"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "mem_register_buffer",
+          [](PyEngine& e, const py::object& obj) {
+            py::buffer buf = py::reinterpret_borrow<py::buffer>(obj);
+            py::buffer_info info = buf.request(true);  // writable
+            ssize_t expect = info.itemsize;
+            for (ssize_t i = info.ndim - 1; i >= 0; --i) {
+              if (info.shape[i] > 1 && info.strides[i] != expect) throw py::value_error("buffer must be C-contiguous");
+              expect *= info.shape[i];
+            }
+            uint64_t len = static_cast<uint64_t>(info.size * info.itemsize);
+            if (len == 0) throw py::value_error("buffer is empty");
+            uint64_t addr = reinterpret_cast<uint64_t>(info.ptr);
+            uint64_t rid;
+            {
+              py::gil_scoped_release nogil;
+              rid = e.mem_register(addr, len);
+            }
+            e.keep[rid] = obj;
+            return py::make_tuple(rid, addr, len);
+          },
+          py::arg("buffer"))
+      .def(
+          "mem_release",
+          [](PyEngine& e, uint64_t rid) {
+            {
+              py::gil_scoped_release nogil;
+              e.mem_release(rid);
+            }
+            e.keep.erase(rid);
+          },
+          py::arg("region_id"))
       .def(
           "rkey_pack",
-          [](Engine& e, uint64_t rid) {
+          [](PyEngine& e, uint64_t rid) {
             std::string s;
             {
               py::gil_scoped_release nogil;
@@ -112,7 +151,7 @@ PYBIND11_MODULE(_native, m) {
           py::arg("region_id"))
       .def(
           "connect",
-          [](Engine& e, const py::bytes& addr, bool peer_errors) {
+          [](PyEngine& e, const py::bytes& addr, bool peer_errors) {
             std::string a = addr;
             py::gil_scoped_release nogil;
             return e.connect(a, peer_errors);
@@ -122,7 +161,7 @@ PYBIND11_MODULE(_native, m) {
       .def("fail_endpoint", &Engine::fail_endpoint, py::arg("ep_id"), py::call_guard<py::gil_scoped_release>())
       .def(
           "rkey_unpack",
-          [](Engine& e, uint64_t ep, const py::bytes& packed, uint64_t base, uint64_t len) {
+          [](PyEngine& e, uint64_t ep, const py::bytes& packed, uint64_t base, uint64_t len) {
             std::string p = packed;
             py::gil_scoped_release nogil;
             return e.rkey_unpack(ep, p, base, len);
@@ -131,7 +170,7 @@ PYBIND11_MODULE(_native, m) {
       .def("rkey_release", &Engine::rkey_release, py::arg("rkey_id"), py::call_guard<py::gil_scoped_release>())
       .def(
           "submit",
-          [](Engine& e, int op, uint64_t ep, const py::buffer& segs, const py::bytes& payload, uint64_t timeout_ms) {
+          [](PyEngine& e, int op, uint64_t ep, const py::buffer& segs, const py::bytes& payload, uint64_t timeout_ms) {
             if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
               throw py::value_error("op must be OP_PUT or OP_GET");
             }
@@ -143,7 +182,7 @@ PYBIND11_MODULE(_native, m) {
           py::arg("timeout_ms") = 0)
       .def("cancel", &Engine::cancel, py::arg("job_id"))
       .def("drain",
-           [](Engine& e) {
+           [](PyEngine& e) {
              std::vector<akv::Completion> items = e.drain();
              py::list out(items.size());
              for (size_t i = 0; i < items.size(); ++i) {
@@ -154,7 +193,7 @@ PYBIND11_MODULE(_native, m) {
              return out;
            })
       .def("stats",
-           [](const Engine& e) {
+           [](const PyEngine& e) {
              akv::EngineStats s = e.stats();
              py::dict d;
              d["live_jobs"] = s.live_jobs;

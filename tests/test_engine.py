@@ -519,3 +519,36 @@ async def test_huge_direct_copy_is_cancellable_and_quiescent(transport: str) -> 
     finally:
         a.bridge.close()
         b.bridge.close()
+
+
+async def test_register_buffer_keeps_it_alive_and_moves_bytes(transport: str) -> None:
+    import sys as _sys
+    import weakref
+
+    a = make_side(transport)
+    b = make_side(transport)
+    try:
+        dst = np.zeros(MiB, np.uint8)
+        ref = weakref.ref(dst)
+        rid, addr, n = b.engine.mem_register_buffer(dst)
+        assert (addr, n) == (dst.ctypes.data, MiB)
+        before = _sys.getrefcount(dst)
+        lk = Link(a, Side(b.engine, b.bridge, rid, addr, n), 0, 0)
+        lk.ep = a.engine.connect(b.engine.worker_address, transport != "shm")
+        lk.rkey = a.engine.rkey_unpack(lk.ep, b.engine.rkey_pack(rid), addr, n)
+        del dst  # the engine holds it now
+        assert ref() is not None
+        src = pattern(MiB, 43)
+        await a.bridge.run([put(lk, src)])
+        held = ref()
+        assert held is not None and sha(held) == sha(src)
+        del held
+        b.engine.mem_release(rid)
+        assert ref() is None or _sys.getrefcount(ref()) < before
+        with pytest.raises(ValueError, match="contiguous"):
+            b.engine.mem_register_buffer(np.zeros(64, np.uint8)[::2])
+        with pytest.raises(BufferError):
+            b.engine.mem_register_buffer(b"read-only")
+    finally:
+        a.bridge.close()
+        b.bridge.close()
