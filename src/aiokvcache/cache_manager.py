@@ -1585,11 +1585,11 @@ class CacheManager:
             rec = set()
             self._tag_records[note.tag] = rec
             while len(self._tag_records) > MAX_TAG_RECORDS:
-                old, _ = self._tag_records.popitem(last=False)
-                if old in self._tag_waiters:  # never drop what someone waits for
-                    self._tag_records[old] = _
-                    self._tag_records.move_to_end(old, last=False)
+                # Oldest first, but never what someone waits for (few: skip them).
+                victim = next((t for t in self._tag_records if t not in self._tag_waiters), None)
+                if victim is None or victim == note.tag:
                     break
+                del self._tag_records[victim]
                 self._dropped_records += 1
         rec.add(note.layer)
         for want, fut in self._tag_waiters.get(note.tag, []):

@@ -661,6 +661,7 @@ class _Pipeline:
         self.sync = sync
         self.task = task
         self.timeout = timeout
+        self.sync_error: Exception | None = None
         assert cm._bridge is not None
         self.bridge = cm._bridge
 
@@ -683,7 +684,7 @@ class _Pipeline:
             await self._release_all()
             self._settle(LLMStatusCode.LLM_FAILED)
             raise
-        except Exception as exc:  # the synchronizer raised, or the engine went away
+        except Exception as exc:  # the engine went away under us
             await self._release_all()
             code = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
             self._settle(code)
@@ -702,24 +703,38 @@ class _Pipeline:
             live = [t for t in concerned if not t.stopped and not self._check_failed(t)]
             if not live:
                 continue
-            ok = self.sync(layer, None)
-            if inspect.isawaitable(ok):
-                ok = await ok
+            try:
+                ok = self.sync(layer, None)
+                if inspect.isawaitable(ok):
+                    ok = await ok
+            except Exception as exc:
+                # Like False (what was sent may land), but the task re-raises it.
+                self.sync_error = exc
+                ok = None
             if not ok:
                 for t in concerned:
                     if not t.stopped and t.error is None:
-                        t.error = param_invalid(
-                            f"layer_synchronizer returned {ok!r} for layer {layer}; "
-                            "nothing from that layer on was sent"
+                        t.error = (
+                            param_invalid(
+                                f"layer_synchronizer returned {ok!r} for layer {layer}; "
+                                "nothing from that layer on was sent"
+                            )
+                            if self.sync_error is None
+                            else make_error(
+                                LLMStatusCode.LLM_FAILED,
+                                f"layer_synchronizer raised {self.sync_error!r} for layer "
+                                f"{layer}; nothing from that layer on was sent",
+                            )
                         )
                 for t in self.targets:
                     if t.src_range.stop > layer:
                         t.stopped = True  # layers from this one on are not sent
                 log.warning(
-                    "aiokvcache: transfer_cache_async stopped: synchronizer returned %r for "
-                    "layer %d",
-                    ok,
+                    "aiokvcache: transfer_cache_async stopped at layer %d: %s",
                     layer,
+                    f"synchronizer returned {ok!r}"
+                    if self.sync_error is None
+                    else f"synchronizer raised {self.sync_error!r}",
                 )
                 return
             for t in live:
@@ -807,7 +822,9 @@ class _Pipeline:
                 results[t.index] = LLMStatusCode.LLM_SUCCESS
             # else: stopped by another destination's layer → None
         first = next((t for t in self.targets if t.error is not None), None)
-        if first is not None:
+        if self.sync_error is not None:
+            self.task._error = self.sync_error
+        elif first is not None:
             self.task._error = make_error(
                 first.error.status_code if first.error else LLMStatusCode.LLM_FAILED,
                 f"transfer_cache_async failed; {self._summary()}",
