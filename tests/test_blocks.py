@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,6 +19,7 @@ from _kv import (
     blocks_desc,
     fill,
     make_pair,
+    options,
     pair_fixture,
     same,
     snapshot,
@@ -26,7 +31,10 @@ from aiokvcache import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
+    LLMClusterInfo,
+    LLMDataDist,
     LLMException,
+    LLMRole,
     LLMStatusCode,
     Placement,
     blocks,
@@ -449,3 +457,119 @@ async def test_swap_blocks(pair: Pair) -> None:
         with pytest.raises(exc):
             await pair.p.swap_blocks(*args)
     assert same(before, b)
+
+
+# ------------------------------------------------------------ across processes
+
+
+PEER = Path(__file__).with_name("_blocks_peer.py")
+
+
+class BlocksPeer:
+    """The decode side in a child process (see _blocks_peer.py)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, address: str) -> None:
+        self.proc = proc
+        self.address = address
+
+    @classmethod
+    async def start(cls, transport: str, tensors: int, blocks: int, block_bytes: int) -> BlocksPeer:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(PEER),
+            transport,
+            str(tensors),
+            str(blocks),
+            str(block_bytes),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        async with asyncio.timeout(30):
+            while True:
+                line = (await proc.stdout.readline()).decode()
+                if not line:
+                    raise AssertionError("the peer exited before it was ready")
+                if line.startswith("READY "):
+                    return cls(proc, line.split()[1])
+
+    async def digest(self, model: int, tensor: int, ids: Any) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"hash {model} {tensor} {','.join(map(str, ids))}\n".encode())
+        await self.proc.stdin.drain()
+        async with asyncio.timeout(30):
+            return (await self.proc.stdout.readline()).decode().strip()
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(b"exit\n")
+            with contextlib.suppress(Exception):
+                await self.proc.stdin.drain()
+            try:
+                async with asyncio.timeout(10):
+                    await self.proc.wait()
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+
+
+def sha(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+async def test_blocks_across_processes(transport: str) -> None:
+    layers, nblocks, bb = 3, 4096, 256
+    peer = await BlocksPeer.start(transport, 2 * layers, nblocks, bb)
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    try:
+        await dd.init(options(transport, sync_kv_timeout=60_000))
+        host, port = peer.address.rsplit(":", 1)
+        info = LLMClusterInfo()
+        info.remote_cluster_id = 2
+        info.append_remote_ip_info(host, int(port))
+        rc, _ = await dd.link_clusters([info], timeout=10_000)
+        assert rc == S.LLM_SUCCESS
+        cm = dd.cache_manager
+        desc = CacheDesc(2 * layers, [nblocks, bb], DataType.DT_UINT8, Placement.HOST)
+        src = cm.allocate_blocks_cache(desc)
+        fill(src, 14)
+        rng = np.random.default_rng(15)
+        scattered_src = rng.permutation(nblocks)[:1000]
+        scattered_dst = rng.permutation(nblocks)[:1000]
+        consecutive = np.arange(1000, 3000)
+        # Scattered, all layers; consecutive, layers 1..2 → 0..1.
+        await cm.push_blocks(BlocksCacheKey(2, 0), src, scattered_src, scattered_dst)
+        await cm.push_blocks(
+            BlocksCacheKey(2, 0),
+            src,
+            consecutive,
+            consecutive + 1000,
+            src_layer_range=range(1, 3),
+            dst_layer_range=range(0, 2),
+        )
+        for t in range(2 * layers):
+            got = await peer.digest(0, t, scattered_dst)
+            want_ids = scattered_src
+            if t < 4:  # dst layers 0, 1 were overwritten by src layers 1, 2 in 2000..3999
+                overlap = np.isin(scattered_dst, consecutive + 1000)
+                expected = np.array(kv(src, t)[scattered_src])
+                expected[overlap] = kv(src, t + 2)[scattered_dst[overlap] - 1000]
+                assert got == sha(expected), t
+                assert await peer.digest(0, t, consecutive + 1000) == sha(
+                    kv(src, t + 2)[consecutive]
+                )
+            else:
+                assert got == sha(kv(src, t)[want_ids]), t
+        # Pull back from the peer's patterned cache, scattered into consecutive.
+        dst = cm.allocate_blocks_cache(desc)
+        await cm.pull_blocks(BlocksCacheKey(2, 1), dst, scattered_src, range(1000))
+        pattern = np.random.default_rng(99).integers(
+            0, 256, (2 * layers, nblocks, bb), dtype=np.uint8
+        )
+        for t in range(2 * layers):
+            assert np.array_equal(kv(dst, t)[:1000], pattern[t][scattered_src])
+            assert await peer.digest(1, t, scattered_src) == sha(pattern[t][scattered_src])
+    finally:
+        await dd.finalize()
+        await peer.stop()
