@@ -13,7 +13,7 @@ merged into one span before any row exists.
 
 from __future__ import annotations
 
-import numbers
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,8 +61,9 @@ def block_ids(name: str, value: Any) -> npt.NDArray[np.int64]:
     """Block ids from a list, tuple, ``range`` or 1-D NumPy integer array.
 
     Returns an int64 array (no copy for an int64 array). A wrong container or
-    element type raises ``TypeError``; a negative id or one beyond int64
-    ``ValueError``. Bounds against a cache are :func:`check_in_range`'s job.
+    element type raises ``TypeError`` (in a list, ``bool`` counts as the int
+    it is); a negative id or one beyond int64 ``ValueError``. Bounds against
+    a cache are :func:`check_in_range`'s job.
     """
     if isinstance(value, np.ndarray):
         arr = value
@@ -74,14 +75,14 @@ def block_ids(name: str, value: Any) -> npt.NDArray[np.int64]:
     elif isinstance(value, (list, tuple)):
         if not value:
             return _EMPTY
+        # array.array converts in C and, unlike NumPy, refuses floats and
+        # strings instead of truncating them; bool is an int here.
         try:
-            arr = np.asarray(value)
-        except (ValueError, TypeError, OverflowError):
+            arr = np.frombuffer(array.array("q", value), dtype=np.int64)
+        except OverflowError:
+            raise ValueError(f"{name} holds an id out of the int64 range") from None
+        except TypeError:
             raise TypeError(f"{name} must hold ints only") from None
-        if arr.dtype == object:
-            if all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in value):
-                raise ValueError(f"{name} holds an id out of the int64 range")
-            raise TypeError(f"{name} must hold ints only")
     else:
         raise TypeError(
             f"{name} must be a list, tuple, range or NumPy integer array of block ids, "
