@@ -590,3 +590,22 @@ def test_example_layerwise_pd(transport: str) -> None:
         if decode.poll() is None:
             decode.kill()
             decode.wait()
+
+
+async def test_finalize_during_a_task(transport: str) -> None:
+    pr = await make_pair(transport)
+    try:
+        dst = pr.d.allocate_cache(kv_desc(3))
+        src = pr.p.allocate_cache(kv_desc(3))
+        gate = Gate(3)
+        cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, dst.cache_id))
+        task = await pr.p.transfer_cache_async(src, gate, [cfg])
+        gate.open(0)
+        await asyncio.sleep(0.01)
+        await pr.prompt.finalize()
+        with pytest.raises(LLMException) as ei:
+            await task
+        assert ei.value.status_code == S.LLM_ENGINE_FINALIZED
+        assert await task.get_results() == [S.LLM_ENGINE_FINALIZED]
+    finally:
+        await pr.close()

@@ -682,6 +682,14 @@ class _Pipeline:
             )
         except asyncio.CancelledError:
             await self._release_all()
+            if self.cm._dd._finalized:
+                # finalize() stopped us, not the caller: say so.
+                self._settle(LLMStatusCode.LLM_ENGINE_FINALIZED)
+                self.task._error = make_error(
+                    LLMStatusCode.LLM_ENGINE_FINALIZED,
+                    "finalized during transfer_cache_async; " + self._summary(),
+                )
+                return
             self._settle(LLMStatusCode.LLM_FAILED)
             raise
         except Exception as exc:  # the engine went away under us
@@ -791,6 +799,8 @@ class _Pipeline:
                     await asyncio.shield(g.released)
                 except asyncio.CancelledError as exc:
                     interrupted = exc
+                except Exception:  # the engine failed it: nothing is in flight any more
+                    break
         if interrupted is not None:
             raise interrupted
 
