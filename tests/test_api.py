@@ -580,11 +580,14 @@ async def test_peer_finalize_fails_pushes_with_link_failed(pair: Pair) -> None:
 async def slow_pair(transport: str) -> Pair:
     # A 64 KiB in-flight window: a 64 MiB push takes many round trips (with
     # direct copies off, which bypass the window).
-    return await make_pair(transport, max_inflight_bytes=64 * 1024, direct_copy=False)
+    return await make_pair(
+        transport, max_inflight_bytes=64 * 1024, direct_copy=False, sync_kv_timeout=60_000
+    )
 
 
 def big_desc() -> CacheDesc:
-    return CacheDesc(8, [1, 8 * MiB], DataType.DT_UINT8, Placement.HOST)
+    # 256 MiB: long enough that a 1 ms timeout or cancel always lands mid-way.
+    return CacheDesc(8, [1, 32 * MiB], DataType.DT_UINT8, Placement.HOST)
 
 
 async def assert_still(dst: Cache) -> None:
@@ -598,22 +601,23 @@ async def test_timeout_cancel_quiescent_and_reusable(transport: str) -> None:
     try:
         dst = pr.d.allocate_cache(big_desc())
         src = pr.p.allocate_cache(big_desc())
-        fill(src, 10)
+        for i, t in enumerate(src.tensors):
+            t[...] = i + 1
         key = CacheKeyByIdAndIndex(2, dst.cache_id)
         await pr.p.push_cache(key, src, src_layer_range=range(0, 1))  # warm the metadata
         with pytest.raises(LLMTimeoutError) as ei:
-            await pr.p.push_cache(key, src, timeout=0.003)
+            await pr.p.push_cache(key, src, timeout=0.001)
         assert isinstance(ei.value, TimeoutError)
         assert "landed" in str(ei.value)
         await assert_still(dst)
         task = asyncio.create_task(pr.p.push_cache(key, src))
-        await asyncio.sleep(0.003)
+        await asyncio.sleep(0.001)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         await assert_still(dst)
         with pytest.raises(TimeoutError):
-            with anyio.fail_after(0.003):
+            with anyio.fail_after(0.001):
                 await pr.p.push_cache(key, src)
         await assert_still(dst)
         assert pr.prompt._engine.stats()["live_jobs"] == 0
@@ -645,12 +649,17 @@ async def test_finalize_fails_in_flight_push(transport: str) -> None:
     try:
         dst = pr.d.allocate_cache(big_desc())
         src = pr.p.allocate_cache(big_desc())
-        task = asyncio.create_task(pr.p.push_cache(CacheKeyByIdAndIndex(2, dst.cache_id), src))
-        await asyncio.sleep(0.05)
+        key = CacheKeyByIdAndIndex(2, dst.cache_id)
+        await pr.p.push_cache(key, src, src_layer_range=range(1))  # metadata in hand
+        tasks = [asyncio.create_task(pr.p.push_cache(key, src)) for _ in range(8)]
+        await asyncio.sleep(0.005)
+        assert not all(t.done() for t in tasks)
         await pr.prompt.finalize()
-        with pytest.raises(LLMException) as ei:
-            await task
-        assert ei.value.status_code == S.LLM_ENGINE_FINALIZED
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        failed = [r for r in results if r is not None]
+        assert failed
+        for r in failed:
+            assert isinstance(r, LLMException) and r.status_code == S.LLM_ENGINE_FINALIZED, r
     finally:
         await pr.prompt.finalize()
         await pr.decoder.finalize()

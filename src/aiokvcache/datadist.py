@@ -289,7 +289,10 @@ class LLMDataDist:
         self._linking.add(cid)
         try:
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout_ms / 1000
+            budget = timeout_ms / 1000
+            if self._options.link_total_time_s > 0:  # LLM-DataDist's cap on all attempts
+                budget = min(budget, float(self._options.link_total_time_s))
+            deadline = loop.time() + budget
             status = LLMStatusCode.LLM_LINK_FAILED
             for attempt in range(attempts):
                 left = deadline - loop.time()
@@ -310,6 +313,8 @@ class LLMDataDist:
                     )
                     if status in (LLMStatusCode.LLM_ALREADY_LINK, LLMStatusCode.LLM_PARAM_INVALID):
                         return status
+                    if attempt + 1 < attempts:  # a short pause before the next try
+                        await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
                     continue
                 if conn.peer_cluster_id != cid:
                     log.warning(
