@@ -74,7 +74,7 @@ def make_side(transport: str, size: int = 0, **kw: Any) -> Side:
 
 
 def link(a: Side, b: Side, transport: str) -> Link:
-    ep = a.engine.connect(b.engine.worker_address, transport != "shm")
+    ep = a.engine.connect(b.engine.worker_address, False)
     rkey = a.engine.rkey_unpack(ep, b.engine.rkey_pack(b.region), b.addr, b.size)
     return Link(a, b, ep, rkey)
 
@@ -401,7 +401,7 @@ class Peer:
 async def remote(transport: str) -> AsyncIterator[tuple[Side, Peer, Link]]:
     peer = Peer(transport, 256 * MiB + 4096)
     a = make_side(transport)
-    ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), transport != "shm")
+    ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), False)
     rkey = a.engine.rkey_unpack(
         ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"]
     )
@@ -450,11 +450,14 @@ async def test_cross_process_many_concurrent(remote: tuple[Side, Peer, Link]) ->
     assert peer.cmd(f"hash 0 {src.nbytes}")["sha"] == sha(src)
 
 
-async def test_peer_killed_mid_transfer(transport: str) -> None:
+@pytest.mark.parametrize("peer_errors", [False, True], ids=["plain-ep", "ucx-peer-errors"])
+async def test_peer_killed_mid_transfer(transport: str, peer_errors: bool) -> None:
+    if transport == "shm" and peer_errors:
+        pytest.skip("UCX refuses peer-failure handling on shared memory")
     peer = Peer(transport, 64 * MiB)
     a = slow_side(transport)
     try:
-        ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), transport != "shm")
+        ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), peer_errors)
         rkey = a.engine.rkey_unpack(
             ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"]
         )
@@ -534,7 +537,7 @@ async def test_register_buffer_keeps_it_alive_and_moves_bytes(transport: str) ->
         assert (addr, n) == (dst.ctypes.data, MiB)
         before = _sys.getrefcount(dst)
         lk = Link(a, Side(b.engine, b.bridge, rid, addr, n), 0, 0)
-        lk.ep = a.engine.connect(b.engine.worker_address, transport != "shm")
+        lk.ep = a.engine.connect(b.engine.worker_address, False)
         lk.rkey = a.engine.rkey_unpack(lk.ep, b.engine.rkey_pack(rid), addr, n)
         del dst  # the engine holds it now
         assert ref() is not None

@@ -1,0 +1,147 @@
+"""push_cache throughput between two processes, beside ucx_perftest and memcpy.
+
+Workload (issue 3): a decode process owns a cache of 32 layers x (K, V) x
+1 MiB; this process pushes its own copy with one ``push_cache`` per layer,
+all 32 layers in flight at once, again and again. Baselines measured in the
+same run: ``ucx_perftest -t ucp_put_bw -s 1MiB`` over the same UCX transports,
+and a plain memcpy of the same working set in one process.
+
+    python benchmarks/bench_push.py                 # shm and tcp
+    python benchmarks/bench_push.py --transport tcp --seconds 5
+
+Targets: >= 0.8 x perftest over shm, >= 0.85 x perftest over tcp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Children, fmt_gbs, fmt_ratio, read_json_line, run_perftest, table  # noqa: E402
+
+import aiokvcache as kv  # noqa: E402
+
+MiB = 1 << 20
+PERFTEST_TLS = {"shm": "sm,self", "tcp": "tcp,self"}
+TARGET = {"shm": 0.80, "tcp": 0.85}
+
+
+def memcpy_baseline(total: int, seconds: float) -> float:
+    """Bytes/s of np.copyto over the same working set, 1 MiB at a time."""
+    src = np.ones(total, np.uint8)
+    dst = np.zeros(total, np.uint8)
+    moved = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for off in range(0, total, MiB):
+            np.copyto(dst[off : off + MiB], src[off : off + MiB])
+        moved += total
+    return moved / (time.perf_counter() - start)
+
+
+async def measure(
+    transport: str, layers: int, seconds: float, direct_copy: bool, children: Children
+) -> float:
+    """Bytes/s of awaited push passes (one push_cache per layer, all in flight)."""
+    argv = [
+        sys.executable, "-m", "aiokvcache", "_decode", f"--layers={layers}", "--tokens=4096",
+        "--heads=1", "--head-dim=128", f"--transport={transport}",
+    ]
+    import subprocess
+
+    peer = children.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        hello = read_json_line(peer, 60)
+        cfg = kv.LLMConfig()
+        cfg.transport = transport
+        cfg.direct_copy = direct_copy
+        cfg.sync_kv_timeout = 60_000
+        async with kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as dd:
+            await dd.init(cfg.generate_options())
+            host, port = str(hello["address"]).rsplit(":", 1)
+            info = kv.LLMClusterInfo()
+            info.remote_cluster_id = 2
+            info.append_remote_ip_info(host, int(port))
+            ret, rets = await dd.link_clusters([info], timeout=10_000)
+            if ret != kv.LLMStatusCode.LLM_SUCCESS:
+                raise RuntimeError(f"link failed: {rets}")
+            desc = kv.CacheDesc(2 * layers, [1, 4096, 1, 128], kv.DataType.DT_FLOAT16, kv.Placement.HOST)
+            cm = dd.cache_manager
+            src = cm.allocate_cache(desc)
+            for t in src.tensors:
+                t[...] = 1
+            key = kv.CacheKeyByIdAndIndex(2, int(hello["cache_id"]))
+
+            async def one_pass() -> None:
+                await asyncio.gather(
+                    *(cm.push_cache(key, src, src_layer_range=range(i, i + 1)) for i in range(layers))
+                )
+
+            for _ in range(3):  # warm up: metadata, endpoints, page faults
+                await one_pass()
+            passes = 0
+            start = time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                await one_pass()
+                passes += 1
+            elapsed = time.perf_counter() - start
+        return passes * layers * 2 * MiB / elapsed
+    finally:
+        children.end(peer)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--transport", choices=["shm", "tcp", "both"], default="both")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    args = ap.parse_args()
+    transports = ["shm", "tcp"] if args.transport == "both" else [args.transport]
+    total = args.layers * 2 * MiB
+    children = Children()
+    rows = []
+    try:
+        mem = memcpy_baseline(total, min(args.seconds, 2.0))
+        for tr in transports:
+            perf = run_perftest(
+                children, "ucp_put_bw", MiB, 2000 if tr == "shm" else 500, PERFTEST_TLS[tr]
+            )
+            variants = [("direct copy", True), ("UCX lanes", False)] if tr == "shm" else [("", True)]
+            for label, direct in variants:
+                ours = asyncio.run(measure(tr, args.layers, args.seconds, direct, children))
+                ratio = ours / perf.bytes_per_s
+                name = f"{tr} {label}".strip()
+                rows.append(
+                    [
+                        name,
+                        fmt_gbs(ours),
+                        fmt_gbs(perf.bytes_per_s),
+                        fmt_ratio(ratio),
+                        f">= {TARGET[tr]:.2f}: {'met' if ratio >= TARGET[tr] else 'NOT met'}",
+                        fmt_ratio(ours / mem),
+                    ]
+                )
+    finally:
+        children.close_all()
+    print(
+        f"push_cache: {args.layers} layers x (K,V) x 1 MiB, one push_cache per layer, all in "
+        f"flight; {args.seconds:.0f} s per row; memcpy of the same {total // MiB} MiB: {fmt_gbs(mem)}"
+    )
+    print(
+        table(
+            ["transport", "aiokvcache", "ucx_perftest put_bw 1 MiB", "ratio", "target", "vs memcpy"],
+            rows,
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
