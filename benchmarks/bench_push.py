@@ -24,9 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Children, fmt_gbs, fmt_ratio, read_json_line, run_perftest, table  # noqa: E402
+from _common import Children, fmt_gbs, fmt_ratio, read_json_line, run_perftest, table
 
-import aiokvcache as kv  # noqa: E402
+import aiokvcache as kv
 
 MiB = 1 << 20
 PERFTEST_TLS = {"shm": "sm,self", "tcp": "tcp,self"}
@@ -51,8 +51,15 @@ async def measure(
 ) -> float:
     """Bytes/s of awaited push passes (one push_cache per layer, all in flight)."""
     argv = [
-        sys.executable, "-m", "aiokvcache", "_decode", f"--layers={layers}", "--tokens=4096",
-        "--heads=1", "--head-dim=128", f"--transport={transport}",
+        sys.executable,
+        "-m",
+        "aiokvcache",
+        "_decode",
+        f"--layers={layers}",
+        "--tokens=4096",
+        "--heads=1",
+        "--head-dim=128",
+        f"--transport={transport}",
     ]
     import subprocess
 
@@ -72,7 +79,9 @@ async def measure(
             ret, rets = await dd.link_clusters([info], timeout=10_000)
             if ret != kv.LLMStatusCode.LLM_SUCCESS:
                 raise RuntimeError(f"link failed: {rets}")
-            desc = kv.CacheDesc(2 * layers, [1, 4096, 1, 128], kv.DataType.DT_FLOAT16, kv.Placement.HOST)
+            desc = kv.CacheDesc(
+                2 * layers, [1, 4096, 1, 128], kv.DataType.DT_FLOAT16, kv.Placement.HOST
+            )
             cm = dd.cache_manager
             src = cm.allocate_cache(desc)
             for t in src.tensors:
@@ -81,7 +90,10 @@ async def measure(
 
             async def one_pass() -> None:
                 await asyncio.gather(
-                    *(cm.push_cache(key, src, src_layer_range=range(i, i + 1)) for i in range(layers))
+                    *(
+                        cm.push_cache(key, src, src_layer_range=range(i, i + 1))
+                        for i in range(layers)
+                    )
                 )
 
             for _ in range(3):  # warm up: metadata, endpoints, page faults
@@ -113,7 +125,9 @@ def main() -> int:
             perf = run_perftest(
                 children, "ucp_put_bw", MiB, 2000 if tr == "shm" else 500, PERFTEST_TLS[tr]
             )
-            variants = [("direct copy", True), ("UCX lanes", False)] if tr == "shm" else [("", True)]
+            variants = (
+                [("direct copy", True), ("UCX lanes", False)] if tr == "shm" else [("", True)]
+            )
             for label, direct in variants:
                 ours = asyncio.run(measure(tr, args.layers, args.seconds, direct, children))
                 ratio = ours / perf.bytes_per_s
@@ -136,7 +150,14 @@ def main() -> int:
     )
     print(
         table(
-            ["transport", "aiokvcache", "ucx_perftest put_bw 1 MiB", "ratio", "target", "vs memcpy"],
+            [
+                "transport",
+                "aiokvcache",
+                "ucx_perftest put_bw 1 MiB",
+                "ratio",
+                "target",
+                "vs memcpy",
+            ],
             rows,
         )
     )
