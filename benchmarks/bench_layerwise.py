@@ -175,17 +175,27 @@ async def pipeline_bench(args: argparse.Namespace, peer: str) -> dict[str, Any]:
         c_total = await timed(compute_only, args.repeat)
         big_c = c_total / layers
 
+        inside: list[tuple[float, float]] = []  # (compute time, tail) per run
+
         async def pipelined() -> None:
             gate = Gate(layers)
             task = await cm.transfer_cache_async(src, gate, cfg, ids, dst_ids)
+            busy = 0.0
             for i in range(layers):
+                t0 = time.perf_counter()
                 compute.run()
+                busy += time.perf_counter() - t0
                 gate.events[i].set()
                 await asyncio.sleep(0)  # the task submits layer i; it moves during i + 1
+            t0 = time.perf_counter()
             await task
+            inside.append((busy, time.perf_counter() - t0))
 
         await pipelined()
+        inside.clear()
         wall = await timed(pipelined, args.repeat)
+        busy_in = statistics.median(b for b, _ in inside) / layers
+        tail = statistics.median(t for _, t in inside)
         ideal = layers * max(big_c, big_t) + min(big_c, big_t)
         serial = layers * (big_c + big_t)
         return {
@@ -197,6 +207,8 @@ async def pipeline_bench(args: argparse.Namespace, peer: str) -> dict[str, Any]:
             "ideal": ideal,
             "serial": serial,
             "wall": wall,
+            "C_in": busy_in,
+            "tail": tail,
         }
 
 
@@ -259,6 +271,8 @@ def report(r: dict[str, Any], prep: list[tuple[str, float]], transport: str) -> 
         ),
         ("pipelined / no overlap", f"{r['wall'] / r['serial']:.3f}"),
         ("overlap achieved", f"{100 * hidden:.0f} % of what perfect overlap saves"),
+        ("  compute per layer, pipelined", f"{ms(r['C_in'])} (alone {ms(r['C'])})"),
+        ("  wait after the last layer", f"{ms(r['tail'])} (ideal {ms(min(r['C'], r['T']))})"),
     ]
     width = max(len(a) for a, _ in rows)
     print("\nLayer-wise pipelining (transfer_cache_async)")

@@ -134,14 +134,26 @@ def _runs(
     n = a.size
     if n == 0:
         return _EMPTY, _EMPTY, _EMPTY
-    brk = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
+    go_on = np.diff(a) == 1
+    go_on &= np.diff(b) == 1
+    if not go_on.any():  # nothing to merge: skip the gathers
+        return a, b, np.ones(n, dtype=np.int64)
+    brk = np.flatnonzero(~go_on)
+    brk += 1
     starts = np.empty(brk.size + 1, dtype=np.int64)
     starts[0] = 0
     starts[1:] = brk
-    ends = np.empty_like(starts)
-    ends[:-1] = brk
-    ends[-1] = n
-    return a[starts], b[starts], ends - starts
+    lengths = np.empty_like(starts)
+    lengths[:-1] = brk
+    lengths[-1] = n
+    lengths -= starts
+    return a[starts], b[starts], lengths
+
+
+def _bytes(ids: npt.NDArray[np.int64], size: int) -> npt.NDArray[np.uint64]:
+    """``ids * size`` as uint64 (ids and offsets are non-negative int64)."""
+    out = np.multiply(ids, size, dtype=np.int64)
+    return out.view(np.uint64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +182,7 @@ def blocks_plan(
 ) -> SpanPlan:
     """Local block ``local_ids[i]`` ↔ remote block ``remote_ids[i]``, ``block`` bytes each."""
     la, ra, cnt = _runs(local_ids, remote_ids)
-    b = U64(block)
-    return SpanPlan(la.astype(U64) * b, ra.astype(U64) * b, cnt.astype(U64) * b)
+    return SpanPlan(_bytes(la, block), _bytes(ra, block), _bytes(cnt, block))
 
 
 def slot_blocks_plan(

@@ -844,11 +844,15 @@ def _check_addrs(name: str, addrs: Any) -> list[int]:
 class TransferConfig:
     """One destination of ``transfer_cache_async``, given by raw addresses.
 
-    ``dst_addrs`` lists the destination tensor addresses (uint64), one per
-    tensor of the layers sent (already offset to the batch slot for a
-    non-paged cache); ``src_layer_range`` is the local layers to send
-    (``None`` = all); ``src_batch_index`` uint32.  **[ours]** ``tag``: a
-    ``str`` / ``bytes`` notification tag, as for ``push_cache``.
+    ``dst_addrs`` lists the destination tensor addresses (uint64), two per
+    layer sent (K, V): already offset to the batch slot for a contiguous
+    destination, the tensors' base addresses for a blocks destination
+    (``dst_block_indices``). Each must lie inside a remote-accessible cache
+    of that cluster, with room for what is sent (checked before any byte
+    moves). ``src_layer_range`` is the local layers to send (``None`` =
+    all); ``src_batch_index`` uint32.  **[ours]** ``tag``: a ``str`` /
+    ``bytes`` notification tag, as for ``push_cache``; the destination layer
+    it reports is the one the first address falls in.
     """
 
     def __init__(
