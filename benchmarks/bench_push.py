@@ -146,7 +146,8 @@ def main() -> int:
         children.close_all()
     print(
         f"push_cache: {args.layers} layers x (K,V) x 1 MiB, one push_cache per layer, all in "
-        f"flight; {args.seconds:.0f} s per row; memcpy of the same {total // MiB} MiB: {fmt_gbs(mem)}"
+        f"flight; {args.seconds:.0f} s per row; "
+        f"memcpy of the same {total // MiB} MiB: {fmt_gbs(mem)}"
     )
     print(
         table(
