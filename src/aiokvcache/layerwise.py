@@ -160,14 +160,19 @@ class _Target:
     error: LLMException | None = None
     stopped: bool = False
     cancelled_rest: bool = False
+    job_failed: bool = False  # set by a group's done-callback
 
     def failed(self) -> bool:
-        if self.error is not None:
-            return True
-        for g, _ in self.groups:
-            if any(r is not None and not r.ok for r in g.results):
-                return True
-        return False
+        return self.error is not None or self.job_failed
+
+    def watch(self, group: Any) -> None:
+        """Note a failed layer as soon as the bridge resolves it (no polling)."""
+
+        def done(_: Any) -> None:
+            if any(r is not None and not r.ok for r in group.results):
+                self.job_failed = True
+
+        group.first.add_done_callback(done)
 
 
 def _describe(i: int, config: Config) -> str:
@@ -751,6 +756,7 @@ class _Pipeline:
                 payload = self.prep._payload(t, spec)
                 group = self.bridge.submit_group([(OP_PUT, t.link.ep, rows, payload, per_job_ms)])
                 t.groups.append((group, f"layer {spec.dst_layer}"))
+                t.watch(group)
                 self.src.active.add(group)
                 for rc in t.remotes:
                     rc.active.add(group)
