@@ -320,6 +320,7 @@ class PerftestResult:
 
     test: str
     tls: str
+    flags: tuple[str, ...]
     size: int
     iterations: int
     latency_us: float  # overall, per iteration
@@ -346,11 +347,13 @@ def run_perftest(
     *,
     warmup: int | None = None,
     timeout: float = 60.0,
+    flags: Sequence[str] = (),
     extra_env: dict[str, str] | None = None,
     attempts: int = 3,
 ) -> PerftestResult:
     """Run ``ucx_perftest -t test`` between two local processes over ``tls``.
 
+    ``flags`` go to both sides (``-e``: endpoints with peer error handling).
     Raises RuntimeError (with the tool's last words) when it fails.
     """
     exe = perftest_path()
@@ -368,7 +371,7 @@ def run_perftest(
     for _ in range(attempts):
         port = free_port()
         server = children.popen(
-            with_deadline([str(exe), "-p", str(port)], timeout + 5),
+            with_deadline([str(exe), "-p", str(port), *flags], timeout + 5),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
@@ -384,7 +387,7 @@ def run_perftest(
                 last_error = f"server on port {port} did not start"
                 continue
             argv = [str(exe), "127.0.0.1", "-p", str(port), "-t", test]
-            argv += ["-s", str(size), "-n", str(iters), "-w", str(w)]
+            argv += ["-s", str(size), "-n", str(iters), "-w", str(w), *flags]
             try:
                 client = subprocess.run(
                     with_deadline(argv, timeout + 2),
@@ -411,7 +414,9 @@ def run_perftest(
             n, _p50, _avg, lat_overall, _bw_avg, bw_overall, _mr_avg, _mr_overall = final
             # perftest's "MB" is 2**20 bytes.
             bps = bw_overall * MiB
-            return PerftestResult(test, tls, size, int(n), lat_overall, bps, bps / size, window)
+            return PerftestResult(
+                test, tls, tuple(flags), size, int(n), lat_overall, bps, bps / size, window
+            )
         finally:
             children.end(server, grace=2.0)
     raise RuntimeError(f"ucx_perftest {test} {fmt_size(size)} over {tls} failed: {last_error}")

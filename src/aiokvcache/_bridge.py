@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -177,8 +178,19 @@ class Bridge:
 
     # ----------------------------------------------------------- submission
 
-    def submit_group(self, jobs: Sequence[tuple[int, int, Any, bytes, int]]) -> _Group:
-        """Submit (op, endpoint id, segments, payload, timeout_ms) jobs as one group."""
+    def submit_group(
+        self, jobs: Sequence[tuple[int, int, Any, bytes, int]], *, timeout: float | None = None
+    ) -> _Group:
+        """Submit (op, endpoint id, segments, payload, timeout_ms) jobs as one group.
+
+        ``timeout`` (seconds, the whole group) becomes every job's native
+        deadline (the earlier of it and the job's own): the engine then ends
+        late jobs with TIMEOUT itself, and nobody arms an asyncio timer per
+        call.
+        """
+        if timeout is not None:
+            cap = max(1, math.ceil(timeout * 1000))
+            jobs = [(op, ep, sg, pl, cap if t <= 0 else min(t, cap)) for op, ep, sg, pl, t in jobs]
         if self._closed:
             raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized")
         group = _Group(
@@ -228,8 +240,8 @@ class Bridge:
         ``timeout`` (seconds, whole group) passes, and re-raises cancellation;
         in every case only after all jobs are released.
         """
-        group = self.submit_group(jobs)
-        return await self.wait(group, timeout=timeout, labels=labels)
+        group = self.submit_group(jobs, timeout=timeout)
+        return await self.wait(group, labels=labels)
 
     async def wait(
         self,
@@ -238,10 +250,20 @@ class Bridge:
         timeout: float | None = None,
         labels: Sequence[str] | None = None,
     ) -> list[JobResult]:
-        """Await a group from :meth:`submit_group` (see :meth:`run`)."""
+        """Await a group from :meth:`submit_group` (see :meth:`run`).
+
+        ``timeout`` here is an asyncio deadline on the wait; prefer giving it
+        to :meth:`submit_group`, which costs nothing per call.
+        """
+        # ``first`` is awaited unshielded: if this task is cancelled it is
+        # cancelled too, which _job_done tolerates; ``released`` is the future
+        # that must survive, and _release shields it.
         try:
-            async with asyncio.timeout(timeout):
-                await asyncio.shield(group.first)
+            if timeout is None:
+                await group.first
+            else:
+                async with asyncio.timeout(timeout):
+                    await group.first
         except TimeoutError:
             await self._release(group)
             raise self._failure(group, labels, timed_out=True) from None
