@@ -273,6 +273,10 @@ def report(r: dict[str, Any], prep: list[tuple[str, float]], transport: str) -> 
         ("overlap achieved", f"{100 * hidden:.0f} % of what perfect overlap saves"),
         ("  compute per layer, pipelined", f"{ms(r['C_in'])} (alone {ms(r['C'])})"),
         ("  wait after the last layer", f"{ms(r['tail'])} (ideal {ms(min(r['C'], r['T']))})"),
+        (
+            "  pipelined / ideal from that C",
+            f"{r['wall'] / (r['layers'] * max(r['C_in'], r['T']) + min(r['C_in'], r['T'])):.3f}",
+        ),
     ]
     width = max(len(a) for a, _ in rows)
     print("\nLayer-wise pipelining (transfer_cache_async)")
