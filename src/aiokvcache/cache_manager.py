@@ -904,13 +904,16 @@ class CacheManager:
         local: _LocalCache,
         remote: _RemoteCache,
     ) -> None:
-        group = self._bridge_submit(jobs)
+        assert self._bridge is not None
+        # The whole-call timeout becomes the jobs' native deadline.
+        group = self._bridge.submit_group(jobs, timeout=timeout)
         local.active.add(group)
         remote.active.add(group)
         try:
-            await self._bridge_wait(group, timeout, labels)
+            await self._bridge.wait(group, labels=labels)
         except LLMException as exc:
-            # Jobs we cancelled because a cache went away: say so.
+            # Jobs we cancelled because a cache went away, or that the engine
+            # refused because its key was released meanwhile: say so.
             cancelled = exc.status_code in (
                 LLMStatusCode.LLM_FAILED,
                 LLMStatusCode.LLM_PARAM_INVALID,
@@ -921,30 +924,17 @@ class CacheManager:
                         LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                         f"{what} was deallocated during the transfer; {exc.message}",
                     ) from exc
+            if exc.status_code == LLMStatusCode.LLM_PARAM_INVALID:
+                raise make_error(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    f"destination cache went away: {exc.message}",
+                ) from exc
             raise
         finally:
             local.active.discard(group)
             remote.active.discard(group)
             if not remote.valid and not remote.active:
                 self._release_keys(remote)
-
-    def _bridge_submit(self, jobs: list[tuple[int, int, Any, bytes, int]]) -> Any:
-        assert self._bridge is not None
-        return self._bridge.submit_group(jobs)
-
-    async def _bridge_wait(self, group: Any, timeout: float | None, labels: list[str]) -> None:
-        assert self._bridge is not None
-        try:
-            await self._bridge.wait(group, timeout=timeout, labels=labels)
-        except LLMException as exc:
-            if exc.status_code == LLMStatusCode.LLM_PARAM_INVALID:
-                # The engine refused a key: the remote cache went away
-                # between our lookup and the submission.
-                raise make_error(
-                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                    f"destination cache went away: {exc.message}",
-                ) from exc
-            raise
 
     async def push_cache(
         self,
