@@ -26,9 +26,10 @@ from aiokvcache import (
 S = LLMStatusCode
 
 
-def cluster_info(dd: LLMDataDist) -> LLMClusterInfo:
+def cluster_info(dd: LLMDataDist, cluster_id: int | None = None) -> LLMClusterInfo:
+    """Where ``dd`` listens; ``cluster_id`` overrides the id we expect to find there."""
     info = LLMClusterInfo()
-    info.remote_cluster_id = dd.cluster_id
+    info.remote_cluster_id = dd.cluster_id if cluster_id is None else cluster_id
     assert dd.listen_address is not None
     host, port = dd.listen_address.rsplit(":", 1)
     info.append_remote_ip_info(host, int(port))

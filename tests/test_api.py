@@ -6,13 +6,23 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 
+from _kv import (
+    Pair,
+    assert_still,
+    cluster_info,
+    fill,
+    make_pair,
+    options,
+    pair_fixture,
+    same,
+    snapshot,
+)
 from aiokvcache import (
     Cache,
     CacheDesc,
@@ -20,7 +30,6 @@ from aiokvcache import (
     CacheKeyByIdAndIndex,
     DataType,
     LLMClusterInfo,
-    LLMConfig,
     LLMDataDist,
     LLMException,
     LLMRole,
@@ -33,79 +42,18 @@ S = LLMStatusCode
 MiB = 1 << 20
 
 
-def cluster_info(dd: LLMDataDist, cluster_id: int | None = None) -> LLMClusterInfo:
-    info = LLMClusterInfo()
-    info.remote_cluster_id = dd.cluster_id if cluster_id is None else cluster_id
-    assert dd.listen_address is not None
-    host, port = dd.listen_address.rsplit(":", 1)
-    info.append_remote_ip_info(host, int(port))
-    return info
-
-
-def options(transport: str, listen: bool = False, **extra: Any) -> dict[str, str]:
-    cfg = LLMConfig()
-    cfg.transport = transport
-    if listen:
-        cfg.listen_ip_info = "127.0.0.1:0"
-    for k, v in extra.items():
-        setattr(cfg, k, v)
-    return cfg.generate_options()
-
-
-@dataclass
-class Pair:
-    prompt: LLMDataDist  # cluster 1, links to the decoder
-    decoder: LLMDataDist  # cluster 2, listens
-
-    @property
-    def p(self) -> Any:
-        return self.prompt.cache_manager
-
-    @property
-    def d(self) -> Any:
-        return self.decoder.cache_manager
-
-
-async def make_pair(transport: str, **extra: Any) -> Pair:
-    decoder = LLMDataDist(LLMRole.DECODER, 2)
-    await decoder.init(options(transport, listen=True, **extra))
-    prompt = LLMDataDist(LLMRole.PROMPT, 1)
-    await prompt.init(options(transport, **extra))
-    rc, per = await prompt.link_clusters([cluster_info(decoder)], timeout=5000)
-    assert rc == S.LLM_SUCCESS and per == [S.LLM_SUCCESS]
-    return Pair(prompt, decoder)
-
-
 @pytest.fixture
 async def pair(transport: str) -> AsyncIterator[Pair]:
-    pr = await make_pair(transport)
-    yield pr
-    await pr.prompt.finalize()
-    await pr.decoder.finalize()
-    for dd in (pr.prompt, pr.decoder):
-        assert dd._engine.stats()["live_jobs"] == 0
+    async for pr in pair_fixture(transport):
+        yield pr
 
 
 def kv_desc(layers: int = 4, batch: int = 2, tokens: int = 16, dim: int = 64) -> CacheDesc:
     return CacheDesc(2 * layers, [batch, tokens, dim], DataType.DT_FLOAT16, Placement.HOST)
 
 
-def fill(cache: Cache, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for t in cache.tensors:
-        t[...] = rng.standard_normal(t.shape).astype(t.dtype)
-
-
 def digest(cache: Cache) -> list[str]:
     return [hashlib.sha256(t.tobytes()).hexdigest() for t in cache.tensors]
-
-
-def snapshot(cache: Cache) -> list[np.ndarray]:
-    return [t.copy() for t in cache.tensors]
-
-
-def same(a: list[np.ndarray], cache: Cache) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(a, cache.tensors, strict=True))
 
 
 # ------------------------------------------------------------- lifecycle
@@ -588,12 +536,6 @@ async def slow_pair(transport: str) -> Pair:
 def big_desc() -> CacheDesc:
     # 256 MiB: long enough that a 1 ms timeout or cancel always lands mid-way.
     return CacheDesc(8, [1, 32 * MiB], DataType.DT_UINT8, Placement.HOST)
-
-
-async def assert_still(dst: Cache) -> None:
-    before = snapshot(dst)
-    await asyncio.sleep(0.2)
-    assert same(before, dst), "write after the call returned"
 
 
 async def test_timeout_cancel_quiescent_and_reusable(transport: str) -> None:
