@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from aiokvcache._bridge import ALL_BRIDGES
+
 TRANSPORTS = ("shm", "tcp")
 
 
@@ -23,11 +25,18 @@ async def loop_guard() -> AsyncIterator[None]:
     calls: list[dict[str, Any]] = []
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, ctx: calls.append(ctx))
+    before = set(ALL_BRIDGES)
     yield
     # Let done-callbacks and finalizers of this test run before judging.
     await asyncio.sleep(0)
     loop.set_exception_handler(previous)
     assert not calls, f"loop exception handler was called: {calls!r}"
+    # No native job may outlive the test that started it.
+    for bridge in set(ALL_BRIDGES) - before:
+        if not bridge.closed:
+            assert bridge.pending_jobs == 0, f"{bridge.pending_jobs} jobs still pending"
+            assert bridge.engine.stats()["live_jobs"] == 0, "native jobs still live"
+            bridge.close()  # a test that leaked its engine: do not leak threads too
 
 
 @pytest.fixture(params=TRANSPORTS)

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,10 @@ class _Group:
     index: dict[int, int] = field(default_factory=dict)
 
 
+#: Every live bridge (weakly), so tests can check that no job outlives them.
+ALL_BRIDGES: weakref.WeakSet[Bridge] = weakref.WeakSet()
+
+
 class Bridge:
     """Binds one native ``Engine`` to the running event loop."""
 
@@ -102,6 +107,7 @@ class Bridge:
         #: Called with (endpoint id, UCX status) when an endpoint fails.
         self.on_endpoint_error: Callable[[int, int], None] | None = None
         self._loop.add_reader(self._fd, self._on_readable)
+        ALL_BRIDGES.add(self)
 
     # ------------------------------------------------------------ plumbing
 
