@@ -601,24 +601,16 @@ void Engine::advance(Job* j) {
     j->phase = Phase::kFlushing;
     // A put has landed only when the peer has it: flush, even after a cancel,
     // so nothing this job posted can still arrive once it is reported.
+    // Jobs that reach this point in the same step share one endpoint flush
+    // (it covers every operation posted before it): see post_flushes().
     if (j->op == Op::kPut && j->posted_any && !j->ep->broken && j->ep->handle != nullptr) {
-      ucp_request_param_t p{};
-      p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-      p.cb.send = &Engine::on_data_done;
-      p.user_data = this;
-      ucs_status_ptr_t r = ucp_ep_flush_nbx(j->ep->handle, &p);
-      if (UCS_PTR_IS_ERR(r)) {
-        ucs_status_t st = UCS_PTR_STATUS(r);
-        j->fail(status_from_ucs(st) == Status::kCancelled ? Status::kLinkFailed : status_from_ucs(st), st);
-      } else if (r != nullptr) {
-        auto* ctx = static_cast<RequestCtx*>(r);
-        ctx->kind = RequestCtx::kFlush;
-        ctx->job = j;
-        ctx->ep = j->ep;
-        ctx->len = 0;
-        j->inflight_ops++;
-        return;
+      j->inflight_ops++;
+      j->ep->flush_wait.push_back(j);
+      if (!j->ep->flush_queued) {
+        j->ep->flush_queued = true;
+        flush_eps_.push_back(j->ep);
       }
+      return;
     }
   }
   if (j->phase == Phase::kFlushing) {
@@ -683,7 +675,56 @@ void Engine::finish(Job* j) {
   cq_.push(std::move(c));
 }
 
+bool Engine::post_flushes() {
+  if (flush_eps_.empty()) return false;
+  std::vector<Endpoint*> eps;
+  eps.swap(flush_eps_);
+  for (Endpoint* ep : eps) {
+    ep->flush_queued = false;
+    auto* batch = new std::vector<Job*>();
+    batch->swap(ep->flush_wait);
+    if (ep->broken || ep->handle == nullptr) {
+      complete_flush(batch, UCS_ERR_CONNECTION_RESET);
+      continue;
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = &Engine::on_data_done;
+    p.user_data = this;
+    ucs_status_ptr_t r = ucp_ep_flush_nbx(ep->handle, &p);
+    if (UCS_PTR_IS_ERR(r)) {
+      complete_flush(batch, UCS_PTR_STATUS(r));
+    } else if (r == nullptr) {
+      complete_flush(batch, UCS_OK);
+    } else {
+      auto* ctx = static_cast<RequestCtx*>(r);
+      ctx->kind = RequestCtx::kFlush;
+      ctx->job = nullptr;
+      ctx->ep = ep;
+      ctx->len = 0;
+      ctx->batch = batch;
+    }
+  }
+  return true;
+}
+
+void Engine::complete_flush(std::vector<Job*>* batch, ucs_status_t st) {
+  for (Job* j : *batch) {
+    j->inflight_ops--;
+    if (st != UCS_OK) {
+      Status s = status_from_ucs(st);
+      j->fail(s == Status::kCancelled || s == Status::kError ? Status::kLinkFailed : s, st);
+    }
+    touch(j);
+  }
+  delete batch;
+}
+
 void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
+  if (ctx->kind == RequestCtx::kFlush) {
+    complete_flush(ctx->batch, st);
+    return;
+  }
   if (ctx->kind == RequestCtx::kClose) {
     ctx->ep->handle = nullptr;
     ctx->ep->close_done = true;
@@ -892,6 +933,10 @@ bool Engine::step() {
   process_touched();
   check_deadlines();
   process_touched();
+  while (post_flushes()) {
+    busy = true;
+    process_touched();  // flushes that completed at once move their jobs on
+  }
   check_stuck();
   inflight_snapshot_.store(inflight_bytes_);
   return busy;

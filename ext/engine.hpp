@@ -45,6 +45,8 @@ struct Endpoint {
   bool closing = false;  // disconnect asked; closed once its jobs are done
   bool close_posted = false;
   bool close_done = false;
+  bool flush_queued = false;       // in Engine::flush_eps_
+  std::vector<Job*> flush_wait;    // puts waiting for the next shared flush
   std::chrono::steady_clock::time_point force_after{};  // forced close once passed
   int32_t ucs_status = 0;
   int jobs = 0;
@@ -119,6 +121,8 @@ class Engine {
   void finish(Job* j);
   void check_deadlines();
   void check_stuck();
+  bool post_flushes();
+  void complete_flush(std::vector<Job*>* batch, ucs_status_t st);
   void cancel_job(Job* j, Status why);
   void admit(std::unique_ptr<Job> j);
   void close_endpoint(Endpoint* ep, bool force);
@@ -165,6 +169,7 @@ class Engine {
   std::unordered_map<uint64_t, std::unique_ptr<Region>> regions_;
   std::vector<Endpoint*> failed_eps_;  // reported by the error callback
   std::vector<Job*> touched_;          // jobs whose state machine may move
+  std::vector<Endpoint*> flush_eps_;   // endpoints with jobs waiting for a flush
   DeadlineMap deadlines_;
   bool window_full_ = false;
   uint64_t copy_budget_ = 0;  // bytes of direct copies left in this step

@@ -93,6 +93,7 @@ struct RequestCtx {
   Job* job;
   Endpoint* ep;
   uint64_t len;
+  std::vector<Job*>* batch;  // kFlush: the jobs this flush completes
 };
 
 }  // namespace akv
