@@ -936,6 +936,66 @@ class CacheManager:
             if not remote.valid and not remote.active:
                 self._release_keys(remote)
 
+    async def _slot_transfer(
+        self,
+        op: int,
+        link: _Link,
+        local: _LocalCache,
+        local_batch: int,
+        remote: _RemoteCache,
+        remote_batch: int,
+        remote_batch_name: str,
+        n: int,
+        src_range: range | None,
+        dst_range: range | None,
+        size: int,
+        tag: str | bytes | None,
+        timeout: float | None,
+    ) -> None:
+        """Move one batch slot between a local and a remote cache, a job per layer.
+
+        ``op`` OP_PUT pushes local -> remote, OP_GET pulls remote -> local; the
+        layer ranges keep their source/destination meaning.
+        """
+        if remote_batch >= remote.desc.batch_size:
+            raise param_invalid(
+                f"{remote_batch_name}={remote_batch} is out of range for the remote batch size "
+                f"{remote.desc.batch_size}"
+            )
+        push = op == OP_PUT
+        if push:
+            pairs = self._layers(
+                n, local.desc, remote.desc, src_range, dst_range, "src_cache", "the remote cache"
+            )
+            l_off, r_off, length = self._pair_spans(
+                local.desc, local_batch, remote.desc, remote_batch, size
+            )
+        else:
+            pairs = self._layers(
+                n, remote.desc, local.desc, src_range, dst_range, "the remote cache", "cache"
+            )
+            r_off, l_off, length = self._pair_spans(
+                remote.desc, remote_batch, local.desc, local_batch, size
+            )
+        per_job_ms = self._dd.options.sync_kv_timeout_ms
+        jobs = []
+        for src_layer, dst_layer in pairs:
+            local_layer, remote_layer = (src_layer, dst_layer) if push else (dst_layer, src_layer)
+            rows = self._layer_rows(
+                local.addrs,
+                remote.addrs,
+                remote.tensor_rkey,
+                range(local_layer * n, (local_layer + 1) * n),
+                range(remote_layer * n, (remote_layer + 1) * n),
+                l_off,
+                r_off,
+                length,
+            )
+            payload = self._payload(tag, remote.cache_id, remote_batch, dst_layer) if push else b""
+            jobs.append((op, link.ep, rows, payload, per_job_ms))
+        labels = [f"layer {dst_layer}" for _, dst_layer in pairs]
+        await self._run(jobs, labels, timeout, local, remote)
+
     async def push_cache(
         self,
         dst_cache_key: CacheKeyByIdAndIndex,
@@ -988,33 +1048,21 @@ class CacheManager:
             raise LLMTimeoutError("push_cache timed out looking up the destination cache") from None
         if tmo is not None:
             tmo = max(tmo - (loop.time() - start), 1e-6)
-        db = dst_cache_key.batch_index
-        if db >= remote.desc.batch_size:
-            raise param_invalid(
-                f"dst_cache_key.batch_index={db} is out of range for the remote batch size "
-                f"{remote.desc.batch_size}"
-            )
-        pairs = self._layers(
-            n, src.desc, remote.desc, src_r, dst_r, "src_cache", "the remote cache"
+        await self._slot_transfer(
+            OP_PUT,
+            link,
+            src,
+            sb,
+            remote,
+            dst_cache_key.batch_index,
+            "dst_cache_key.batch_index",
+            n,
+            src_r,
+            dst_r,
+            -1,
+            tag_v,
+            tmo,
         )
-        s_off, d_off, length = self._pair_spans(src.desc, sb, remote.desc, db, -1)
-        per_job_ms = self._dd.options.sync_kv_timeout_ms
-        jobs = []
-        for sl, dl in pairs:
-            rows = self._layer_rows(
-                src.addrs,
-                remote.addrs,
-                remote.tensor_rkey,
-                range(sl * n, (sl + 1) * n),
-                range(dl * n, (dl + 1) * n),
-                s_off,
-                d_off,
-                length,
-            )
-            jobs.append(
-                (OP_PUT, link.ep, rows, self._payload(tag_v, remote.cache_id, db, dl), per_job_ms)
-            )
-        await self._run(jobs, [f"layer {dl}" for _, dl in pairs], tmo, src, remote)
 
     async def _remote_slot(
         self,
@@ -1107,28 +1155,21 @@ class CacheManager:
         remote, sb = await self._remote_slot(link, cache_key, tmo, "pull_cache")
         if tmo is not None:
             tmo = max(tmo - (loop.time() - start), 1e-6)
-        if sb >= remote.desc.batch_size:
-            raise param_invalid(
-                f"cache_key.batch_index={sb} is out of range for the remote batch size "
-                f"{remote.desc.batch_size}"
-            )
-        pairs = self._layers(n, remote.desc, dst.desc, src_r, dst_r, "the remote cache", "cache")
-        s_off, d_off, length = self._pair_spans(remote.desc, sb, dst.desc, db, size_v)
-        per_job_ms = self._dd.options.sync_kv_timeout_ms
-        jobs = []
-        for sl, dl in pairs:
-            rows = self._layer_rows(
-                dst.addrs,
-                remote.addrs,
-                remote.tensor_rkey,
-                range(dl * n, (dl + 1) * n),
-                range(sl * n, (sl + 1) * n),
-                d_off,
-                s_off,
-                length,
-            )
-            jobs.append((OP_GET, link.ep, rows, b"", per_job_ms))
-        await self._run(jobs, [f"layer {dl}" for _, dl in pairs], tmo, dst, remote)
+        await self._slot_transfer(
+            OP_GET,
+            link,
+            dst,
+            db,
+            remote,
+            sb,
+            "cache_key.batch_index",
+            n,
+            src_r,
+            dst_r,
+            size_v,
+            None,
+            tmo,
+        )
 
     async def copy_cache(
         self,
