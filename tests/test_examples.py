@@ -29,8 +29,12 @@ def test_pull_flow(transport: str) -> None:
     assert "bytes match" in out
 
 
-@pytest.mark.parametrize("compute", ["sleep", "busy"])
-def test_bench_main_job_small(transport: str, compute: str) -> None:
+@pytest.mark.parametrize(
+    ("compute", "blocks"),
+    [("sleep", 0), ("busy", 0), ("sleep", 16)],
+    ids=["sleep", "busy", "paged"],
+)
+def test_bench_main_job_small(transport: str, compute: str, blocks: int) -> None:
     out = run(
         [
             "-m",
@@ -41,6 +45,7 @@ def test_bench_main_job_small(transport: str, compute: str) -> None:
             "--iterations=2",
             f"--transport={transport}",
             f"--compute={compute}",
+            f"--blocks={blocks}",
         ]
     )
     assert "decode side bytes verified   yes" in out
@@ -52,11 +57,12 @@ def test_info_and_demo() -> None:
     assert "pulled by CacheKey" in run(["-m", "aiokvcache", "demo"])
 
 
-def test_bench_rejects_bad_arguments() -> None:
+@pytest.mark.parametrize(("arg", "flag"), [("--layers=0", "--layers"), ("--blocks=7", "--blocks")])
+def test_bench_rejects_bad_arguments(arg: str, flag: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "aiokvcache", "bench", "--layers=0"],
+        [sys.executable, "-m", "aiokvcache", "bench", arg],
         capture_output=True,
         text=True,
         timeout=30,
     )
-    assert proc.returncode == 2 and "--layers" in proc.stderr
+    assert proc.returncode == 2 and flag in proc.stderr

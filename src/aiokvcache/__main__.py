@@ -17,17 +17,18 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import __version__
-from .cache_manager import CacheManager
 from .datadist import LLMDataDist
 from .errors import LLMException
 from .options import LLMConfig
 from .types import (
+    BlocksCacheKey,
     Cache,
     CacheDesc,
     CacheKey,
@@ -43,7 +44,11 @@ PROMPT_ID, DECODE_ID = 1, 2
 
 @dataclass(frozen=True)
 class Shape:
-    """The KV cache the bench moves: K and V per layer, batch first."""
+    """The KV cache the bench moves: K and V per layer, batch first.
+
+    With ``block_tokens`` > 0 the cache is paged: ``batch * tokens /
+    block_tokens`` blocks of ``block_tokens`` tokens each.
+    """
 
     layers: int
     batch: int
@@ -51,12 +56,20 @@ class Shape:
     heads: int
     head_dim: int
     dtype: str
+    block_tokens: int = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.batch * self.tokens // self.block_tokens if self.block_tokens else 0
 
     @property
     def desc(self) -> CacheDesc:
+        lead = (
+            [self.num_blocks, self.block_tokens] if self.block_tokens else [self.batch, self.tokens]
+        )
         return CacheDesc(
             2 * self.layers,
-            [self.batch, self.tokens, self.heads, self.head_dim],
+            [*lead, self.heads, self.head_dim],
             DataType.from_numpy(self.dtype),
             Placement.HOST,
         )
@@ -77,22 +90,32 @@ def _options(transport: str, listen: bool, max_inflight: int | None) -> dict[str
     return cfg.generate_options()
 
 
-def _digest(cache: Cache, batch_index: int) -> str:
+def _digest(cache: Cache, index: Any) -> str:
+    """Hash of every tensor's batch slot (an int) or blocks (an index array), in order."""
     h = hashlib.sha256()
     for t in cache.tensors:
-        h.update(t[batch_index].tobytes())
+        h.update(t[index].tobytes())
     return h.hexdigest()
+
+
+def _block_order(shape: Shape) -> np.ndarray:
+    """Where the decode side puts each of the prefill side's blocks: scattered,
+    as a paged allocator would, but the same in both processes."""
+    return np.random.default_rng(1234).permutation(shape.num_blocks)
 
 
 # ------------------------------------------------------------ decode side
 
 
 async def _decode_main(args: argparse.Namespace) -> None:
-    shape = Shape(args.layers, args.batch, args.tokens, args.heads, args.head_dim, args.dtype)
+    shape = _shape(args)
     async with LLMDataDist(LLMRole.DECODER, DECODE_ID) as dd:
         await dd.init(_options(args.transport, True, args.max_inflight))
         cm = dd.cache_manager
-        cache = cm.allocate_cache(shape.desc)
+        if shape.block_tokens:
+            cache = cm.allocate_blocks_cache(shape.desc, BlocksCacheKey(DECODE_ID))
+        else:
+            cache = cm.allocate_cache(shape.desc)
         print(json.dumps({"address": dd.listen_address, "cache_id": cache.cache_id}), flush=True)
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader()
@@ -105,7 +128,8 @@ async def _decode_main(args: argparse.Namespace) -> None:
                 await cm.wait_for_layers(arg, range(shape.layers), timeout=120)
                 print(json.dumps({"landed": arg}), flush=True)
             elif cmd == "digest":
-                print(json.dumps({"sha": _digest(cache, 0)}), flush=True)
+                index = _block_order(shape) if shape.block_tokens else 0
+                print(json.dumps({"sha": _digest(cache, index)}), flush=True)
             else:
                 break
 
@@ -182,9 +206,7 @@ def _compute(ms: float, mode: str, scratch: np.ndarray) -> Any:
 
 
 async def _push_pass(
-    cm: CacheManager,
-    src: Cache,
-    key: CacheKeyByIdAndIndex,
+    push_layer: Callable[[int, str], Awaitable[None]],
     shape: Shape,
     compute_ms: float,
     mode: str,
@@ -199,7 +221,7 @@ async def _push_pass(
 
     async def push(layer: int) -> None:
         t0 = loop.time()
-        await cm.push_cache(key, src, src_layer_range=range(layer, layer + 1), tag=tag)
+        await push_layer(layer, tag)
         latencies.append(loop.time() - t0)
         if progress is not None:
             progress.step(tag)
@@ -222,11 +244,12 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def _bench_main(args: argparse.Namespace) -> int:
-    shape = Shape(args.layers, args.batch, args.tokens, args.heads, args.head_dim, args.dtype)
+    shape = _shape(args)
     total = shape.layer_bytes * shape.layers
     print(
         f"aiokvcache {__version__} bench: {shape.layers} layers x (K,V) "
-        f"[{shape.batch}, {shape.tokens}, {shape.heads}, {shape.head_dim}] {shape.dtype} = "
+        f"{list(shape.desc.shape)} {shape.dtype}"
+        f"{' (paged blocks, scattered destination)' if shape.block_tokens else ''} = "
         f"{shape.layer_bytes / 2**20:.1f} MiB/layer, {total / 2**20:.0f} MiB per pass; "
         f"transport={args.transport}, compute={args.compute_ms} ms/layer ({args.compute}), "
         f"{args.iterations} iterations"
@@ -247,19 +270,37 @@ async def _bench_main(args: argparse.Namespace) -> int:
                 print(f"link failed: {per[0].name}", file=sys.stderr)
                 return 1
             cm = dd.cache_manager
-            src = cm.allocate_cache(shape.desc)
+            if shape.block_tokens:
+                src = cm.allocate_blocks_cache(shape.desc)
+            else:
+                src = cm.allocate_cache(shape.desc)
             rng = np.random.default_rng(42)
             for t in src.tensors:
                 t.view(np.uint8)[...] = rng.integers(0, 256, t.nbytes, dtype=np.uint8).reshape(
                     t.view(np.uint8).shape
                 )
-            key = CacheKeyByIdAndIndex(DECODE_ID, int(hello["cache_id"]), 0)
+            if shape.block_tokens:
+                bkey = BlocksCacheKey(DECODE_ID)
+                src_blocks = np.arange(shape.num_blocks)
+                dst_blocks = _block_order(shape)
+
+                async def push_layer(layer: int, tag: str) -> None:
+                    await cm.push_blocks(
+                        bkey, src, src_blocks, dst_blocks, range(layer, layer + 1), tag=tag
+                    )
+
+            else:
+                key = CacheKeyByIdAndIndex(DECODE_ID, int(hello["cache_id"]), 0)
+
+                async def push_layer(layer: int, tag: str) -> None:
+                    await cm.push_cache(key, src, src_layer_range=range(layer, layer + 1), tag=tag)
+
             # Warm-up (metadata lookup, endpoint wire-up), then the serial
             # baseline: every layer back to back, no compute.
-            await cm.push_cache(key, src)
+            await asyncio.gather(*(push_layer(i, "warmup") for i in range(shape.layers)))
             serial = []
             for i in range(max(1, args.iterations // 2)):
-                wall, _, _ = await _push_pass(cm, src, key, shape, 0, "sleep", f"serial-{i}", None)
+                wall, _, _ = await _push_pass(push_layer, shape, 0, "sleep", f"serial-{i}", None)
                 peer.send(f"wait serial-{i}")
                 peer.read()
                 serial.append(wall)
@@ -268,7 +309,7 @@ async def _bench_main(args: argparse.Namespace) -> int:
             walls, tails, lat = [], [], []
             for i in range(args.iterations):
                 wall, tail, lats = await _push_pass(
-                    cm, src, key, shape, args.compute_ms, args.compute, f"iter-{i}", progress
+                    push_layer, shape, args.compute_ms, args.compute, f"iter-{i}", progress
                 )
                 peer.send(f"wait iter-{i}")
                 peer.read()
@@ -281,7 +322,8 @@ async def _bench_main(args: argparse.Namespace) -> int:
                     )
             progress.close()
             peer.send("digest")
-            verified = peer.read()["sha"] == _digest(src, 0)
+            mine = _digest(src, slice(None) if shape.block_tokens else 0)
+            verified = peer.read()["sha"] == mine
         compute_total = shape.layers * args.compute_ms / 1000
         wall = float(np.median(walls))
         tail = float(np.median(tails))
@@ -322,7 +364,15 @@ def _shape_argv(args: argparse.Namespace) -> list[str]:
     ]
     if args.max_inflight:
         out.append(f"--max-inflight={args.max_inflight}")
+    if args.blocks:
+        out.append(f"--blocks={args.blocks}")
     return out
+
+
+def _shape(args: argparse.Namespace) -> Shape:
+    return Shape(
+        args.layers, args.batch, args.tokens, args.heads, args.head_dim, args.dtype, args.blocks
+    )
 
 
 # ------------------------------------------------------------- info, demo
@@ -391,6 +441,14 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--dtype", default="float16", help="numpy dtype name, or bfloat16")
         sp.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma"])
         sp.add_argument("--max-inflight", type=int, default=0, help="engine window in bytes")
+        sp.add_argument(
+            "--blocks",
+            type=int,
+            default=0,
+            metavar="TOKENS",
+            help="paged mode: blocks of TOKENS tokens, pushed with push_blocks to scattered "
+            "destination blocks (0 = one contiguous cache, push_cache)",
+        )
 
     bench = sub.add_parser("bench", help="push a KV cache layer by layer to a decode process")
     shape_args(bench)
@@ -424,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
             if getattr(args, name) < 1:
                 print(f"--{name.replace('_', '-')} must be >= 1", file=sys.stderr)
                 return 2
+        if args.blocks < 0 or (args.blocks and args.tokens % args.blocks):
+            print("--blocks must be 0 or divide --tokens", file=sys.stderr)
+            return 2
         return asyncio.run(_bench_main(args))
     except (LLMException, TypeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
