@@ -38,6 +38,14 @@ std::vector<akv::SegmentIn> segments_from(const py::buffer& segs) {
 // their region is released.
 struct PyEngine : Engine {
   using Engine::Engine;
+  // Stop the engine before ``keep`` goes: in-flight jobs may still use
+  // the buffers it holds (C++ would destroy members before ~Engine()).
+  ~PyEngine() override {
+    py::gil_scoped_release nogil;
+    close();
+  }
+  // Memoryviews of registered buffers: each holds a buffer export, so the
+  // object cannot be resized or unmapped while registered.
   std::unordered_map<uint64_t, py::object> keep;
 };
 
@@ -124,7 +132,7 @@ PYBIND11_MODULE(_native, m) {
               py::gil_scoped_release nogil;
               rid = e.mem_register(addr, len);
             }
-            e.keep[rid] = obj;
+            e.keep[rid] = py::memoryview(obj);
             return py::make_tuple(rid, addr, len);
           },
           py::arg("buffer"))

@@ -313,7 +313,12 @@ uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t
     // Same-host shared memory can be mapped here: then a transfer is one
     // memcpy on the progress thread, whatever lane UCX would have picked.
     void* mapped = nullptr;
-    if (cfg_.direct_copy && len > 0 && ucp_rkey_ptr(rk->handle, base, &mapped) == UCS_OK) {
+    void* last = nullptr;
+    // Both ends of the advertised range must map, contiguously: a peer that
+    // claims more than it registered must not make us copy past its segment.
+    if (cfg_.direct_copy && len > 0 && ucp_rkey_ptr(rk->handle, base, &mapped) == UCS_OK &&
+        ucp_rkey_ptr(rk->handle, base + len - 1, &last) == UCS_OK &&
+        static_cast<uint8_t*>(last) == static_cast<uint8_t*>(mapped) + (len - 1)) {
       rk->mapped = static_cast<uint8_t*>(mapped);
     }
     rk->id = next_rkey_++;
@@ -411,6 +416,17 @@ void Engine::close() {
   ::close(cmd_efd_);
   epfd_ = cmd_efd_ = -1;
   ucp_worker_destroy(worker_);
+  // Only now: requests that outlived shutdown pointed at these.
+  jobs_.clear();
+  active_.clear();
+  touched_.clear();
+  flush_eps_.clear();
+  failed_eps_.clear();
+  rkeys_.clear();
+  eps_.clear();
+  for (auto& kv : regions_) unmap_region(context_, *kv.second);
+  regions_.clear();
+  n_regions_ = 0;
   ucp_cleanup(context_);
   worker_ = nullptr;
   context_ = nullptr;
@@ -508,6 +524,7 @@ void Engine::post_job(Job* j) {
         std::memcpy(local, peer, n);
       }
       j->copied_any = true;
+      posted_++;
       bytes_direct_.fetch_add(n);
       j->bytes_done += n;
       (j->op == Op::kPut ? bytes_put_ : bytes_get_).fetch_add(n);
@@ -526,6 +543,7 @@ void Engine::post_job(Job* j) {
                              ? ucp_put_nbx(j->ep->handle, local, n, remote, s.rkey->handle, &p)
                              : ucp_get_nbx(j->ep->handle, local, n, remote, s.rkey->handle, &p);
     j->posted_any = true;
+    posted_++;
     if (UCS_PTR_IS_ERR(r)) {
       ucs_status_t st = UCS_PTR_STATUS(r);
       j->fail(j->ep->broken ? Status::kLinkFailed : status_from_ucs(st), st);
@@ -552,18 +570,22 @@ void Engine::post_job(Job* j) {
 }
 
 bool Engine::post_all() {
+  // Busy only when something moved: a full window with nothing posted must
+  // let the thread sleep until a completion frees room.
+  uint64_t before = posted_;
   bool any = false;
   window_full_ = false;
   copy_budget_ = 4 * cfg_.chunk_bytes;
   while (!active_.empty() && !window_full_) {
     Job* j = active_.front();
     post_job(j);
-    any = true;
+    any = any || posted_ != before;
     bool done_posting = j->seg_idx >= j->segs.size() || j->cancel || j->status != Status::kOk;
     if (!done_posting) break;  // window full: keep FIFO order
     active_.pop_front();
     j->in_active = false;
     touch(j);
+    any = true;
   }
   return any;
 }
@@ -751,7 +773,8 @@ void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
 
 void Engine::on_data_done(void* request, ucs_status_t status, void* user_data) {
   auto* self = static_cast<Engine*>(user_data);
-  self->op_done(static_cast<RequestCtx*>(request), status);
+  // During ucp_worker_destroy the jobs were already reported released.
+  if (!self->destroying_) self->op_done(static_cast<RequestCtx*>(request), status);
   ucp_request_free(request);
 }
 
@@ -769,8 +792,8 @@ ucs_status_t Engine::on_am(void* arg, const void* /*header*/, size_t /*header_le
                            size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<Engine*>(arg);
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
-    // Our peers send notifications eagerly; anything else is dropped.
-    ucp_am_data_release(self->worker_, data);
+    // Our peers send notifications eagerly; anything else is dropped
+    // (returning UCS_OK releases a rendezvous descriptor).
     return UCS_OK;
   }
   self->notes_received_.fetch_add(1);
@@ -886,6 +909,9 @@ void Engine::check_deadlines() {
 }
 
 void Engine::cancel_job(Job* j, Status why) {
+  // Past the flush the bytes have landed (and the peer may be notified):
+  // the job's outcome stands.
+  if (j->phase == Phase::kNotifying || j->phase == Phase::kDone) return;
   j->fail(why);
   if (!j->cancel) {
     j->cancel = true;
@@ -983,7 +1009,7 @@ void Engine::shutdown_all() {
   auto give_up = std::chrono::steady_clock::now() + kShutdownGrace;
   bool forced = false;
   while (true) {
-    step();
+    bool busy = step();
     bool eps_done = true;
     for (auto& kv : eps_) {
       if (!kv.second->close_done && kv.second->handle != nullptr) eps_done = false;
@@ -996,30 +1022,40 @@ void Engine::shutdown_all() {
       for (auto& kv : eps_) {
         kv.second->broken = true;
         kv.second->force_after = now;
-        close_endpoint(kv.second.get(), true);
+        close_endpoint(kv.second.get(), true);  // no-op where a close is already posted
       }
       forced = true;
       give_up = now + std::chrono::seconds(1);
     }
+    if (!busy) {
+      epoll_event ev;
+      ::epoll_wait(epfd_, &ev, 1, 1);
+    }
   }
-  // Whatever is left could not be drained: report it released anyway, so
-  // Python never waits forever. Its UCX requests die with the worker.
-  std::vector<Job*> left;
-  for (auto& kv : jobs_) left.push_back(kv.second.get());
-  for (Job* j : left) {
-    j->inflight_ops = 0;
-    finish(j);
+  // From here UCX callbacks only free their requests (see on_data_done);
+  // objects they point at stay allocated until close() destroyed the worker.
+  destroying_ = true;
+  bool clean = jobs_.empty();
+  for (auto& kv : jobs_) {
+    // Could not be drained: report it released anyway, so Python never
+    // waits forever. Its UCX requests die with the worker.
+    Job* j = kv.second.get();
+    if (j->phase == Phase::kDone) continue;
+    j->phase = Phase::kDone;
+    jobs_failed_.fetch_add(1);
+    live_jobs_.fetch_sub(1);
+    cq_.push(Completion{EntryKind::kJob, j->id, Status::kEngineClosed, j->ucs_status, j->bytes_done, {}});
   }
   for (auto& kv : rkeys_) {
-    if (kv.second->handle != nullptr) ucp_rkey_destroy(kv.second->handle);
-    kv.second->handle = nullptr;
+    RemoteKey* rk = kv.second.get();
+    auto eit = eps_.find(rk->ep_id);
+    bool ep_gone = eit == eps_.end() || eit->second->close_done || eit->second->handle == nullptr;
+    // A key whose endpoint still has operations outstanding is leaked: UCX
+    // wants keys destroyed only after their operations.
+    if (rk->handle != nullptr && (clean || ep_gone)) ucp_rkey_destroy(rk->handle);
+    rk->handle = nullptr;
   }
-  rkeys_.clear();
-  eps_.clear();
-  for (auto& kv : regions_) unmap_region(context_, *kv.second);
-  regions_.clear();
   n_eps_ = 0;
-  n_regions_ = 0;
 }
 
 }  // namespace akv

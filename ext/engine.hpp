@@ -72,7 +72,7 @@ struct EngineStats {
 class Engine {
  public:
   explicit Engine(EngineConfig cfg);
-  ~Engine();
+  virtual ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
@@ -174,6 +174,8 @@ class Engine {
   bool window_full_ = false;
   uint64_t copy_budget_ = 0;  // bytes of direct copies left in this step
   uint64_t cancelling_ = 0;  // cancelled jobs not yet finished
+  uint64_t posted_ = 0;      // data operations posted (UCX or direct copy)
+  bool destroying_ = false;  // after shutdown: callbacks only free requests
   uint64_t inflight_bytes_ = 0;
   uint64_t next_region_ = 1, next_ep_ = 1, next_rkey_ = 1;
 

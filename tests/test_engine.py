@@ -555,3 +555,50 @@ async def test_register_buffer_keeps_it_alive_and_moves_bytes(transport: str) ->
     finally:
         a.bridge.close()
         b.bridge.close()
+
+
+async def test_bad_job_in_a_group_submits_nothing(pair: Link) -> None:
+    src = pattern(16 * MiB, 44)
+    good = put(pair, src)
+    bad = (_bridge.OP_PUT, pair.ep, np.zeros((1, 4), np.float64), b"", 0)
+    with pytest.raises(TypeError, match=r"jobs\[1\]"):
+        await pair.a.bridge.run([good, bad])
+    huge = (_bridge.OP_PUT, pair.ep, good[2], b"x" * (native.MAX_PAYLOAD + 1), 0)
+    with pytest.raises(ValueError, match=r"jobs\[1\]"):
+        await pair.a.bridge.run([good, huge])
+    # Nothing went in, so nothing can still be moving.
+    assert pair.a.engine.stats()["jobs_submitted"] == 0
+    assert not pair.b.view().any()
+
+
+async def test_close_with_a_frozen_peer_is_bounded() -> None:
+    # A stopped (not dead) TCP peer never completes what is in flight: close()
+    # must still return, report every job released, and not crash later.
+    peer = Peer("tcp", 64 * MiB)
+    a = slow_side("tcp")
+    try:
+        ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), False)
+        rkey = a.engine.rkey_unpack(
+            ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"]
+        )
+        lk = Link(a, Side(None, a.bridge, 0, peer.info["addr"], peer.info["size"]), ep, rkey)
+        src = pattern(64 * MiB, 45)
+        pushing = asyncio.create_task(a.bridge.run([put(lk, src) for _ in range(8)]))  # noqa: RUF006 - awaited below
+        await asyncio.sleep(0.1)
+        os.kill(peer.proc.pid, signal.SIGSTOP)
+        await asyncio.sleep(0.2)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        a.bridge.close()
+        assert loop.time() - t0 < 10
+        with pytest.raises(LLMException) as ei:
+            await pushing
+        assert ei.value.status_code in (
+            LLMStatusCode.LLM_ENGINE_FINALIZED,
+            LLMStatusCode.LLM_LINK_FAILED,
+        )
+        assert a.engine.stats()["live_jobs"] == 0
+    finally:
+        a.bridge.close()
+        os.kill(peer.proc.pid, signal.SIGCONT)
+        peer.close()

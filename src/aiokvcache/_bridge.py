@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ._loader import native
 from .errors import InternalError, LLMException, LLMStatusCode, make_error
 
@@ -91,6 +93,25 @@ class _Group:
 
 #: Every live bridge (weakly), so tests can check that no job outlives them.
 ALL_BRIDGES: weakref.WeakSet[Bridge] = weakref.WeakSet()
+
+
+def _check_job(i: int, op: int, segs: Any, payload: bytes) -> None:
+    if op not in (OP_PUT, OP_GET):
+        raise ValueError(f"jobs[{i}]: op must be OP_PUT or OP_GET, got {op!r}")
+    if not (
+        isinstance(segs, np.ndarray)
+        and segs.dtype == np.uint64
+        and segs.ndim == 2
+        and segs.shape[1] == 4
+        and segs.flags.c_contiguous
+    ):
+        raise TypeError(f"jobs[{i}]: segments must be a C-contiguous uint64 array of shape (n, 4)")
+    if not isinstance(payload, bytes):
+        raise TypeError(f"jobs[{i}]: payload must be bytes")
+    if len(payload) > native.MAX_PAYLOAD:
+        raise ValueError(f"jobs[{i}]: notification payload too large ({len(payload)} bytes)")
+    if payload and op == OP_GET:
+        raise ValueError(f"jobs[{i}]: get jobs carry no payload")
 
 
 class Bridge:
@@ -197,6 +218,11 @@ class Bridge:
         if timeout is not None:
             cap = max(1, math.ceil(timeout * 1000))
             jobs = [(op, ep, sg, pl, cap if t <= 0 else min(t, cap)) for op, ep, sg, pl, t in jobs]
+        # Everything the engine could refuse is checked before the first job
+        # goes in: a submission must not fail half-way with jobs already
+        # moving bytes that the caller believes stopped.
+        for i, (op, _ep, segs, payload, _t) in enumerate(jobs):
+            _check_job(i, op, segs, payload)
         if self._closed:
             raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized")
         group = _Group(
