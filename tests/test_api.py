@@ -111,14 +111,16 @@ async def test_async_with_and_listen_address() -> None:
 # ----------------------------------------------------------------- links
 
 
-async def test_link_rules(pair: Pair) -> None:
+async def test_link_rules(pair: Pair, transport: str, caplog: pytest.LogCaptureFixture) -> None:
     rc, per = await pair.prompt.link_clusters([cluster_info(pair.decoder)])
     assert per == [S.LLM_ALREADY_LINK] and rc == S.LLM_ALREADY_LINK
     # Wrong cluster id at that address (from a third instance).
     third = LLMDataDist(LLMRole.PROMPT, 3)
-    await third.init(options("tcp"))
+    await third.init(options(transport))
+    caplog.set_level(logging.WARNING, "aiokvcache")
     rc, per = await third.link_clusters([cluster_info(pair.decoder, cluster_id=77)])
     assert per == [S.LLM_LINK_FAILED]
+    assert "it is cluster 2" in caplog.text  # failed for the right reason
     await third.finalize()
     # Nobody listening.
     info = LLMClusterInfo()
@@ -667,3 +669,19 @@ async def test_garbage_at_control_server_is_survived(
     fill(src, 12)
     await pair.p.push_cache(CacheKeyByIdAndIndex(2, dst.cache_id), src)
     assert all(np.array_equal(a[0], b[0]) for a, b in zip(src.tensors, dst.tensors, strict=True))
+
+
+async def test_link_tries_every_address(pair: Pair, transport: str) -> None:
+    third = LLMDataDist(LLMRole.PROMPT, 3)
+    await third.init(options(transport))
+    try:
+        info = LLMClusterInfo()
+        info.remote_cluster_id = 2
+        info.append_remote_ip_info("127.0.0.1", 1)  # nobody listens there
+        assert pair.decoder.listen_address is not None
+        host, port = pair.decoder.listen_address.rsplit(":", 1)
+        info.append_remote_ip_info(host, int(port))
+        rc, per = await third.link_clusters([info], timeout=5000)
+        assert per == [S.LLM_SUCCESS] and rc == S.LLM_SUCCESS
+    finally:
+        await third.finalize()

@@ -284,7 +284,7 @@ class LLMDataDist:
         if not info.remote_ip_info:
             log.warning("aiokvcache: link to cluster %d: no remote_ip_info", cid)
             return LLMStatusCode.LLM_PARAM_INVALID
-        host, port = info.remote_ip_info[0]
+        addresses = list(info.remote_ip_info)
         attempts = max(1, self._options.link_retry_count)
         self._linking.add(cid)
         try:
@@ -295,13 +295,19 @@ class LLMDataDist:
             deadline = loop.time() + budget
             status = LLMStatusCode.LLM_LINK_FAILED
             for attempt in range(attempts):
-                left = deadline - loop.time()
-                if left <= 0:
-                    break
-                try:
-                    conn = await control.connect(host, port, self._local, self, left)
-                except LLMException as exc:
-                    status = exc.status_code
+                # Every address of the cluster in turn, each with a fair share
+                # of what is left, so one silent address cannot eat it all.
+                for i, (host, port) in enumerate(addresses):
+                    left = (deadline - loop.time()) / (len(addresses) - i)
+                    if left <= 0:
+                        break
+                    status, reason = await self._try_link(cid, host, port, left)
+                    if status in (
+                        LLMStatusCode.LLM_SUCCESS,
+                        LLMStatusCode.LLM_ALREADY_LINK,
+                        LLMStatusCode.LLM_PARAM_INVALID,
+                    ):
+                        return status
                     log.warning(
                         "aiokvcache: link to cluster %d at %s:%d failed (attempt %d/%d): %s",
                         cid,
@@ -309,27 +315,27 @@ class LLMDataDist:
                         port,
                         attempt + 1,
                         attempts,
-                        exc,
+                        reason,
                     )
-                    if status in (LLMStatusCode.LLM_ALREADY_LINK, LLMStatusCode.LLM_PARAM_INVALID):
-                        return status
-                    if attempt + 1 < attempts:  # a short pause before the next try
-                        await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
-                    continue
-                if conn.peer_cluster_id != cid:
-                    log.warning(
-                        "aiokvcache: %s:%d is cluster %d, not %d",
-                        host,
-                        port,
-                        conn.peer_cluster_id,
-                        cid,
-                    )
-                    await conn.close("wrong cluster id")
-                    return LLMStatusCode.LLM_LINK_FAILED
-                return LLMStatusCode.LLM_SUCCESS
+                if attempt + 1 < attempts:  # a short pause before the next try
+                    await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
             return status
         finally:
             self._linking.discard(cid)
+
+    async def _try_link(
+        self, cid: int, host: str, port: int, timeout: float
+    ) -> tuple[LLMStatusCode, str]:
+        """One connection attempt: (status, reason); the link exists on SUCCESS."""
+        assert self._local is not None
+        try:
+            conn = await control.connect(host, port, self._local, self, timeout)
+        except LLMException as exc:
+            return exc.status_code, str(exc)
+        if conn.peer_cluster_id != cid:
+            await conn.close("wrong cluster id")
+            return LLMStatusCode.LLM_LINK_FAILED, f"it is cluster {conn.peer_cluster_id}"
+        return LLMStatusCode.LLM_SUCCESS, ""
 
     async def unlink_clusters(
         self,
