@@ -28,7 +28,7 @@ import numpy as np
 from ._loader import native
 from .errors import InternalError, LLMException, LLMStatusCode, make_error
 
-__all__ = ["Bridge", "JobResult", "native_status_to_code"]
+__all__ = ["Bridge", "JobResult", "native_status_to_code", "settle"]
 
 log = logging.getLogger("aiokvcache")
 
@@ -93,6 +93,25 @@ class _Group:
 
 #: Every live bridge (weakly), so tests can check that no job outlives them.
 ALL_BRIDGES: weakref.WeakSet[Bridge] = weakref.WeakSet()
+
+
+async def settle(fut: asyncio.Future[Any]) -> None:
+    """Wait until ``fut`` is done, even through cancellation, then re-raise it.
+
+    Quiescence before anything else: a cancel that arrives while native work
+    is still finishing is remembered and re-raised once it has finished.
+    ``fut``'s own outcome is left for the caller to read.
+    """
+    interrupted: asyncio.CancelledError | None = None
+    while not fut.done():
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError as exc:
+            interrupted = exc
+        except Exception:
+            break  # done, with an error the caller reads from fut
+    if interrupted is not None:
+        raise interrupted
 
 
 def _check_job(i: int, op: int, segs: Any, payload: bytes) -> None:
@@ -251,8 +270,7 @@ class Bridge:
     def _abandon(self, group: _Group) -> None:
         # A submission failed half-way: cancel what went in. Its completions
         # still resolve the group, which nobody awaits; mark them retrieved.
-        for jid in list(group.index):
-            self._engine.cancel(jid)
+        self.cancel_group(group)
         if group.pending == 0:
             group.first.cancel()
             group.released.cancel()
@@ -309,20 +327,15 @@ class Bridge:
             return [r for r in results if r is not None]
         raise self._failure(group, labels, timed_out=False)
 
-    async def _release(self, group: _Group) -> None:
-        """Cancel what is left of a group and wait until the engine lets go."""
+    def cancel_group(self, group: _Group) -> None:
+        """Ask the engine to cancel every job of ``group`` still in flight."""
         for jid in list(group.index):
             self._engine.cancel(jid)
-        interrupted: asyncio.CancelledError | None = None
-        # Quiescence before anything else: a second cancel while we wait is
-        # remembered and re-raised once the engine has released every job.
-        while not group.released.done():
-            try:
-                await asyncio.shield(group.released)
-            except asyncio.CancelledError as exc:
-                interrupted = exc
-        if interrupted is not None:
-            raise interrupted
+
+    async def _release(self, group: _Group) -> None:
+        """Cancel what is left of a group and wait until the engine lets go."""
+        self.cancel_group(group)
+        await settle(group.released)
 
     def _failure(
         self, group: _Group, labels: Sequence[str] | None, *, timed_out: bool

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import blocks, control, layerwise
-from ._bridge import OP_GET, OP_PUT
+from ._bridge import OP_GET, OP_PUT, settle
 from ._loader import native
 from .errors import LLMException, LLMStatusCode, LLMTimeoutError, make_error, param_invalid
 from .types import (
@@ -537,9 +537,8 @@ class CacheManager:
         self._track(task)
 
     def _bridge_cancel(self, group: Any) -> None:
-        for jid in list(group.index):
-            with contextlib.suppress(Exception):
-                self._engine.cancel(jid)
+        assert self._bridge is not None
+        self._bridge.cancel_group(group)  # a no-op once the engine is closed
 
     async def _release_later(self, rec: _LocalCache, owners: Any) -> None:
         cid = rec.cache.cache_id
@@ -1221,18 +1220,7 @@ class CacheManager:
                 native.buffer_from_address(d.addrs[ts] + int(d_off[0]) + off, length), np.uint8
             )
             views.append((dst_v, src_v))
-        # Host copies run in a worker thread; a cancelled caller still waits
-        # for the copy to finish, so nothing is written after we return.
-        work = asyncio.ensure_future(asyncio.to_thread(_copy_all, views))
-        interrupted: asyncio.CancelledError | None = None
-        while not work.done():
-            try:
-                await asyncio.shield(work)
-            except asyncio.CancelledError as exc:
-                interrupted = exc
-        work.result()
-        if interrupted is not None:
-            raise interrupted
+        await self._in_thread(_copy_all, views)
 
     # --------------------------------------------------------------- blocks
 
@@ -1530,15 +1518,11 @@ class CacheManager:
         # Host copies run in a worker thread; a cancelled caller still waits
         # for the copy to finish, so nothing is written after we return.
         work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        interrupted: asyncio.CancelledError | None = None
-        while not work.done():
-            try:
-                await asyncio.shield(work)
-            except asyncio.CancelledError as exc:
-                interrupted = exc
-        work.result()
-        if interrupted is not None:
-            raise interrupted
+        try:
+            await settle(work)
+        finally:
+            if work.done() and not work.cancelled():
+                work.result()  # the copy's own error, if any, comes first
 
     # ------------------------------------------------------ layer-wise
 

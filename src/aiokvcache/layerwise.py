@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import blocks
-from ._bridge import OP_PUT
+from ._bridge import OP_PUT, settle
 from .errors import LLMException, LLMStatusCode, LLMTimeoutError, make_error, param_invalid
 from .types import (
     BlocksCacheKey,
@@ -799,14 +799,11 @@ class _Pipeline:
         for g in groups:
             self.cm._bridge_cancel(g)
         interrupted: asyncio.CancelledError | None = None
-        for g in groups:
-            while not g.released.done():
-                try:
-                    await asyncio.shield(g.released)
-                except asyncio.CancelledError as exc:
-                    interrupted = exc
-                except Exception:  # the engine failed it: nothing is in flight any more
-                    break
+        for g in groups:  # every group, even if a cancel arrives on the way
+            try:
+                await settle(g.released)
+            except asyncio.CancelledError as exc:
+                interrupted = exc
         if interrupted is not None:
             raise interrupted
 
