@@ -80,6 +80,11 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   // Transport choice lives in this context's config, not the process env, so
   // several engines in one process can differ.
   if (tls != nullptr) st = ucp_config_modify(config, "TLS", tls);
+  // UCX's TCP connect is blocking by default: to a host that vanished it
+  // holds the progress thread for the whole SYN timeout (minutes), and with
+  // it every deadline and cancel. Non-blocking, a failed connect is an
+  // endpoint error like any other. (Caller options below may override.)
+  if (st == UCS_OK) st = ucp_config_modify(config, "TCP_CONN_NB", "y");
   for (const auto& kv : cfg_.ucx_options) {
     if (st != UCS_OK) break;
     st = ucp_config_modify(config, kv.first.c_str(), kv.second.c_str());
@@ -418,6 +423,7 @@ void Engine::close() {
   ucp_worker_destroy(worker_);
   // Only now: requests that outlived shutdown pointed at these.
   jobs_.clear();
+  graveyard_.clear();
   active_.clear();
   touched_.clear();
   flush_eps_.clear();
@@ -559,6 +565,7 @@ void Engine::post_job(Job* j) {
       ctx->ep = j->ep;
       ctx->len = n;
       j->inflight_ops++;
+      j->inflight_bytes += n;
       inflight_bytes_ += n;
     }
     j->seg_off += n;
@@ -612,7 +619,7 @@ void Engine::process_touched() {
 
 void Engine::advance(Job* j) {
   // Each step starts only when the previous step has nothing in flight.
-  if (j->inflight_ops > 0) return;
+  if (j->abandoned || j->inflight_ops > 0) return;
   if (j->phase == Phase::kPosting) {
     bool done_posting = j->seg_idx >= j->segs.size() || j->cancel || j->status != Status::kOk;
     if (!done_posting) return;
@@ -733,6 +740,7 @@ bool Engine::post_flushes() {
 void Engine::complete_flush(std::vector<Job*>* batch, ucs_status_t st) {
   for (Job* j : *batch) {
     j->inflight_ops--;
+    if (j->abandoned) continue;
     if (st != UCS_OK) {
       Status s = status_from_ucs(st);
       j->fail(s == Status::kCancelled || s == Status::kError ? Status::kLinkFailed : s, st);
@@ -754,7 +762,10 @@ void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
   }
   Job* j = ctx->job;
   j->inflight_ops--;
+  // An abandoned job was reported long ago; its window share was returned.
+  if (j->abandoned) return;
   if (ctx->kind == RequestCtx::kData) {
+    j->inflight_bytes -= ctx->len;
     inflight_bytes_ -= ctx->len;
     if (st == UCS_OK) {
       j->bytes_done += ctx->len;
@@ -833,6 +844,11 @@ void Engine::destroy_rkey(RemoteKey* rk) {
 void Engine::close_endpoint(Endpoint* ep, bool force) {
   if (ep->close_posted || ep->handle == nullptr) return;
   ep->close_posted = true;
+  if (force) {
+    any_forced_ = true;
+    ep->forced = true;
+    ep->forced_at = std::chrono::steady_clock::now();
+  }
   // Keys must go before their endpoint; jobs using them are done by now
   // (or, when forced, will complete with an error as the close purges them).
   if (ep->jobs == 0) {
@@ -922,8 +938,12 @@ void Engine::cancel_job(Job* j, Status why) {
 }
 
 void Engine::check_stuck() {
-  if (cancelling_ == 0) return;
+  if (cancelling_ == 0 && !any_forced_) return;
+  // Timers of seconds: a look every 50 ms is plenty, and keeps this scan
+  // off the hot path.
   auto now = std::chrono::steady_clock::now();
+  if (now < next_stuck_check_) return;
+  next_stuck_check_ = now + std::chrono::milliseconds(50);
   std::vector<Endpoint*> stuck;
   for (auto& kv : jobs_) {
     Job* j = kv.second.get();
@@ -937,6 +957,44 @@ void Engine::check_stuck() {
     endpoint_failed(ep, UCS_ERR_ENDPOINT_TIMEOUT);
     close_endpoint(ep, true);  // purges the requests the peer never answered
   }
+  // Without UCX peer-failure mode a forced close may not complete what was
+  // outstanding (a peer host that vanished answers nothing). Such jobs are
+  // reported released once their endpoint has been closed for a while: it
+  // sends and receives nothing more, so their buffers are no longer used.
+  std::vector<Job*> gone;
+  for (auto& kv : jobs_) {
+    Job* j = kv.second.get();
+    if (j->inflight_ops > 0 && j->ep != nullptr && j->ep->forced &&
+        now - j->ep->forced_at > kFailGrace) {
+      gone.push_back(j);
+    }
+  }
+  for (Job* j : gone) abandon(j);
+}
+
+void Engine::abandon(Job* j) {
+  j->abandoned = true;
+  j->fail(Status::kLinkFailed, j->ep->ucs_status);
+  if (j->in_active) {
+    active_.erase(std::find(active_.begin(), active_.end(), j));
+    j->in_active = false;
+  }
+  if (j->has_deadline) {
+    deadlines_.erase(j->dl_it);
+    j->has_deadline = false;
+  }
+  inflight_bytes_ -= j->inflight_bytes;
+  j->inflight_bytes = 0;
+  j->ep->jobs--;
+  if (j->cancel) cancelling_--;
+  // Its keys stay counted: a request may still name them. The Job itself
+  // stays allocated (graveyard_) until the worker is destroyed.
+  jobs_failed_.fetch_add(1);
+  live_jobs_.fetch_sub(1);
+  cq_.push(Completion{EntryKind::kJob, j->id, j->status, j->ucs_status, j->bytes_done, {}});
+  auto it = jobs_.find(j->id);
+  graveyard_.push_back(std::move(it->second));
+  jobs_.erase(it);
 }
 
 int Engine::wait_timeout_ms() {

@@ -46,6 +46,8 @@ struct Endpoint {
   bool close_posted = false;
   bool close_done = false;
   bool flush_queued = false;       // in Engine::flush_eps_
+  bool forced = false;             // closed with UCP_EP_CLOSE_FLAG_FORCE
+  std::chrono::steady_clock::time_point forced_at{};
   std::vector<Job*> flush_wait;    // puts waiting for the next shared flush
   std::chrono::steady_clock::time_point force_after{};  // forced close once passed
   int32_t ucs_status = 0;
@@ -121,6 +123,7 @@ class Engine {
   void finish(Job* j);
   void check_deadlines();
   void check_stuck();
+  void abandon(Job* j);
   bool post_flushes();
   void complete_flush(std::vector<Job*>* batch, ucs_status_t st);
   void cancel_job(Job* j, Status why);
@@ -163,6 +166,7 @@ class Engine {
 
   // Owned by the progress thread after construction.
   std::unordered_map<uint64_t, std::unique_ptr<Job>> jobs_;
+  std::vector<std::unique_ptr<Job>> graveyard_;  // abandoned, freed after the worker
   std::deque<Job*> active_;  // jobs with something left to post, FIFO
   std::unordered_map<uint64_t, std::unique_ptr<Endpoint>> eps_;
   std::unordered_map<uint64_t, std::unique_ptr<RemoteKey>> rkeys_;
@@ -175,6 +179,8 @@ class Engine {
   uint64_t copy_budget_ = 0;  // bytes of direct copies left in this step
   uint64_t cancelling_ = 0;  // cancelled jobs not yet finished
   uint64_t posted_ = 0;      // data operations posted (UCX or direct copy)
+  bool any_forced_ = false;  // some endpoint was force-closed: look for stuck jobs
+  std::chrono::steady_clock::time_point next_stuck_check_{};
   bool destroying_ = false;  // after shutdown: callbacks only free requests
   uint64_t inflight_bytes_ = 0;
   uint64_t next_region_ = 1, next_ep_ = 1, next_rkey_ = 1;

@@ -65,6 +65,7 @@ struct Job {
   std::vector<RemoteKey*> keys;  // distinct keys this job uses (counted in users)
   bool in_active = false;        // queued for posting
   bool touched = false;          // queued for a state-machine step
+  bool abandoned = false;        // reported released while UCX still held requests
 
   size_t seg_idx = 0;
   uint64_t seg_off = 0;
