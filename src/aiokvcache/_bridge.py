@@ -28,7 +28,7 @@ import numpy as np
 from ._loader import native
 from .errors import InternalError, LLMException, LLMStatusCode, make_error
 
-__all__ = ["Bridge", "JobResult", "native_status_to_code", "settle"]
+__all__ = ["Bridge", "JobResult", "native_status_to_code", "settle", "time_left"]
 
 log = logging.getLogger("aiokvcache")
 
@@ -112,6 +112,13 @@ async def settle(fut: asyncio.Future[Any]) -> None:
             break  # done, with an error the caller reads from fut
     if interrupted is not None:
         raise interrupted
+
+
+def time_left(timeout: float | None, start: float) -> float | None:
+    """What is left of ``timeout`` (seconds) since loop time ``start``; never 0."""
+    if timeout is None:
+        return None
+    return max(timeout - (asyncio.get_running_loop().time() - start), 1e-6)
 
 
 def _check_job(i: int, op: int, segs: Any, payload: bytes) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import blocks, control, layerwise
-from ._bridge import OP_GET, OP_PUT, settle
+from ._bridge import OP_GET, OP_PUT, settle, time_left
 from ._loader import native
 from .errors import LLMException, LLMStatusCode, LLMTimeoutError, make_error, param_invalid
 from .types import (
@@ -201,6 +201,14 @@ class CacheManager:
 
     def _check_ready(self) -> None:
         self._dd._check_ready()
+
+    def _require_remote_access(self, what: str) -> None:
+        """Pushing writes peers' memory: only with llm.EnableRemoteCacheAccessible on."""
+        if not self._dd.options.enable_remote_cache_accessible:
+            raise make_error(
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                f"{what} needs llm.EnableRemoteCacheAccessible on",
+            )
 
     def _track(self, task: asyncio.Task[Any]) -> None:
         self._tasks.add(task)
@@ -1033,11 +1041,7 @@ class CacheManager:
             raise param_invalid(
                 f"src_batch_index={sb} is out of range for a batch size of {src.desc.batch_size}"
             )
-        if not self._dd.options.enable_remote_cache_accessible:
-            raise make_error(
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                "push_cache needs llm.EnableRemoteCacheAccessible on",
-            )
+        self._require_remote_access("push_cache")
         link = self._dd._link_for(dst_cache_key.cluster_id)
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -1045,8 +1049,7 @@ class CacheManager:
             remote = await self._remote_cache(link, dst_cache_key.cache_id, tmo)
         except TimeoutError:
             raise LLMTimeoutError("push_cache timed out looking up the destination cache") from None
-        if tmo is not None:
-            tmo = max(tmo - (loop.time() - start), 1e-6)
+        tmo = time_left(tmo, start)
         await self._slot_transfer(
             OP_PUT,
             link,
@@ -1152,8 +1155,7 @@ class CacheManager:
         loop = asyncio.get_running_loop()
         start = loop.time()
         remote, sb = await self._remote_slot(link, cache_key, tmo, "pull_cache")
-        if tmo is not None:
-            tmo = max(tmo - (loop.time() - start), 1e-6)
+        tmo = time_left(tmo, start)
         await self._slot_transfer(
             OP_GET,
             link,
@@ -1298,17 +1300,12 @@ class CacheManager:
                 f"src_blocks has {src_ids.size} blocks but dst_blocks has {dst_ids.size}"
             )
         blocks.check_in_range("src_blocks", src_ids, blocks.num_blocks(src.desc), "src_cache")
-        if not self._dd.options.enable_remote_cache_accessible:
-            raise make_error(
-                LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-                "push_blocks needs llm.EnableRemoteCacheAccessible on",
-            )
+        self._require_remote_access("push_blocks")
         link = self._dd._link_for(dst_cache_key.cluster_id)
         loop = asyncio.get_running_loop()
         start = loop.time()
         remote = await self._remote_blocks(link, dst_cache_key, tmo, "push_blocks")
-        if tmo is not None:
-            tmo = max(tmo - (loop.time() - start), 1e-6)
+        tmo = time_left(tmo, start)
         nb = blocks.num_blocks(remote.desc)
         blocks.check_in_range("dst_blocks", dst_ids, nb, "the remote cache")
         blocks.check_unique("dst_blocks", dst_ids, nb)
@@ -1390,8 +1387,7 @@ class CacheManager:
             sb = 0
         else:
             remote, sb = await self._remote_slot(link, src_cache_key, tmo, "pull_blocks")
-        if tmo is not None:
-            tmo = max(tmo - (loop.time() - start), 1e-6)
+        tmo = time_left(tmo, start)
         pairs = self._layers(
             n, remote.desc, dst.desc, src_r, dst_r, "the remote cache", "dst_cache"
         )

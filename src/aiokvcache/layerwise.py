@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import blocks
-from ._bridge import OP_PUT, settle
+from ._bridge import OP_PUT, settle, time_left
 from .errors import LLMException, LLMStatusCode, LLMTimeoutError, make_error, param_invalid
 from .types import (
     BlocksCacheKey,
@@ -616,11 +616,8 @@ async def transfer_cache_async(
     configs = _check_configs(transfer_configs)
     tmo = _check_timeout(timeout)
     prep = _Prepare(cm, src, src_block_indices, dst_block_indices, dst_block_memory_size)
-    if configs and not cm._dd.options.enable_remote_cache_accessible:
-        raise make_error(
-            LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-            "transfer_cache_async needs llm.EnableRemoteCacheAccessible on",
-        )
+    if configs:
+        cm._require_remote_access("transfer_cache_async")
     links = [cm._dd._link_for(c.dst_cluster_id) for c in configs]
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -638,8 +635,7 @@ async def transfer_cache_async(
         raise LLMTimeoutError(
             "transfer_cache_async timed out looking up the destinations"
         ) from None
-    if tmo is not None:
-        tmo = max(tmo - (loop.time() - start), 1e-6)
+    tmo = time_left(tmo, start)
     task = CacheTask(len(configs))
     runner = _Pipeline(cm, prep, src, targets, sync, task, tmo)
     atask = loop.create_task(runner.run(), name="aiokvcache.transfer_cache_async")
