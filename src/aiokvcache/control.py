@@ -452,6 +452,28 @@ class ControlConnection:
         self._reported = False  # on_connected succeeded → on_closed owed
         self._done_callbacks: list[Callable[[ControlConnection], None]] = []
 
+    @classmethod
+    def _from_hello(
+        cls,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        handler: Handler,
+        hello: dict[str, Any],
+        *,
+        initiator: bool,
+    ) -> ControlConnection:
+        """A connection to the peer that sent ``hello`` (checked by _check_hello)."""
+        return cls(
+            reader,
+            writer,
+            handler,
+            initiator=initiator,
+            peer_cluster_id=hello["cluster_id"],
+            peer_role=hello["role"],
+            peer_worker_address=hello["worker_address"],
+            peer_host_id=hello["host_id"],
+        )
+
     def __repr__(self) -> str:
         side = "initiator" if self.initiator else "acceptor"
         state = "closed" if self._closing else "open"
@@ -860,16 +882,7 @@ async def _accept_handshake(
         _abort(writer)
         return None
 
-    conn = ControlConnection(
-        reader,
-        writer,
-        handler,
-        initiator=False,
-        peer_cluster_id=hello["cluster_id"],
-        peer_role=hello["role"],
-        peer_worker_address=hello["worker_address"],
-        peer_host_id=hello["host_id"],
-    )
+    conn = ControlConnection._from_hello(reader, writer, handler, hello, initiator=False)
     try:
         handler.on_connected(conn)
     except Exception as e:
@@ -971,16 +984,7 @@ async def connect(
             _abort(writer)
         raise
 
-    conn = ControlConnection(
-        reader,
-        writer,
-        handler,
-        initiator=True,
-        peer_cluster_id=reply["cluster_id"],
-        peer_role=reply["role"],
-        peer_worker_address=reply["worker_address"],
-        peer_host_id=reply["host_id"],
-    )
+    conn = ControlConnection._from_hello(reader, writer, handler, reply, initiator=True)
     try:
         handler.on_connected(conn)
     except BaseException as e:
