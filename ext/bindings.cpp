@@ -67,13 +67,15 @@ PYBIND11_MODULE(_native, m) {
   m.attr("KIND_JOB") = static_cast<int>(akv::EntryKind::kJob);
   m.attr("KIND_NOTIFY") = static_cast<int>(akv::EntryKind::kNotify);
   m.attr("KIND_ENDPOINT") = static_cast<int>(akv::EntryKind::kEndpoint);
-  m.attr("ST_OK") = static_cast<int>(akv::Status::kOk);
-  m.attr("ST_CANCELLED") = static_cast<int>(akv::Status::kCancelled);
-  m.attr("ST_TIMEOUT") = static_cast<int>(akv::Status::kTimeout);
-  m.attr("ST_LINK_FAILED") = static_cast<int>(akv::Status::kLinkFailed);
-  m.attr("ST_ENGINE_CLOSED") = static_cast<int>(akv::Status::kEngineClosed);
-  m.attr("ST_ERROR") = static_cast<int>(akv::Status::kError);
-  m.attr("ST_INVALID") = static_cast<int>(akv::Status::kInvalid);
+  // (value, "NAME", "words", "LLM_NAME") rows: Python builds its status
+  // maps from these instead of repeating the table.
+  py::list statuses;
+#define AKV_STATUS(NAME, value, words, llm)                     \
+  m.attr("ST_" #NAME) = static_cast<int>(akv::Status::k##NAME); \
+  statuses.append(py::make_tuple(static_cast<int>(akv::Status::k##NAME), #NAME, words, #llm));
+#include "status.def"
+#undef AKV_STATUS
+  m.attr("STATUSES") = py::tuple(statuses);
   m.attr("MAX_PAYLOAD") = akv::Engine::kMaxPayload;
 
   m.def("ucx_version", []() {

@@ -29,15 +29,12 @@ enum class EntryKind : uint8_t {
   kEndpoint = 2,  // an endpoint failed or closed
 };
 
-// Statuses reported to Python. Python maps them to LLMStatusCode.
+// Statuses reported to Python, from the one table Python's side also reads
+// (STATUSES): the values and what they mean cannot drift apart.
 enum class Status : int32_t {
-  kOk = 0,
-  kCancelled = 1,
-  kTimeout = 2,
-  kLinkFailed = 3,
-  kEngineClosed = 4,
-  kError = 5,
-  kInvalid = 6,
+#define AKV_STATUS(NAME, value, words, llm) k##NAME = value,
+#include "status.def"
+#undef AKV_STATUS
 };
 
 struct Completion {

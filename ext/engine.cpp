@@ -32,18 +32,18 @@ constexpr auto kCancelGrace = std::chrono::seconds(2);
 Status status_from_ucs(ucs_status_t st) {
   switch (st) {
     case UCS_OK:
-      return Status::kOk;
+      return Status::kOK;
     case UCS_ERR_CANCELED:
-      return Status::kCancelled;
+      return Status::kCANCELLED;
     case UCS_ERR_ENDPOINT_TIMEOUT:
     case UCS_ERR_CONNECTION_RESET:
     case UCS_ERR_UNREACHABLE:
     case UCS_ERR_REJECTED:
     case UCS_ERR_NOT_CONNECTED:
     case UCS_ERR_IO_ERROR:
-      return Status::kLinkFailed;
+      return Status::kLINK_FAILED;
     default:
-      return Status::kError;
+      return Status::kERROR;
   }
 }
 
@@ -289,7 +289,7 @@ void Engine::disconnect(uint64_t ep_id) {
     ep->closing = true;
     for (auto& kv : jobs_) {
       Job* j = kv.second.get();
-      if (j->ep == ep) cancel_job(j, Status::kLinkFailed);
+      if (j->ep == ep) cancel_job(j, Status::kLINK_FAILED);
     }
   });
 }
@@ -382,7 +382,7 @@ void Engine::cancel(uint64_t job_id) {
     post_command([this, job_id]() {
       auto it = jobs_.find(job_id);
       if (it == jobs_.end()) return;  // already finished; its completion is queued
-      cancel_job(it->second.get(), Status::kCancelled);
+      cancel_job(it->second.get(), Status::kCANCELLED);
     });
   } catch (const ClosedError&) {
   }
@@ -454,22 +454,22 @@ void Engine::admit(std::unique_ptr<Job> j) {
   jobs_[job->id] = std::move(j);
   auto eit = eps_.find(job->ep_id);
   if (eit == eps_.end()) {
-    job->fail(Status::kInvalid);
+    job->fail(Status::kINVALID);
   } else {
     job->ep = eit->second.get();
     job->ep->jobs++;
     if (job->ep->broken || job->ep->closing || job->ep->handle == nullptr) {
-      job->fail(Status::kLinkFailed, job->ep->ucs_status);
+      job->fail(Status::kLINK_FAILED, job->ep->ucs_status);
     }
   }
-  if (job->status == Status::kOk) {
+  if (job->status == Status::kOK) {
     job->segs.reserve(job->raw.size());
     for (const SegmentIn& s : job->raw) {
       if (s.len == 0) continue;
       auto kit = rkeys_.find(s.rkey_id);
       if (kit == rkeys_.end() || kit->second->released || kit->second->ep_id != job->ep_id ||
           kit->second->handle == nullptr) {
-        job->fail(Status::kInvalid);
+        job->fail(Status::kINVALID);
         break;
       }
       RemoteKey* rk = kit->second.get();
@@ -477,7 +477,7 @@ void Engine::admit(std::unique_ptr<Job> j) {
       // descriptor; the key's region is checked again here.
       if (s.remote < rk->base || s.len > rk->len || s.remote - rk->base > rk->len - s.len ||
           s.local + s.len < s.local) {
-        job->fail(Status::kInvalid);
+        job->fail(Status::kINVALID);
         break;
       }
       if (!job->segs.empty()) {
@@ -497,7 +497,7 @@ void Engine::admit(std::unique_ptr<Job> j) {
   job->raw.clear();
   job->raw.shrink_to_fit();
   if (job->has_deadline) job->dl_it = deadlines_.emplace(job->deadline, job->id);
-  if (job->status == Status::kOk && !job->segs.empty()) {
+  if (job->status == Status::kOK && !job->segs.empty()) {
     job->in_active = true;
     active_.push_back(job);
   } else {
@@ -506,7 +506,7 @@ void Engine::admit(std::unique_ptr<Job> j) {
 }
 
 void Engine::post_job(Job* j) {
-  while (j->seg_idx < j->segs.size() && !j->cancel && j->status == Status::kOk) {
+  while (j->seg_idx < j->segs.size() && !j->cancel && j->status == Status::kOK) {
     const Segment& s = j->segs[j->seg_idx];
     uint64_t n = std::min(s.len - j->seg_off, cfg_.chunk_bytes);
     if (inflight_bytes_ > 0 && inflight_bytes_ + n > cfg_.max_inflight_bytes) {
@@ -552,7 +552,7 @@ void Engine::post_job(Job* j) {
     posted_++;
     if (UCS_PTR_IS_ERR(r)) {
       ucs_status_t st = UCS_PTR_STATUS(r);
-      j->fail(j->ep->broken ? Status::kLinkFailed : status_from_ucs(st), st);
+      j->fail(j->ep->broken ? Status::kLINK_FAILED : status_from_ucs(st), st);
       return;
     }
     if (r == nullptr) {
@@ -587,7 +587,7 @@ bool Engine::post_all() {
     Job* j = active_.front();
     post_job(j);
     any = any || posted_ != before;
-    bool done_posting = j->seg_idx >= j->segs.size() || j->cancel || j->status != Status::kOk;
+    bool done_posting = j->seg_idx >= j->segs.size() || j->cancel || j->status != Status::kOK;
     if (!done_posting) break;  // window full: keep FIFO order
     active_.pop_front();
     j->in_active = false;
@@ -621,7 +621,7 @@ void Engine::advance(Job* j) {
   // Each step starts only when the previous step has nothing in flight.
   if (j->abandoned || j->inflight_ops > 0) return;
   if (j->phase == Phase::kPosting) {
-    bool done_posting = j->seg_idx >= j->segs.size() || j->cancel || j->status != Status::kOk;
+    bool done_posting = j->seg_idx >= j->segs.size() || j->cancel || j->status != Status::kOK;
     if (!done_posting) return;
     if (j->in_active) {
       active_.erase(std::find(active_.begin(), active_.end(), j));
@@ -644,7 +644,7 @@ void Engine::advance(Job* j) {
   }
   if (j->phase == Phase::kFlushing) {
     j->phase = Phase::kNotifying;
-    if (j->status == Status::kOk && !j->cancel && !j->payload.empty()) {
+    if (j->status == Status::kOK && !j->cancel && !j->payload.empty()) {
       // Copies into mapped memory may use non-temporal stores: make them
       // visible before the notification that announces them.
       if (j->copied_any) std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -691,7 +691,7 @@ void Engine::finish(Job* j) {
   }
   if (j->ep != nullptr) j->ep->jobs--;
   if (j->cancel) cancelling_--;
-  if (j->status == Status::kOk) {
+  if (j->status == Status::kOK) {
     jobs_completed_.fetch_add(1);
   } else {
     jobs_failed_.fetch_add(1);
@@ -743,7 +743,7 @@ void Engine::complete_flush(std::vector<Job*>* batch, ucs_status_t st) {
     if (j->abandoned) continue;
     if (st != UCS_OK) {
       Status s = status_from_ucs(st);
-      j->fail(s == Status::kCancelled || s == Status::kError ? Status::kLinkFailed : s, st);
+      j->fail(s == Status::kCANCELLED || s == Status::kERROR ? Status::kLINK_FAILED : s, st);
     }
     touch(j);
   }
@@ -776,7 +776,7 @@ void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
   }
   if (st != UCS_OK) {
     Status s = status_from_ucs(st);
-    if (j->ep->broken || s == Status::kCancelled) s = Status::kLinkFailed;
+    if (j->ep->broken || s == Status::kCANCELLED) s = Status::kLINK_FAILED;
     j->fail(s, st);
   }
   touch(j);
@@ -808,7 +808,7 @@ ucs_status_t Engine::on_am(void* arg, const void* /*header*/, size_t /*header_le
     return UCS_OK;
   }
   self->notes_received_.fetch_add(1);
-  self->cq_.push(Completion{EntryKind::kNotify, 0, Status::kOk, 0, length,
+  self->cq_.push(Completion{EntryKind::kNotify, 0, Status::kOK, 0, length,
                             std::string(static_cast<const char*>(data), length)});
   return UCS_OK;
 }
@@ -820,11 +820,11 @@ void Engine::endpoint_failed(Endpoint* ep, ucs_status_t st) {
   for (auto& kv : jobs_) {
     Job* j = kv.second.get();
     if (j->ep == ep) {
-      j->fail(Status::kLinkFailed, ep->ucs_status);
-      cancel_job(j, Status::kLinkFailed);
+      j->fail(Status::kLINK_FAILED, ep->ucs_status);
+      cancel_job(j, Status::kLINK_FAILED);
     }
   }
-  cq_.push(Completion{EntryKind::kEndpoint, ep->id, Status::kLinkFailed, ep->ucs_status, 0, {}});
+  cq_.push(Completion{EntryKind::kEndpoint, ep->id, Status::kLINK_FAILED, ep->ucs_status, 0, {}});
 }
 
 void Engine::destroy_rkey(RemoteKey* rk) {
@@ -920,7 +920,7 @@ void Engine::check_deadlines() {
     deadlines_.erase(deadlines_.begin());
     if (it == jobs_.end()) continue;
     it->second->has_deadline = false;
-    cancel_job(it->second.get(), Status::kTimeout);
+    cancel_job(it->second.get(), Status::kTIMEOUT);
   }
 }
 
@@ -974,7 +974,7 @@ void Engine::check_stuck() {
 
 void Engine::abandon(Job* j) {
   j->abandoned = true;
-  j->fail(Status::kLinkFailed, j->ep->ucs_status);
+  j->fail(Status::kLINK_FAILED, j->ep->ucs_status);
   if (j->in_active) {
     active_.erase(std::find(active_.begin(), active_.end(), j));
     j->in_active = false;
@@ -1061,7 +1061,7 @@ void Engine::run() {
 void Engine::shutdown_all() {
   run_commands();  // nothing can be queued after this: closed_ is set
   for (auto& kv : jobs_) {
-    cancel_job(kv.second.get(), Status::kEngineClosed);
+    cancel_job(kv.second.get(), Status::kENGINE_CLOSED);
   }
   for (auto& kv : eps_) kv.second->closing = true;
   auto give_up = std::chrono::steady_clock::now() + kShutdownGrace;
@@ -1102,7 +1102,7 @@ void Engine::shutdown_all() {
     j->phase = Phase::kDone;
     jobs_failed_.fetch_add(1);
     live_jobs_.fetch_sub(1);
-    cq_.push(Completion{EntryKind::kJob, j->id, Status::kEngineClosed, j->ucs_status, j->bytes_done, {}});
+    cq_.push(Completion{EntryKind::kJob, j->id, Status::kENGINE_CLOSED, j->ucs_status, j->bytes_done, {}});
   }
   for (auto& kv : rkeys_) {
     RemoteKey* rk = kv.second.get();

@@ -77,11 +77,11 @@ struct Job {
   bool cancel = false;
   std::chrono::steady_clock::time_point cancelled_at{};  // when cancel was set
   Phase phase = Phase::kPosting;
-  Status status = Status::kOk;
+  Status status = Status::kOK;
   int32_t ucs_status = 0;
 
   void fail(Status s, int32_t ucs = 0) {
-    if (status == Status::kOk) {
+    if (status == Status::kOK) {
       status = s;
       ucs_status = ucs;
     }
