@@ -22,10 +22,10 @@ std::vector<akv::SegmentIn> segments_from(const py::buffer& segs) {
   bool u64 = info.itemsize == 8 && !fmt.empty() && (fmt.back() == 'Q' || fmt.back() == 'L');
   if (!u64) throw py::type_error("segments must be a uint64 array");
   if (info.ndim != 2 || info.shape[1] != 4) {
-    throw py::value_error("segments must have shape (n, 4): local, remote, length, rkey id");
+    throw akv::InvalidArgument("segments must have shape (n, 4): local, remote, length, rkey id");
   }
   if (info.shape[0] > 0 && (info.strides[1] != 8 || info.strides[0] != 32)) {
-    throw py::value_error("segments must be C-contiguous");
+    throw akv::InvalidArgument("segments must be C-contiguous");
   }
   std::vector<akv::SegmentIn> out(static_cast<size_t>(info.shape[0]));
   if (!out.empty()) std::memcpy(out.data(), info.ptr, out.size() * sizeof(akv::SegmentIn));
@@ -53,12 +53,31 @@ PYBIND11_MODULE(_native, m) {
   m.doc() = "aiokvcache native transfer engine (UCX)";
   static_assert(sizeof(akv::SegmentIn) == 32, "segment rows are four uint64");
 
-  static py::exception<akv::ClosedError> closed_exc(m, "EngineClosedError", PyExc_RuntimeError);
+  // NativeError stays a RuntimeError and InvalidArgumentError a ValueError:
+  // that is what these failures were before they had types of their own.
+  static py::exception<akv::Error> native_exc(m, "NativeError", PyExc_RuntimeError);
+  static py::exception<akv::ClosedError> closed_exc(m, "EngineClosedError", native_exc);
+  static py::exception<akv::InvalidArgument> invalid_exc(
+      m, "InvalidArgumentError", py::make_tuple(native_exc, py::handle(PyExc_ValueError)));
+  static py::exception<akv::UcxFailure> ucx_exc(m, "UcxError", native_exc);
+  native_exc.attr("__doc__") = "A failure of the native engine.";
+  closed_exc.attr("__doc__") = "The engine is closed: calls that need its progress thread fail.";
+  invalid_exc.attr("__doc__") =
+      "A bad argument (unknown region, endpoint or key id, a bad segment table, a payload too large).";
+  ucx_exc.attr("__doc__") = "A UCX call failed; ucs_status is its status (see ucs_status_string).";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const akv::ClosedError& e) {
       py::set_error(closed_exc, e.what());
+    } catch (const akv::InvalidArgument& e) {
+      py::set_error(invalid_exc, e.what());
+    } catch (const akv::UcxFailure& e) {
+      py::object exc = py::handle(ucx_exc)(e.what());
+      exc.attr("ucs_status") = static_cast<int>(e.status());
+      py::set_error(ucx_exc, exc);
+    } catch (const akv::Error& e) {
+      py::set_error(native_exc, e.what());
     }
   });
 
@@ -89,7 +108,7 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "buffer_from_address",
       [](uint64_t addr, uint64_t len, bool readonly) {
-        if (addr == 0) throw py::value_error("address must not be 0");
+        if (addr == 0) throw akv::InvalidArgument("address must not be 0");
         return py::memoryview::from_memory(reinterpret_cast<void*>(addr), static_cast<ssize_t>(len), readonly);
       },
       py::arg("address"), py::arg("length"), py::arg("readonly") = false);
@@ -123,11 +142,11 @@ PYBIND11_MODULE(_native, m) {
             py::buffer_info info = buf.request(true);  // writable
             ssize_t expect = info.itemsize;
             for (ssize_t i = info.ndim - 1; i >= 0; --i) {
-              if (info.shape[i] > 1 && info.strides[i] != expect) throw py::value_error("buffer must be C-contiguous");
+              if (info.shape[i] > 1 && info.strides[i] != expect) throw akv::InvalidArgument("buffer must be C-contiguous");
               expect *= info.shape[i];
             }
             uint64_t len = static_cast<uint64_t>(info.size * info.itemsize);
-            if (len == 0) throw py::value_error("buffer is empty");
+            if (len == 0) throw akv::InvalidArgument("buffer is empty");
             uint64_t addr = reinterpret_cast<uint64_t>(info.ptr);
             uint64_t rid;
             {
@@ -182,7 +201,7 @@ PYBIND11_MODULE(_native, m) {
           "submit",
           [](PyEngine& e, int op, uint64_t ep, const py::buffer& segs, const py::bytes& payload, uint64_t timeout_ms) {
             if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
-              throw py::value_error("op must be OP_PUT or OP_GET");
+              throw akv::InvalidArgument("op must be OP_PUT or OP_GET");
             }
             std::vector<akv::SegmentIn> v = segments_from(segs);
             std::string p = payload;

@@ -15,13 +15,9 @@
 #include <utility>
 #include <vector>
 
-namespace akv {
+#include "errors.hpp"
 
-// Raised by calls on a closed engine; Python sees EngineClosedError.
-class ClosedError : public std::logic_error {
- public:
-  ClosedError() : std::logic_error("engine is closed") {}
-};
+namespace akv {
 
 enum class EntryKind : uint8_t {
   kJob = 0,       // a job finished (any status); its buffers are released
@@ -50,7 +46,7 @@ class CompletionQueue {
  public:
   CompletionQueue() {
     fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (fd_ < 0) throw std::runtime_error("eventfd failed");
+    if (fd_ < 0) throw Error("eventfd failed");
   }
   ~CompletionQueue() {
     if (fd_ >= 0) ::close(fd_);

@@ -52,7 +52,7 @@ const char* transport_list(const std::string& t) {
   if (t == "shm") return "sm,self";
   if (t == "tcp") return "tcp,self";
   if (t == "rdma") return "ib,self";
-  throw std::invalid_argument("transport must be one of auto, shm, tcp, rdma, not '" + t + "'");
+  throw InvalidArgument("transport must be one of auto, shm, tcp, rdma, not '" + t + "'");
 }
 
 std::string capture(const std::function<void(FILE*)>& fn) {
@@ -70,13 +70,13 @@ std::string capture(const std::function<void(FILE*)>& fn) {
 }  // namespace
 
 Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
-  if (cfg_.max_inflight_bytes == 0) throw std::invalid_argument("max_inflight_bytes must be > 0");
-  if (cfg_.chunk_bytes == 0) throw std::invalid_argument("chunk_bytes must be > 0");
+  if (cfg_.max_inflight_bytes == 0) throw InvalidArgument("max_inflight_bytes must be > 0");
+  if (cfg_.chunk_bytes == 0) throw InvalidArgument("chunk_bytes must be > 0");
   const char* tls = transport_list(cfg_.transport);
 
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
-  if (st != UCS_OK) throw std::runtime_error(std::string("ucp_config_read: ") + ucs_status_string(st));
+  if (st != UCS_OK) throw UcxFailure("ucp_config_read", st);
   // Transport choice lives in this context's config, not the process env, so
   // several engines in one process can differ.
   if (tls != nullptr) st = ucp_config_modify(config, "TLS", tls);
@@ -91,7 +91,7 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   }
   if (st != UCS_OK) {
     ucp_config_release(config);
-    throw std::invalid_argument(std::string("bad UCX option: ") + ucs_status_string(st));
+    throw InvalidArgument(std::string("bad UCX option: ") + ucs_status_string(st));
   }
 
   ucp_params_t params{};
@@ -103,8 +103,7 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   st = ucp_init(&params, config, &context_);
   ucp_config_release(config);
   if (st != UCS_OK) {
-    throw std::runtime_error(std::string("ucp_init (transport ") + cfg_.transport +
-                             "): " + ucs_status_string(st));
+    throw UcxFailure("ucp_init (transport " + cfg_.transport + ")", st);
   }
 
   if (cfg_.transport == "rdma") {
@@ -116,7 +115,7 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
                  resources.find("ud_verbs") != std::string::npos;
     if (!verbs) {
       ucp_cleanup(context_);
-      throw std::runtime_error(
+      throw Error(
           "no RDMA (verbs) transport in this UCX; set RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true to use a "
           "system UCX built with verbs");
     }
@@ -128,21 +127,21 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   st = ucp_worker_create(context_, &wp, &worker_);
   if (st != UCS_OK) {
     ucp_cleanup(context_);
-    throw std::runtime_error(std::string("ucp_worker_create: ") + ucs_status_string(st));
+    throw UcxFailure("ucp_worker_create", st);
   }
 
-  auto fail = [&](const std::string& what) {
+  auto fail = [&](const auto& error) {
     if (cmd_efd_ >= 0) ::close(cmd_efd_);
     if (epfd_ >= 0) ::close(epfd_);
     ucp_worker_destroy(worker_);
     ucp_cleanup(context_);
-    throw std::runtime_error(what);
+    throw error;
   };
 
   ucp_worker_attr_t attr{};
   attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
   st = ucp_worker_query(worker_, &attr);
-  if (st != UCS_OK) fail(std::string("ucp_worker_query: ") + ucs_status_string(st));
+  if (st != UCS_OK) fail(UcxFailure("ucp_worker_query", st));
   worker_address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
   ucp_worker_release_address(worker_, attr.address);
 
@@ -154,18 +153,18 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   am.arg = this;
   am.flags = UCP_AM_FLAG_WHOLE_MSG;
   st = ucp_worker_set_am_recv_handler(worker_, &am);
-  if (st != UCS_OK) fail(std::string("ucp_worker_set_am_recv_handler: ") + ucs_status_string(st));
+  if (st != UCS_OK) fail(UcxFailure("ucp_worker_set_am_recv_handler", st));
 
   st = ucp_worker_get_efd(worker_, &worker_efd_);
-  if (st != UCS_OK) fail(std::string("ucp_worker_get_efd: ") + ucs_status_string(st));
+  if (st != UCS_OK) fail(UcxFailure("ucp_worker_get_efd", st));
   cmd_efd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
-  if (cmd_efd_ < 0 || epfd_ < 0) fail("eventfd/epoll_create1 failed");
+  if (cmd_efd_ < 0 || epfd_ < 0) fail(Error("eventfd/epoll_create1 failed"));
   for (int fd : {worker_efd_, cmd_efd_}) {
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.fd = fd;
-    if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0) fail("epoll_ctl failed");
+    if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0) fail(Error("epoll_ctl failed"));
   }
   thread_ = std::thread(&Engine::run, this);
 }
@@ -230,7 +229,7 @@ std::pair<uint64_t, uint64_t> Engine::mem_alloc(uint64_t len) {
 }
 
 uint64_t Engine::mem_register(uint64_t addr, uint64_t len) {
-  if (addr == 0) throw std::invalid_argument("address must not be 0");
+  if (addr == 0) throw InvalidArgument("address must not be 0");
   return call<uint64_t>([this, addr, len]() {
     auto r = std::make_unique<Region>(map_region(context_, reinterpret_cast<void*>(addr), len, false));
     r->id = next_region_++;
@@ -244,7 +243,7 @@ uint64_t Engine::mem_register(uint64_t addr, uint64_t len) {
 void Engine::mem_release(uint64_t region_id) {
   call<void>([this, region_id]() {
     auto it = regions_.find(region_id);
-    if (it == regions_.end()) throw std::out_of_range("unknown region id");
+    if (it == regions_.end()) throw InvalidArgument("unknown region id");
     unmap_region(context_, *it->second);
     regions_.erase(it);
     n_regions_ = regions_.size();
@@ -254,13 +253,13 @@ void Engine::mem_release(uint64_t region_id) {
 std::string Engine::rkey_pack(uint64_t region_id) {
   return call<std::string>([this, region_id]() {
     auto it = regions_.find(region_id);
-    if (it == regions_.end()) throw std::out_of_range("unknown region id");
+    if (it == regions_.end()) throw InvalidArgument("unknown region id");
     return pack_rkey(context_, *it->second);
   });
 }
 
 uint64_t Engine::connect(const std::string& address, bool peer_errors) {
-  if (address.empty()) throw std::invalid_argument("worker address is empty");
+  if (address.empty()) throw InvalidArgument("worker address is empty");
   return call<uint64_t>([this, address, peer_errors]() {
     auto ep = std::make_unique<Endpoint>();
     ep->id = next_ep_++;
@@ -273,7 +272,7 @@ uint64_t Engine::connect(const std::string& address, bool peer_errors) {
     p.err_handler.cb = &Engine::on_ep_error;
     p.err_handler.arg = ep.get();
     ucs_status_t st = ucp_ep_create(worker_, &p, &ep->handle);
-    if (st != UCS_OK) throw std::runtime_error(std::string("ucp_ep_create: ") + ucs_status_string(st));
+    if (st != UCS_OK) throw UcxFailure("ucp_ep_create", st);
     uint64_t id = ep->id;
     eps_[id] = std::move(ep);
     n_eps_ = eps_.size();
@@ -304,17 +303,17 @@ void Engine::fail_endpoint(uint64_t ep_id) {
 }
 
 uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t base, uint64_t len) {
-  if (packed.empty()) throw std::invalid_argument("packed rkey is empty");
+  if (packed.empty()) throw InvalidArgument("packed rkey is empty");
   return call<uint64_t>([this, ep_id, packed, base, len]() {
     auto it = eps_.find(ep_id);
-    if (it == eps_.end()) throw std::out_of_range("unknown endpoint id");
+    if (it == eps_.end()) throw InvalidArgument("unknown endpoint id");
     Endpoint* ep = it->second.get();
     if (ep->broken || ep->closing || ep->handle == nullptr) {
-      throw std::runtime_error("endpoint is broken or closing");
+      throw Error("endpoint is broken or closing");
     }
     auto rk = std::make_unique<RemoteKey>();
     ucs_status_t st = ucp_ep_rkey_unpack(ep->handle, packed.data(), &rk->handle);
-    if (st != UCS_OK) throw std::runtime_error(std::string("ucp_ep_rkey_unpack: ") + ucs_status_string(st));
+    if (st != UCS_OK) throw UcxFailure("ucp_ep_rkey_unpack", st);
     // Same-host shared memory can be mapped here: then a transfer is one
     // memcpy on the progress thread, whatever lane UCX would have picked.
     void* mapped = nullptr;
@@ -348,8 +347,8 @@ void Engine::rkey_release(uint64_t rkey_id) {
 
 uint64_t Engine::submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, std::string&& payload,
                         uint64_t timeout_ms) {
-  if (payload.size() > kMaxPayload) throw std::invalid_argument("notification payload too large");
-  if (op == Op::kGet && !payload.empty()) throw std::invalid_argument("get jobs carry no payload");
+  if (payload.size() > kMaxPayload) throw InvalidArgument("notification payload too large");
+  if (op == Op::kGet && !payload.empty()) throw InvalidArgument("get jobs carry no payload");
   check_open();
   auto j = std::make_unique<Job>();
   j->id = next_job_.fetch_add(1);

@@ -1,11 +1,9 @@
 #include "memory.hpp"
 
-#include <stdexcept>
-
 namespace akv {
 
 Region map_region(ucp_context_h ctx, void* addr, uint64_t len, bool allocate) {
-  if (len == 0) throw std::invalid_argument("region length must be > 0");
+  if (len == 0) throw InvalidArgument("region length must be > 0");
   ucp_mem_map_params_t p{};
   p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                  UCP_MEM_MAP_PARAM_FIELD_FLAGS;
@@ -15,14 +13,14 @@ Region map_region(ucp_context_h ctx, void* addr, uint64_t len, bool allocate) {
   ucp_mem_h memh = nullptr;
   ucs_status_t st = ucp_mem_map(ctx, &p, &memh);
   if (st != UCS_OK) {
-    throw std::runtime_error(std::string("ucp_mem_map failed: ") + ucs_status_string(st));
+    throw UcxFailure("ucp_mem_map failed", st);
   }
   ucp_mem_attr_t attr{};
   attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
   st = ucp_mem_query(memh, &attr);
   if (st != UCS_OK) {
     ucp_mem_unmap(ctx, memh);
-    throw std::runtime_error(std::string("ucp_mem_query failed: ") + ucs_status_string(st));
+    throw UcxFailure("ucp_mem_query failed", st);
   }
   Region r;
   r.memh = memh;
@@ -44,7 +42,7 @@ std::string pack_rkey(ucp_context_h ctx, const Region& r) {
   size_t size = 0;
   ucs_status_t st = ucp_rkey_pack(ctx, r.memh, &buf, &size);
   if (st != UCS_OK) {
-    throw std::runtime_error(std::string("ucp_rkey_pack failed: ") + ucs_status_string(st));
+    throw UcxFailure("ucp_rkey_pack failed", st);
   }
   std::string out(static_cast<const char*>(buf), size);
   ucp_rkey_buffer_release(buf);

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <string>
 
+#include "errors.hpp"
+
 namespace akv {
 
 struct Region {
@@ -17,7 +19,7 @@ struct Region {
   bool allocated = false;
 };
 
-// Both throw std::runtime_error with UCX's message on failure.
+// Throw UcxFailure when UCX refuses, InvalidArgument for a zero length.
 Region map_region(ucp_context_h ctx, void* addr, uint64_t len, bool allocate);
 void unmap_region(ucp_context_h ctx, Region& r);
 std::string pack_rkey(ucp_context_h ctx, const Region& r);

@@ -22,7 +22,19 @@ STATUSES: tuple[tuple[int, str, str, str], ...]
 
 MAX_PAYLOAD: int
 
-class EngineClosedError(RuntimeError): ...
+class NativeError(RuntimeError):
+    """A failure of the native engine."""
+
+class EngineClosedError(NativeError):
+    """The engine is closed: calls that need its progress thread fail."""
+
+class InvalidArgumentError(NativeError, ValueError):
+    """A bad argument (unknown region, endpoint or key id, a bad segment table, ...)."""
+
+class UcxError(NativeError):
+    """A UCX call failed."""
+
+    ucs_status: int
 
 def ucx_version() -> str: ...
 def ucs_status_string(status: int) -> str: ...
