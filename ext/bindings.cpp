@@ -32,6 +32,29 @@ std::vector<akv::SegmentIn> segments_from(const py::buffer& segs) {
   return out;
 }
 
+// Job ids as a uint64 array (copied whole, the fast path for big groups) or
+// any sequence of ints.
+std::vector<uint64_t> job_ids_from(const py::handle& ids) {
+  if (PyObject_CheckBuffer(ids.ptr()) != 0) {
+    py::buffer_info info = py::reinterpret_borrow<py::buffer>(ids).request();
+    const std::string& fmt = info.format;
+    bool u64 = info.itemsize == 8 && !fmt.empty() && (fmt.back() == 'Q' || fmt.back() == 'L');
+    if (u64 && info.ndim == 1) {
+      std::vector<uint64_t> out(static_cast<size_t>(info.shape[0]));
+      const auto* base = static_cast<const uint8_t*>(info.ptr);
+      for (size_t i = 0; i < out.size(); ++i) {
+        std::memcpy(&out[i], base + static_cast<ssize_t>(i) * info.strides[0], sizeof(uint64_t));
+      }
+      return out;
+    }
+  }
+  try {
+    return py::cast<std::vector<uint64_t>>(ids);
+  } catch (const py::cast_error&) {
+    throw py::type_error("job_ids must be a sequence of job ids (ints >= 0) or a uint64 array");
+  }
+}
+
 }  // namespace
 
 // The Python-facing engine also keeps registered buffer objects alive until
@@ -210,6 +233,17 @@ PYBIND11_MODULE(_native, m) {
           py::arg("op"), py::arg("ep_id"), py::arg("segments"), py::arg("payload") = py::bytes(),
           py::arg("timeout_ms") = 0)
       .def("cancel", &Engine::cancel, py::arg("job_id"))
+      .def(
+          "cancel_many", [](PyEngine& e, const py::handle& ids) { e.cancel_many(job_ids_from(ids)); },
+          py::arg("job_ids"))
+      .def(
+          "wait_released",
+          [](PyEngine& e, const py::handle& ids, double timeout) {
+            std::vector<uint64_t> v = job_ids_from(ids);
+            py::gil_scoped_release nogil;
+            return e.wait_released(v, timeout);
+          },
+          py::arg("job_ids"), py::arg("timeout"))
       .def("drain",
            [](PyEngine& e) {
              std::vector<akv::Completion> items = e.drain();

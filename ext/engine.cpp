@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -363,12 +364,21 @@ uint64_t Engine::submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, st
   uint64_t id = j->id;
   live_jobs_.fetch_add(1);
   jobs_submitted_.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> lk(live_mu_);
+    live_ids_.insert(id);
+  }
   Job* raw = j.release();
   try {
     post_command([this, raw]() { admit(std::unique_ptr<Job>(raw)); });
   } catch (...) {
     delete raw;
     live_jobs_.fetch_sub(1);
+    {
+      std::lock_guard<std::mutex> lk(live_mu_);
+      live_ids_.erase(id);
+    }
+    live_cv_.notify_all();
     throw;
   }
   return id;
@@ -385,6 +395,52 @@ void Engine::cancel(uint64_t job_id) {
     });
   } catch (const ClosedError&) {
   }
+}
+
+void Engine::cancel_many(std::vector<uint64_t> job_ids) {
+  // As cancel(): a no-op after close.
+  if (job_ids.empty() || closed_.load()) return;
+  try {
+    post_command([this, ids = std::move(job_ids)]() {
+      for (uint64_t job_id : ids) {
+        auto it = jobs_.find(job_id);
+        if (it == jobs_.end()) continue;  // already finished; its completion is queued
+        cancel_job(it->second.get(), Status::kCANCELLED);
+      }
+    });
+  } catch (const ClosedError&) {
+  }
+}
+
+bool Engine::wait_released(const std::vector<uint64_t>& job_ids, double timeout_s) {
+  if (std::isnan(timeout_s)) throw InvalidArgument("timeout must be a number of seconds");
+  // Ids are unique and never reused, so one seen released stays released:
+  // each wakeup resumes where the last one stopped instead of rescanning.
+  size_t done = 0;
+  auto all_released = [&]() {
+    while (done < job_ids.size() && live_ids_.count(job_ids[done]) == 0) ++done;
+    return done == job_ids.size();
+  };
+  std::unique_lock<std::mutex> lk(live_mu_);
+  // Past a few centuries now() + timeout would overflow the clock.
+  if (timeout_s > 1e9) {
+    live_cv_.wait(lk, all_released);
+    return true;
+  }
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                      std::chrono::duration<double>(std::max(0.0, timeout_s)));
+  return live_cv_.wait_until(lk, deadline, all_released);
+}
+
+void Engine::push_job_completion(Completion&& c) {
+  uint64_t id = c.id;
+  cq_.push(std::move(c));
+  {
+    std::lock_guard<std::mutex> lk(live_mu_);
+    live_ids_.erase(id);
+  }
+  live_cv_.notify_all();
 }
 
 EngineStats Engine::stats() const {
@@ -420,6 +476,13 @@ void Engine::close() {
   ::close(cmd_efd_);
   epfd_ = cmd_efd_ = -1;
   ucp_worker_destroy(worker_);
+  {
+    // shutdown_all() reported every job already; this only makes sure no
+    // waiter outlives close(): with the worker gone nothing touches a buffer.
+    std::lock_guard<std::mutex> lk(live_mu_);
+    live_ids_.clear();
+  }
+  live_cv_.notify_all();
   // Only now: requests that outlived shutdown pointed at these.
   jobs_.clear();
   graveyard_.clear();
@@ -700,7 +763,7 @@ void Engine::finish(Job* j) {
   // The counter drops before the entry is visible, so a reader who has seen
   // every completion also sees zero live jobs.
   live_jobs_.fetch_sub(1);
-  cq_.push(std::move(c));
+  push_job_completion(std::move(c));
 }
 
 bool Engine::post_flushes() {
@@ -990,7 +1053,7 @@ void Engine::abandon(Job* j) {
   // stays allocated (graveyard_) until the worker is destroyed.
   jobs_failed_.fetch_add(1);
   live_jobs_.fetch_sub(1);
-  cq_.push(Completion{EntryKind::kJob, j->id, j->status, j->ucs_status, j->bytes_done, {}});
+  push_job_completion(Completion{EntryKind::kJob, j->id, j->status, j->ucs_status, j->bytes_done, {}});
   auto it = jobs_.find(j->id);
   graveyard_.push_back(std::move(it->second));
   jobs_.erase(it);
@@ -1101,7 +1164,8 @@ void Engine::shutdown_all() {
     j->phase = Phase::kDone;
     jobs_failed_.fetch_add(1);
     live_jobs_.fetch_sub(1);
-    cq_.push(Completion{EntryKind::kJob, j->id, Status::kENGINE_CLOSED, j->ucs_status, j->bytes_done, {}});
+    push_job_completion(
+        Completion{EntryKind::kJob, j->id, Status::kENGINE_CLOSED, j->ucs_status, j->bytes_done, {}});
   }
   for (auto& kv : rkeys_) {
     RemoteKey* rk = kv.second.get();

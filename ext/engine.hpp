@@ -18,6 +18,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -102,6 +103,10 @@ class Engine {
   uint64_t submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, std::string&& payload,
                   uint64_t timeout_ms);
   void cancel(uint64_t job_id);
+  void cancel_many(std::vector<uint64_t> job_ids);  // one command for all
+  // Blocks until none of job_ids is live (submitted, completion not yet
+  // queued) or timeout_s passes; true when all are released. Any thread.
+  bool wait_released(const std::vector<uint64_t>& job_ids, double timeout_s);
   // Payloads of notifications go out as eager active messages: keep them small.
   static constexpr size_t kMaxPayload = 4096;
 
@@ -140,6 +145,9 @@ class Engine {
   static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
   void op_done(RequestCtx* ctx, ucs_status_t status);
+  // The one way a job's completion reaches the queue: it also wakes
+  // wait_released(), which must not return before the entry is drainable.
+  void push_job_completion(Completion&& c);
 
   // Runs fn on the progress thread and waits for its result.
   template <typename T>
@@ -184,6 +192,12 @@ class Engine {
   bool destroying_ = false;  // after shutdown: callbacks only free requests
   uint64_t inflight_bytes_ = 0;
   uint64_t next_region_ = 1, next_ep_ = 1, next_rkey_ = 1;
+
+  // Ids of live jobs: filled by submit() before its command is queued, so a
+  // wait right after submit() sees the job.
+  std::mutex live_mu_;
+  std::condition_variable live_cv_;
+  std::unordered_set<uint64_t> live_ids_;
 
   std::atomic<uint64_t> next_job_{1};
   std::atomic<uint64_t> live_jobs_{0};

@@ -5,11 +5,15 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from aiokvcache._loader import native
@@ -169,3 +173,130 @@ def test_calls_after_close_raise_engine_closed(call: Callable[[Any], object]) ->
     eng.cancel(1)
     eng.close()
     assert eng.closed and eng.drain() == [] and eng.stats()["live_jobs"] == 0
+
+
+# ------------------------------------------------------------ release waits
+
+MiB = 1 << 20
+
+
+@dataclass
+class Pair:
+    """Engine a puts into b's region over TCP, through a deliberately small window."""
+
+    a: Any
+    b: Any
+    ep: int
+    rkey: int
+    addr: int
+    size: int
+    src: npt.NDArray[np.uint8]
+
+    def put(self) -> int:
+        rows = np.array([[self.src.ctypes.data, self.addr, self.size, self.rkey]], np.uint64)
+        return int(self.a.submit(native.OP_PUT, self.ep, rows))
+
+    def completions(self, drained: list[tuple[int, int, int, int, int, bytes]]) -> dict[int, int]:
+        return {jid: st for kind, jid, st, *_ in drained if kind == native.KIND_JOB}
+
+
+@pytest.fixture
+def slow_pair() -> Iterator[Pair]:
+    # A 64 KiB window makes a 64 MiB put take hundreds of round trips
+    # (about half a second here): long enough to wait on, or to time out.
+    a = native.Engine("tcp", max_inflight_bytes=64 * 1024, chunk_bytes=16 * 1024, direct_copy=False)
+    b = native.Engine("tcp")
+    size = 64 * MiB
+    region, addr = b.mem_alloc(size)
+    ep = a.connect(b.worker_address, False)
+    rkey = a.rkey_unpack(ep, b.rkey_pack(region), addr, size)
+    src = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    yield Pair(a, b, ep, rkey, addr, size, src)
+    a.close()
+    b.close()
+
+
+def test_wait_released_from_another_thread(slow_pair: Pair) -> None:
+    p = slow_pair
+    job = p.put()
+    # Live from the moment submit() returns, before the progress thread saw it.
+    assert not p.a.wait_released([job], 0)
+    seen: dict[str, Any] = {}
+
+    def waiter() -> None:
+        seen["released"] = p.a.wait_released([job], 60)
+        # Released means the completion is already queued.
+        seen["drained"] = p.a.drain()
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    t.join(60)
+    assert not t.is_alive()
+    assert seen["released"] is True
+    assert p.completions(seen["drained"]) == {job: native.ST_OK}
+    assert p.a.stats()["live_jobs"] == 0
+    dst = np.frombuffer(native.buffer_from_address(p.addr, p.size), np.uint8)
+    assert np.array_equal(dst, p.src)
+
+
+def test_wait_released_times_out(slow_pair: Pair) -> None:
+    p = slow_pair
+    jobs = np.array([p.put(), p.put()], np.uint64)
+    t0 = time.monotonic()
+    assert p.a.wait_released(jobs, 0.05) is False
+    assert time.monotonic() - t0 >= 0.045
+    p.a.cancel_many(jobs)
+    assert p.a.wait_released(jobs, 60) is True
+    done = p.completions(p.a.drain())
+    assert set(done) == {int(j) for j in jobs}
+    assert set(done.values()) <= {native.ST_CANCELLED, native.ST_OK}
+    assert p.a.stats()["live_jobs"] == 0
+
+
+def test_cancel_many_cancels_each(slow_pair: Pair) -> None:
+    p = slow_pair
+    jobs = [p.put() for _ in range(4)]
+    # Unknown ids among them are ignored, as cancel() ignores them.
+    p.a.cancel_many([*jobs, 10**12])
+    assert p.a.wait_released(jobs, 60)
+    done = p.completions(p.a.drain())
+    assert set(done) == set(jobs)
+    # The queue is FIFO: at least the jobs behind the first were still waiting.
+    assert list(done.values()).count(native.ST_CANCELLED) >= 3
+    p.a.cancel_many([])
+
+
+def test_unknown_or_finished_ids_are_released(slow_pair: Pair) -> None:
+    p = slow_pair
+    t0 = time.monotonic()
+    assert p.a.wait_released([10**12, 0, 12345], 60) is True
+    assert p.a.wait_released([], 60) is True
+    assert time.monotonic() - t0 < 5
+    job = p.put()
+    assert p.a.wait_released([job], 60)
+    assert p.a.wait_released([job], 0) is True  # finished long ago
+
+
+def test_wait_released_returns_true_at_close(slow_pair: Pair) -> None:
+    p = slow_pair
+    job = p.put()
+    seen: dict[str, bool] = {}
+    t = threading.Thread(target=lambda: seen.update(released=p.a.wait_released([job], 60)))
+    t.start()
+    time.sleep(0.02)
+    p.a.close()  # reports every job released, the waiter included
+    t.join(60)
+    assert seen == {"released": True}
+    assert p.a.wait_released([job], 0) is True
+    assert p.a.wait_released([job + 1, job], float("inf")) is True
+    assert job in p.completions(p.a.drain())
+
+
+def test_wait_released_arguments(engine: Any) -> None:
+    assert engine.wait_released(np.arange(5, dtype=np.uint64)[::-2], 0) is True
+    assert engine.wait_released((1, 2), -1.0) is True
+    for bad in ([-1], b"\x01", "1", [1.5], None):
+        with pytest.raises(TypeError):
+            engine.wait_released(bad, 0)
+    with pytest.raises(native.InvalidArgumentError, match="timeout"):
+        engine.wait_released([1], float("nan"))
