@@ -50,7 +50,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 import aiokvcache as kv  # noqa: E402
-from aiokvcache import blocks  # noqa: E402
+from aiokvcache._core import planner as blocks  # noqa: E402
 
 MiB = 1 << 20
 SENDER, RECEIVER = 1, 2

@@ -195,6 +195,7 @@ async def measure_puts(
     link: Link, size: int, window: int, *, distinct: bool, seconds: float, iters: int | None
 ) -> float:
     """Awaited puts per second with ``window`` in flight, in steady state."""
+    from aiokvcache._core.runner import run_jobs
     jobs = [[link.put_job(0, i * size if distinct else 0, size)] for i in range(window)]
     done = 0
     stop = False
@@ -208,7 +209,7 @@ async def measure_puts(
         nonlocal done
         job = jobs[i]
         while not stop:
-            await link.bridge.run(job, timeout=per_job_timeout)
+            await run_jobs(link.bridge, job, timeout=per_job_timeout)
             done += 1
             if target is not None and done >= target:
                 reached.set()
@@ -257,6 +258,7 @@ async def ticker(samples: list[float], stop: asyncio.Event, period: float = 0.00
 
 async def measure_lag(link: Link, total: int, *, min_seconds: float, max_pushes: int) -> Lag:
     """Ticker lateness on an idle loop, then while pushes of ``total`` bytes are in flight."""
+    from aiokvcache._core.runner import run_jobs
     lag = Lag()
     stop = asyncio.Event()
     task = asyncio.create_task(ticker(lag.idle, stop))
@@ -273,7 +275,7 @@ async def measure_lag(link: Link, total: int, *, min_seconds: float, max_pushes:
         dst_off = off % (link.remote_size - per + 1)
         jobs.append(link.put_job(src_off, dst_off, per))
     lag.jobs = len(jobs)
-    await link.bridge.run(jobs[:2], timeout=60)  # warm
+    await run_jobs(link.bridge, jobs[:2], timeout=60)  # warm
     while lag.pushes < max_pushes and (lag.pushes == 0 or lag.push_seconds < min_seconds):
         samples: list[float] = []
         stop = asyncio.Event()
@@ -281,7 +283,7 @@ async def measure_lag(link: Link, total: int, *, min_seconds: float, max_pushes:
         await asyncio.sleep(0)  # let the ticker start its first sleep
         t0 = time.perf_counter()
         try:
-            await link.bridge.run(jobs, timeout=120)
+            await run_jobs(link.bridge, jobs, timeout=120)
         finally:
             lag.push_seconds += time.perf_counter() - t0
             stop.set()

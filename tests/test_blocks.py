@@ -37,8 +37,9 @@ from aiokvcache import (
     LLMRole,
     LLMStatusCode,
     Placement,
-    blocks,
 )
+from aiokvcache._core import notify
+from aiokvcache._core import planner as blocks
 
 S = LLMStatusCode
 
@@ -109,18 +110,18 @@ def test_notification_block_lists_roundtrip() -> None:
         np.arange(100_000),
         np.array([], np.int64),
     ):
-        enc = blocks.encode_block_ids(ids.astype(np.int64), 4000)
+        enc = notify.encode_block_ids(ids.astype(np.int64), 4000)
         assert enc is not None
-        assert blocks.decode_block_ids(enc) == tuple(ids.tolist())
-    assert len(blocks.encode_block_ids(np.arange(100_000), 4000) or b"") < 16
+        assert notify.decode_block_ids(enc) == tuple(ids.tolist())
+    assert len(notify.encode_block_ids(np.arange(100_000), 4000) or b"") < 16
     scattered = np.random.default_rng(1).permutation(5000).astype(np.int64)
-    assert blocks.encode_block_ids(scattered, 4000) is None
-    assert blocks.encode_block_ids(np.array([2**33]), 4000) is None
+    assert notify.encode_block_ids(scattered, 4000) is None
+    assert notify.encode_block_ids(np.array([2**33]), 4000) is None
     for junk in (b"", b"\x01\x00", b"\x07\x00\x00\x00\x00", b"\x02\x00\x00\x00\x00"):
         with pytest.raises(ValueError):
-            blocks.decode_block_ids(junk)
+            notify.decode_block_ids(junk)
     with pytest.raises(ValueError, match="too many"):
-        blocks.decode_block_ids(b"\x02" + np.array([0, 2**31], "<u4").tobytes())
+        notify.decode_block_ids(b"\x02" + np.array([0, 2**31], "<u4").tobytes())
 
 
 # ------------------------------------------------------------ local rules

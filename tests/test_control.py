@@ -18,8 +18,8 @@ import pytest_asyncio
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from aiokvcache import control
-from aiokvcache.control import (
+from aiokvcache._core import control
+from aiokvcache._core.control import (
     MAX_FRAME,
     PROTOCOL_VERSION,
     ControlConnection,

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from aiokvcache import _bridge
+from aiokvcache._core.runner import run_jobs
 from aiokvcache._loader import native
 from aiokvcache.errors import LLMException, LLMStatusCode, LLMTimeoutError
 
@@ -110,14 +111,14 @@ def put(
 @pytest.mark.parametrize("size", [1, 4093, MiB + 7, 64 * MiB])
 async def test_put_get_exact_bytes(pair: Link, size: int) -> None:
     src = pattern(size, size)
-    res = await pair.a.bridge.run([put(pair, src)])
+    res = await run_jobs(pair.a.bridge, [put(pair, src)])
     assert res[0].ok and res[0].nbytes == size
     assert sha(pair.b.view()[:size]) == sha(src)
     assert not pair.b.view()[size : size + 4096].any()  # nothing past the end
 
     back = np.zeros(size, np.uint8)
     job = (_bridge.OP_GET, pair.ep, segs((back.ctypes.data, pair.b.addr, size, pair.rkey)), b"", 0)
-    await pair.a.bridge.run([job])
+    await run_jobs(pair.a.bridge, [job])
     assert sha(back) == sha(src)
 
 
@@ -131,7 +132,7 @@ async def test_many_segments_scatter_and_coalesce(pair: Link) -> None:
         (src.ctypes.data + i * 4096, pair.b.addr + 2 * MiB + i * 8192, 4096, pair.rkey)
         for i in range(256)
     ]
-    await pair.a.bridge.run([(_bridge.OP_PUT, pair.ep, segs(*rows), b"", 0)])
+    await run_jobs(pair.a.bridge, [(_bridge.OP_PUT, pair.ep, segs(*rows), b"", 0)])
     dst = pair.b.view()
     assert sha(dst[:MiB]) == sha(src)
     scattered = dst[2 * MiB : 4 * MiB].reshape(256, 8192)
@@ -144,7 +145,7 @@ async def test_thousand_concurrent_small_jobs(pair: Link) -> None:
 
     async def one(i: int) -> None:
         chunk = src[i * 1024 : (i + 1) * 1024]
-        await pair.a.bridge.run([put(pair, chunk, off=i * 1024)])
+        await run_jobs(pair.a.bridge, [put(pair, chunk, off=i * 1024)])
 
     await asyncio.gather(*(one(i) for i in range(1000)))
     assert sha(pair.b.view()[: src.nbytes]) == sha(src)
@@ -167,7 +168,7 @@ async def test_notification_carries_payload_after_data(pair: Link) -> None:
         payload = f"{i * MiB}:{MiB}".encode()
         expected[payload] = sha(src)
         jobs.append((src, put(pair, src, off=i * MiB, payload=payload)))
-    await pair.a.bridge.run([j for _, j in jobs])
+    await run_jobs(pair.a.bridge, [j for _, j in jobs])
     for _ in range(200):
         if len(seen) == 16:
             break
@@ -180,8 +181,8 @@ async def test_notification_carries_payload_after_data(pair: Link) -> None:
 async def test_payload_too_large_is_rejected(pair: Link) -> None:
     src = pattern(16, 1)
     with pytest.raises(ValueError, match="payload"):
-        await pair.a.bridge.run([put(pair, src, payload=b"x" * (native.MAX_PAYLOAD + 1))])
-    await pair.a.bridge.run([put(pair, src)])  # still usable
+        await run_jobs(pair.a.bridge, [put(pair, src, payload=b"x" * (native.MAX_PAYLOAD + 1))])
+    await run_jobs(pair.a.bridge, [put(pair, src)])  # still usable
 
 
 async def test_out_of_key_range_is_invalid_and_writes_nothing(pair: Link) -> None:
@@ -194,7 +195,7 @@ async def test_out_of_key_range_is_invalid_and_writes_nothing(pair: Link) -> Non
         0,
     )
     with pytest.raises(LLMException) as ei:
-        await pair.a.bridge.run([job])
+        await run_jobs(pair.a.bridge, [job])
     assert ei.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
     assert not pair.b.view().any()
 
@@ -241,27 +242,27 @@ async def assert_quiescent(lk: Link) -> None:
 async def test_timeout_is_quiescent_and_bridge_reusable(slow_pair: Link) -> None:
     src = pattern(64 * MiB, 9)
     with pytest.raises(LLMTimeoutError) as ei:
-        await slow_pair.a.bridge.run([put(slow_pair, src)], timeout=0.002)
+        await run_jobs(slow_pair.a.bridge, [put(slow_pair, src)], timeout=0.002)
     assert isinstance(ei.value, TimeoutError)
     assert ei.value.status_code == LLMStatusCode.LLM_TIMEOUT
     assert slow_pair.a.engine.stats()["live_jobs"] == 0
     await assert_quiescent(slow_pair)
     small = pattern(4096, 10)
-    await slow_pair.a.bridge.run([put(slow_pair, small)])
+    await run_jobs(slow_pair.a.bridge, [put(slow_pair, small)])
     assert sha(slow_pair.b.view()[:4096]) == sha(small)
 
 
 async def test_native_per_job_timeout(slow_pair: Link) -> None:
     src = pattern(64 * MiB, 11)
     with pytest.raises(LLMTimeoutError, match="timed out"):
-        await slow_pair.a.bridge.run([put(slow_pair, src, timeout_ms=1)])
+        await run_jobs(slow_pair.a.bridge, [put(slow_pair, src, timeout_ms=1)])
     assert slow_pair.a.engine.stats()["live_jobs"] == 0
     await assert_quiescent(slow_pair)
 
 
 async def test_task_cancel_is_quiescent(slow_pair: Link) -> None:
     src = pattern(64 * MiB, 12)
-    task = asyncio.create_task(slow_pair.a.bridge.run([put(slow_pair, src)]))
+    task = asyncio.create_task(run_jobs(slow_pair.a.bridge, [put(slow_pair, src)]))
     await asyncio.sleep(0.005)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -274,7 +275,7 @@ async def test_anyio_fail_after_is_quiescent(slow_pair: Link) -> None:
     src = pattern(64 * MiB, 13)
     with pytest.raises(TimeoutError):
         with anyio.fail_after(0.005):
-            await slow_pair.a.bridge.run([put(slow_pair, src)])
+            await run_jobs(slow_pair.a.bridge, [put(slow_pair, src)])
     assert slow_pair.a.engine.stats()["live_jobs"] == 0
     await assert_quiescent(slow_pair)
 
@@ -283,7 +284,7 @@ async def test_asyncio_timeout_context_is_quiescent(slow_pair: Link) -> None:
     src = pattern(64 * MiB, 14)
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.005):
-            await slow_pair.a.bridge.run([put(slow_pair, src)])
+            await run_jobs(slow_pair.a.bridge, [put(slow_pair, src)])
     await assert_quiescent(slow_pair)
 
 
@@ -293,7 +294,9 @@ async def test_cancellation_storm(slow_pair: Link) -> None:
     tasks = []
     for i in range(300):
         off = (i % 32) * 2 * MiB
-        tasks.append(asyncio.create_task(slow_pair.a.bridge.run([put(slow_pair, src, off=off)])))
+        tasks.append(
+            asyncio.create_task(run_jobs(slow_pair.a.bridge, [put(slow_pair, src, off=off)]))
+        )
     for t in tasks:
         await asyncio.sleep(rng.random() * 0.0005)
         t.cancel()
@@ -307,7 +310,7 @@ async def test_cancellation_storm(slow_pair: Link) -> None:
     assert slow_pair.a.bridge.pending_jobs == 0
     await assert_quiescent(slow_pair)
     # Still usable afterwards.
-    await slow_pair.a.bridge.run([put(slow_pair, pattern(4096, 16))])
+    await run_jobs(slow_pair.a.bridge, [put(slow_pair, pattern(4096, 16))])
 
 
 # --------------------------------------------------------------- close
@@ -318,7 +321,7 @@ async def test_close_with_jobs_in_flight(transport: str) -> None:
     b = make_side(transport, 64 * MiB)
     lk = link(a, b, transport)
     src = pattern(64 * MiB, 17)
-    task = asyncio.create_task(a.bridge.run([put(lk, src)]))
+    task = asyncio.create_task(run_jobs(a.bridge, [put(lk, src)]))
     await asyncio.sleep(0.01)
     a.bridge.close()
     with pytest.raises(LLMException) as ei:
@@ -327,7 +330,7 @@ async def test_close_with_jobs_in_flight(transport: str) -> None:
     a.bridge.close()  # double close
     a.engine.close()
     with pytest.raises(LLMException) as ei:
-        await a.bridge.run([put(lk, src)])
+        await run_jobs(a.bridge, [put(lk, src)])
     assert ei.value.status_code == LLMStatusCode.LLM_ENGINE_FINALIZED
     with pytest.raises(native.EngineClosedError):
         a.engine.mem_alloc(4096)
@@ -416,7 +419,7 @@ async def remote(transport: str) -> AsyncIterator[tuple[Side, Peer, Link]]:
 async def test_cross_process_put_get(remote: tuple[Side, Peer, Link], size: int) -> None:
     a, peer, lk = remote
     src = pattern(size, size + 1)
-    await a.bridge.run([put(lk, src, off=4096)])
+    await run_jobs(a.bridge, [put(lk, src, off=4096)])
     assert peer.cmd(f"hash 4096 {size}")["sha"] == sha(src)
     assert peer.cmd("hash 0 4096")["sha"] == sha(np.zeros(4096, np.uint8))
 
@@ -424,7 +427,7 @@ async def test_cross_process_put_get(remote: tuple[Side, Peer, Link], size: int)
     expect = pattern(lk.b.size, 77)[4096 : 4096 + size]
     back = np.zeros(size, np.uint8)
     job = (_bridge.OP_GET, lk.ep, segs((back.ctypes.data, lk.b.addr + 4096, size, lk.rkey)), b"", 0)
-    await a.bridge.run([job])
+    await run_jobs(a.bridge, [job])
     assert sha(back) == sha(expect)
 
 
@@ -435,7 +438,7 @@ async def test_cross_process_notifications_after_data(remote: tuple[Side, Peer, 
         src = pattern(4 * MiB, 200 + i)
         payload = f"{i * 4 * MiB}:{4 * MiB}:{sha(src)}".encode()
         jobs.append((src, put(lk, src, off=i * 4 * MiB, payload=payload)))
-    await a.bridge.run([j for _, j in jobs])
+    await run_jobs(a.bridge, [j for _, j in jobs])
     assert peer.cmd("notes 8")["notes"] == ["ok"] * 8
 
 
@@ -444,7 +447,7 @@ async def test_cross_process_many_concurrent(remote: tuple[Side, Peer, Link]) ->
     src = pattern(1000 * 4096, 21)
 
     async def one(i: int) -> None:
-        await a.bridge.run([put(lk, src[i * 4096 : (i + 1) * 4096], off=i * 4096)])
+        await run_jobs(a.bridge, [put(lk, src[i * 4096 : (i + 1) * 4096], off=i * 4096)])
 
     await asyncio.gather(*(one(i) for i in range(1000)))
     assert peer.cmd(f"hash 0 {src.nbytes}")["sha"] == sha(src)
@@ -477,7 +480,7 @@ async def test_peer_killed_mid_transfer(transport: str, peer_errors: bool) -> No
             loop.add_reader(fd, on_eof)
         src = pattern(64 * MiB, 31)
         jobs = [put(lk, src) for _ in range(64)]  # ~4 GiB through a 64 KiB window
-        task = asyncio.create_task(a.bridge.run(jobs))
+        task = asyncio.create_task(run_jobs(a.bridge, jobs))
         await asyncio.sleep(0.2)
         assert not task.done()
         os.kill(peer.proc.pid, signal.SIGKILL)
@@ -495,7 +498,7 @@ async def test_peer_killed_mid_transfer(transport: str, peer_errors: bool) -> No
 
 async def test_direct_copy_used_on_shared_memory_only(pair: Link, transport: str) -> None:
     src = pattern(4 * MiB, 41)
-    await pair.a.bridge.run([put(pair, src)])
+    await run_jobs(pair.a.bridge, [put(pair, src)])
     direct = pair.a.engine.stats()["bytes_direct"]
     # Same-host shared memory is mapped and copied into directly; TCP is not.
     assert direct == (4 * MiB if transport == "shm" else 0)
@@ -510,7 +513,7 @@ async def test_huge_direct_copy_is_cancellable_and_quiescent(transport: str) -> 
         src = np.full(256 * MiB, 7, np.uint8)
         for _ in range(3):
             b.view()[:] = 0
-            task = asyncio.create_task(a.bridge.run([put(lk, src)]))
+            task = asyncio.create_task(run_jobs(a.bridge, [put(lk, src)]))
             await asyncio.sleep(0.002)
             task.cancel()
             try:
@@ -542,7 +545,7 @@ async def test_register_buffer_keeps_it_alive_and_moves_bytes(transport: str) ->
         del dst  # the engine holds it now
         assert ref() is not None
         src = pattern(MiB, 43)
-        await a.bridge.run([put(lk, src)])
+        await run_jobs(a.bridge, [put(lk, src)])
         held = ref()
         assert held is not None and sha(held) == sha(src)
         del held
@@ -562,10 +565,10 @@ async def test_bad_job_in_a_group_submits_nothing(pair: Link) -> None:
     good = put(pair, src)
     bad = (_bridge.OP_PUT, pair.ep, np.zeros((1, 4), np.float64), b"", 0)
     with pytest.raises(TypeError, match=r"jobs\[1\]"):
-        await pair.a.bridge.run([good, bad])
+        await run_jobs(pair.a.bridge, [good, bad])
     huge = (_bridge.OP_PUT, pair.ep, good[2], b"x" * (native.MAX_PAYLOAD + 1), 0)
     with pytest.raises(ValueError, match=r"jobs\[1\]"):
-        await pair.a.bridge.run([good, huge])
+        await run_jobs(pair.a.bridge, [good, huge])
     # Nothing went in, so nothing can still be moving.
     assert pair.a.engine.stats()["jobs_submitted"] == 0
     assert not pair.b.view().any()
@@ -583,7 +586,7 @@ async def test_close_with_a_frozen_peer_is_bounded() -> None:
         )
         lk = Link(a, Side(None, a.bridge, 0, peer.info["addr"], peer.info["size"]), ep, rkey)
         src = pattern(64 * MiB, 45)
-        pushing = asyncio.create_task(a.bridge.run([put(lk, src) for _ in range(8)]))  # noqa: RUF006 - awaited below
+        pushing = asyncio.create_task(run_jobs(a.bridge, [put(lk, src) for _ in range(8)]))  # noqa: RUF006 - awaited below
         await asyncio.sleep(0.1)
         os.kill(peer.proc.pid, signal.SIGSTOP)
         await asyncio.sleep(0.2)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-import aiokvcache.cache_manager as cm_module
+import aiokvcache._core.notify as cm_module
 from _kv import Pair, assert_still, blocks_desc, fill, make_pair, pair_fixture, same, snapshot
 from aiokvcache import (
     BlocksCacheKey,

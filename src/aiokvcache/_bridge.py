@@ -9,6 +9,10 @@ thread. A group of jobs (one per layer of a push) is awaited as one unit:
 * on the first failure, cancellation or timeout it cancels the rest natively,
   waits until the engine has *released* every job (nothing in flight, nothing
   can be written any more), and only then raises.
+
+The bridge speaks native statuses only: a failed group raises
+:class:`GroupFailed` carrying every job's :class:`JobResult`; the core's
+runner turns that into LLM-DataDist's errors. It knows nothing above it.
 """
 
 from __future__ import annotations
@@ -26,38 +30,20 @@ from typing import Any
 import numpy as np
 
 from ._loader import native
-from .errors import InternalError, LLMException, LLMStatusCode, make_error
 
-__all__ = ["Bridge", "JobResult", "native_status_to_code", "settle", "time_left"]
+__all__ = ["Bridge", "BridgeError", "GroupFailed", "JobGroup", "JobResult", "Jobs", "settle"]
 
 log = logging.getLogger("aiokvcache")
 
 OP_PUT: int = native.OP_PUT
 OP_GET: int = native.OP_GET
 
-_CODE_OF_STATUS: dict[int, LLMStatusCode] = {
-    native.ST_OK: LLMStatusCode.LLM_SUCCESS,
-    native.ST_CANCELLED: LLMStatusCode.LLM_FAILED,
-    native.ST_TIMEOUT: LLMStatusCode.LLM_TIMEOUT,
-    native.ST_LINK_FAILED: LLMStatusCode.LLM_LINK_FAILED,
-    native.ST_ENGINE_CLOSED: LLMStatusCode.LLM_ENGINE_FINALIZED,
-    native.ST_ERROR: LLMStatusCode.LLM_FAILED,
-    native.ST_INVALID: LLMStatusCode.LLM_PARAM_INVALID,
-}
-_WORDS: dict[int, str] = {
-    native.ST_OK: "ok",
-    native.ST_CANCELLED: "cancelled",
-    native.ST_TIMEOUT: "timed out",
-    native.ST_LINK_FAILED: "link failed",
-    native.ST_ENGINE_CLOSED: "engine finalized",
-    native.ST_ERROR: "transfer error",
-    native.ST_INVALID: "invalid job (unknown endpoint or key, or out of the key's range)",
-}
+#: Human words per native status, from the engine's own status table.
+WORDS: dict[int, str] = {value: words for value, _name, words, _llm in native.STATUSES}
 
-
-def native_status_to_code(status: int) -> LLMStatusCode:
-    """Map a native job status to the LLM-DataDist status code it stands for."""
-    return _CODE_OF_STATUS.get(status, LLMStatusCode.LLM_FAILED)
+#: One job as the engine takes it: (op, endpoint id, segments, payload, timeout_ms).
+Job = tuple[int, int, Any, bytes, int]
+Jobs = Sequence[Job]
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,19 +62,51 @@ class JobResult:
 
     def describe(self) -> str:
         """A short human-readable reason."""
-        text = _WORDS.get(self.status, f"status {self.status}")
+        text = WORDS.get(self.status, f"status {self.status}")
         if self.ucs_status:
             text += f" ({native.ucs_status_string(self.ucs_status)})"
         return text
 
 
 @dataclass(slots=True, eq=False)
-class _Group:
+class JobGroup:
+    """The jobs of one transfer call, awaited as one unit.
+
+    ``index`` maps each job id still in flight to its position; ``results``
+    fills in as jobs complete. Both futures belong to the bridge's loop.
+    """
+
     results: list[JobResult | None]
     pending: int
     first: asyncio.Future[None]  # resolved at the first failure or when all are done
     released: asyncio.Future[None]  # resolved when every job is released
     index: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def job_ids(self) -> list[int]:
+        """Ids of the jobs not yet reported released."""
+        return list(self.index)
+
+    def failed(self) -> bool:
+        """True once some job of the group ended without success."""
+        return any(r is not None and not r.ok for r in self.results)
+
+
+class BridgeError(RuntimeError):
+    """The native engine went away under waiting jobs (an internal fault)."""
+
+
+class GroupFailed(Exception):
+    """A job group did not fully succeed; raised only after every job is released.
+
+    ``timed_out`` is True when the wait's own asyncio deadline passed (not a
+    job's native deadline: that is a job status).
+    """
+
+    def __init__(self, group: JobGroup, *, timed_out: bool) -> None:
+        super().__init__("job group failed" + (" (timed out)" if timed_out else ""))
+        self.group = group
+        self.timed_out = timed_out
 
 
 #: Every live bridge (weakly), so tests can check that no job outlives them.
@@ -112,13 +130,6 @@ async def settle(fut: asyncio.Future[Any]) -> None:
             break  # done, with an error the caller reads from fut
     if interrupted is not None:
         raise interrupted
-
-
-def time_left(timeout: float | None, start: float) -> float | None:
-    """What is left of ``timeout`` (seconds) since loop time ``start``; never 0."""
-    if timeout is None:
-        return None
-    return max(timeout - (asyncio.get_running_loop().time() - start), 1e-6)
 
 
 def _check_job(i: int, op: int, segs: Any, payload: bytes) -> None:
@@ -147,7 +158,7 @@ class Bridge:
         self._engine = engine
         self._loop = loop if loop is not None else asyncio.get_running_loop()
         self._fd: int = engine.event_fd
-        self._groups: dict[int, _Group] = {}
+        self._groups: dict[int, JobGroup] = {}
         self._closed = False
         #: Called with each notification payload a peer sent us.
         self.on_notify: Callable[[bytes], None] | None = None
@@ -227,13 +238,11 @@ class Bridge:
         for g in groups.values():
             for fut in (g.first, g.released):
                 if not fut.done():
-                    fut.set_exception(InternalError(f"native engine failed: {exc}"))
+                    fut.set_exception(BridgeError(f"native engine failed: {exc}"))
 
     # ----------------------------------------------------------- submission
 
-    def submit_group(
-        self, jobs: Sequence[tuple[int, int, Any, bytes, int]], *, timeout: float | None = None
-    ) -> _Group:
+    def submit_group(self, jobs: Jobs, *, timeout: float | None = None) -> JobGroup:
         """Submit (op, endpoint id, segments, payload, timeout_ms) jobs as one group.
 
         ``timeout`` (seconds, the whole group) becomes every job's native
@@ -250,8 +259,8 @@ class Bridge:
         for i, (op, _ep, segs, payload, _t) in enumerate(jobs):
             _check_job(i, op, segs, payload)
         if self._closed:
-            raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized")
-        group = _Group(
+            raise native.EngineClosedError("the engine is closed")
+        group = JobGroup(
             results=[None] * len(jobs),
             pending=0,
             first=self._loop.create_future(),
@@ -263,9 +272,6 @@ class Bridge:
                 group.index[jid] = i
                 group.pending += 1
                 self._groups[jid] = group
-        except native.EngineClosedError as exc:
-            self._abandon(group)
-            raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized") from exc
         except BaseException:
             self._abandon(group)
             raise
@@ -274,7 +280,7 @@ class Bridge:
             group.released.set_result(None)
         return group
 
-    def _abandon(self, group: _Group) -> None:
+    def _abandon(self, group: JobGroup) -> None:
         # A submission failed half-way: cancel what went in. Its completions
         # still resolve the group, which nobody awaits; mark them retrieved.
         self.cancel_group(group)
@@ -282,35 +288,13 @@ class Bridge:
             group.first.cancel()
             group.released.cancel()
 
-    async def run(
-        self,
-        jobs: Sequence[tuple[int, int, Any, bytes, int]],
-        *,
-        timeout: float | None = None,
-        labels: Sequence[str] | None = None,
-    ) -> list[JobResult]:
-        """Submit jobs as a group and await them all; see the module docstring.
+    async def wait(self, group: JobGroup, *, timeout: float | None = None) -> list[JobResult]:
+        """Await a group from :meth:`submit_group`; every job's result on success.
 
-        Raises an :class:`LLMException` naming the jobs that landed when one
-        fails (its ``results`` attribute lists each job's :class:`JobResult`),
-        :class:`~aiokvcache.LLMTimeoutError` when
-        ``timeout`` (seconds, whole group) passes, and re-raises cancellation;
-        in every case only after all jobs are released.
-        """
-        group = self.submit_group(jobs, timeout=timeout)
-        return await self.wait(group, labels=labels)
-
-    async def wait(
-        self,
-        group: _Group,
-        *,
-        timeout: float | None = None,
-        labels: Sequence[str] | None = None,
-    ) -> list[JobResult]:
-        """Await a group from :meth:`submit_group` (see :meth:`run`).
-
-        ``timeout`` here is an asyncio deadline on the wait; prefer giving it
-        to :meth:`submit_group`, which costs nothing per call.
+        Raises :class:`GroupFailed` when a job failed or ``timeout`` (an
+        asyncio deadline on the wait; prefer the native deadline that
+        :meth:`submit_group` arms, which costs nothing per call) passed, and
+        re-raises cancellation; in every case only after all jobs are released.
         """
         # ``first`` is awaited unshielded: if this task is cancelled it is
         # cancelled too, which _job_done tolerates; ``released`` is the future
@@ -323,7 +307,7 @@ class Bridge:
                     await group.first
         except TimeoutError:
             await self._release(group)
-            raise self._failure(group, labels, timed_out=True) from None
+            raise GroupFailed(group, timed_out=True) from None
         except BaseException:
             await self._release(group)
             raise
@@ -332,43 +316,18 @@ class Bridge:
         results = group.results
         if all(r is not None and r.ok for r in results):
             return [r for r in results if r is not None]
-        raise self._failure(group, labels, timed_out=False)
+        raise GroupFailed(group, timed_out=False)
 
-    def cancel_group(self, group: _Group) -> None:
+    def cancel_group(self, group: JobGroup) -> None:
         """Ask the engine to cancel every job of ``group`` still in flight."""
         for jid in list(group.index):
-            self._engine.cancel(jid)
+            with contextlib.suppress(native.EngineClosedError):
+                self._engine.cancel(jid)
 
-    async def _release(self, group: _Group) -> None:
+    async def _release(self, group: JobGroup) -> None:
         """Cancel what is left of a group and wait until the engine lets go."""
         self.cancel_group(group)
         await settle(group.released)
-
-    def _failure(
-        self, group: _Group, labels: Sequence[str] | None, *, timed_out: bool
-    ) -> LLMException:
-        names = (
-            list(labels) if labels is not None else [f"job {i}" for i in range(len(group.results))]
-        )
-        landed = [names[i] for i, r in enumerate(group.results) if r is not None and r.ok]
-        failed = [(names[i], r) for i, r in enumerate(group.results) if r is not None and not r.ok]
-        # The root cause first: a timeout or link failure, not the jobs we
-        # cancelled because of it.
-        failed.sort(key=lambda item: item[1].status == native.ST_CANCELLED)
-        if timed_out:
-            code = LLMStatusCode.LLM_TIMEOUT
-            reason = "timed out"
-        elif failed:
-            code = native_status_to_code(failed[0][1].status)
-            reason = f"{failed[0][0]} failed: {failed[0][1].describe()}"
-        else:  # pragma: no cover - a failure without a failed job
-            code = LLMStatusCode.LLM_FAILED
-            reason = "failed"
-        landed_text = ", ".join(landed) if landed else "none"
-        message = f"{reason}; landed: {landed_text}"
-        exc = make_error(code, message)
-        exc.results = list(group.results)  # type: ignore[attr-defined]
-        return exc
 
     # ---------------------------------------------------------------- close
 
@@ -384,6 +343,6 @@ class Bridge:
         with contextlib.suppress(Exception):
             self._engine.close()  # joins the progress thread: all jobs reported
         self._dispatch_all()
-        self._fail_everything(RuntimeError("engine closed"))
+        self._fail_everything(BridgeError("engine closed"))
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._fd)

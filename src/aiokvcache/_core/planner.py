@@ -1,4 +1,8 @@
-"""Paged (blocks) caches: block-id checks and the byte spans a transfer moves.
+"""The transfer planner: the byte spans a transfer moves, as native segment tables.
+
+Pure functions of descriptors, ids and ranges: no engine, no I/O, so it is
+unit-tested on its own. Batch slots, layer ranges and paged blocks all come
+down to a :class:`SpanPlan` per tensor pair and :func:`layer_rows`.
 
 Everything here is vectorized NumPy: a list of 100,000 block ids costs a
 handful of array operations, never a Python loop per block.
@@ -14,6 +18,7 @@ merged into one span before any row exists.
 from __future__ import annotations
 
 import array
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,24 +30,27 @@ from .errors import param_invalid
 from .types import CacheDesc
 
 __all__ = [
-    "MAX_NOTIFY_BLOCKS",
     "SpanPlan",
     "block_bytes",
     "block_ids",
     "blocks_plan",
+    "check_block_count",
+    "check_block_sizes",
     "check_in_range",
     "check_unique",
-    "decode_block_ids",
-    "encode_block_ids",
+    "layer_pairs",
     "layer_rows",
     "num_blocks",
+    "pair_spans",
+    "runs",
     "slot_blocks_plan",
+    "slot_layer_rows",
     "slot_plan",
+    "slot_span",
+    "slot_spans",
 ]
 
 U64 = np.uint64
-#: Most block ids a notification carries (sender and receiver both apply it).
-MAX_NOTIFY_BLOCKS = 1 << 20
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -127,7 +135,7 @@ def check_unique(name: str, ids: npt.NDArray[np.int64], limit: int) -> None:
         raise param_invalid(f"{name} names block {int(s[dup[0]])} more than once")
 
 
-def _runs(
+def runs(
     a: npt.NDArray[np.int64], b: npt.NDArray[np.int64]
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """Maximal runs where both ``a`` and ``b`` go up by one: (a start, b start, length)."""
@@ -181,7 +189,7 @@ def blocks_plan(
     local_ids: npt.NDArray[np.int64], remote_ids: npt.NDArray[np.int64], block: int
 ) -> SpanPlan:
     """Local block ``local_ids[i]`` ↔ remote block ``remote_ids[i]``, ``block`` bytes each."""
-    la, ra, cnt = _runs(local_ids, remote_ids)
+    la, ra, cnt = runs(local_ids, remote_ids)
     return SpanPlan(_bytes(la, block), _bytes(ra, block), _bytes(cnt, block))
 
 
@@ -199,7 +207,7 @@ def slot_blocks_plan(
     ``len(ids) == ceil(slot_len / block)``.
     """
     j = np.arange(ids.size, dtype=np.int64)
-    ia, ja, cnt = _runs(ids, j)
+    ia, ja, cnt = runs(ids, j)
     b = U64(block)
     start = ja.astype(U64) * b
     end = np.minimum((ja + cnt).astype(U64) * b, U64(slot_len))
@@ -214,7 +222,7 @@ def slot_blocks_plan(
 def slot_plan(
     local_off: npt.NDArray[np.uint64], remote_off: npt.NDArray[np.uint64], length: int
 ) -> SpanPlan:
-    """Batch-slot spans (see ``cache_manager._slot_spans``) as a plan."""
+    """Batch-slot spans (see :func:`slot_spans`) as a plan."""
     return SpanPlan(local_off, remote_off, np.full(local_off.size, length, dtype=U64))
 
 
@@ -239,48 +247,138 @@ def layer_rows(
     return rows.reshape(k * m, 4)
 
 
-# ------------------------------------------------------------ notifications
-
-_FMT_IDS = 1  # little-endian uint32 ids
-_FMT_RUNS = 2  # little-endian uint32 (start, count) pairs
+# ------------------------------------------------------------ batch slots and layers
 
 
-def encode_block_ids(ids: npt.NDArray[np.int64], budget: int) -> bytes | None:
-    """The shorter of two compact forms of ``ids``, or None if neither fits ``budget``."""
-    if ids.size > MAX_NOTIFY_BLOCKS or (ids.size and int(ids.max()) >= 1 << 32):
-        return None
-    if ids.size == 0:
-        return bytes([_FMT_IDS])
-    starts, _, counts = _runs(ids, np.arange(ids.size, dtype=np.int64))
-    if starts.size * 8 < ids.size * 4:
-        pairs = np.empty((starts.size, 2), dtype="<u4")
-        pairs[:, 0] = starts
-        pairs[:, 1] = counts
-        out = bytes([_FMT_RUNS]) + pairs.tobytes()
-    else:
-        out = bytes([_FMT_IDS]) + ids.astype("<u4").tobytes()
-    return out if len(out) <= budget else None
+def slot_spans(desc: CacheDesc, batch_index: int) -> tuple[npt.NDArray[np.uint64], int]:
+    """Byte offsets of one batch slot inside a tensor, and the span length.
+
+    With the batch dimension first a slot is one contiguous span; otherwise
+    it is one span per index of the dimensions before it.
+    """
+    shape = desc.shape
+    bdi = desc.batch_dim_index
+    inner = math.prod(shape[bdi + 1 :]) * desc.data_type.itemsize
+    outer = math.prod(shape[:bdi])
+    batch = shape[bdi]
+    starts = (np.arange(outer, dtype=U64) * U64(batch) + U64(batch_index)) * U64(inner)
+    return starts, inner
 
 
-def decode_block_ids(data: bytes) -> tuple[int, ...]:
-    """Inverse of :func:`encode_block_ids`; ``ValueError`` on malformed input."""
-    if not data:
-        raise ValueError("empty block list")
-    fmt, body = data[0], data[1:]
-    if len(body) % 4:
-        raise ValueError("block list is not whole uint32s")
-    words = np.frombuffer(body, dtype="<u4").astype(np.int64)
-    if fmt == _FMT_IDS:
-        if words.size > MAX_NOTIFY_BLOCKS:
-            raise ValueError("too many block ids")
-        return tuple(words.tolist())
-    if fmt != _FMT_RUNS or words.size % 2:
-        raise ValueError("unknown block list format")
-    starts, counts = words[0::2], words[1::2]
-    total = int(counts.sum())
-    if total > MAX_NOTIFY_BLOCKS:
-        raise ValueError("too many block ids")
-    # ids = start of the run + position inside it
-    first = np.cumsum(counts) - counts
-    ids = np.arange(total, dtype=np.int64) + np.repeat(starts - first, counts)
-    return tuple(ids.tolist())
+def slot_span(desc: CacheDesc, batch_index: int, what: str) -> tuple[int, int]:
+    """(offset, length) of a batch slot that must be one contiguous span."""
+    off, length = slot_spans(desc, batch_index)
+    if len(off) != 1:
+        raise param_invalid(
+            f"{what}'s batch slots are not contiguous (shape {list(desc.shape)}, "
+            f"batch_dim_index {desc.batch_dim_index}): it cannot be split into blocks"
+        )
+    return int(off[0]), length
+
+
+def layer_pairs(
+    n: int,
+    src_desc: CacheDesc,
+    dst_desc: CacheDesc,
+    src_range: range | None,
+    dst_range: range | None,
+    src_name: str,
+    dst_name: str,
+) -> list[tuple[int, int]]:
+    """(source layer, destination layer) pairs, all bounds checked.
+
+    Layer *l* is tensors ``[l*n, (l+1)*n)``; one range given means the other
+    is the same (LLM-DataDist wants them equal); none means every layer.
+    """
+    for name, desc in ((src_name, src_desc), (dst_name, dst_desc)):
+        if n > desc.num_tensors or desc.num_tensors % n:
+            raise param_invalid(
+                f"tensor_num_per_layer={n} must divide {name}'s num_tensors={desc.num_tensors}"
+            )
+    src_layers = src_desc.num_tensors // n
+    dst_layers = dst_desc.num_tensors // n
+    src_r = src_range if src_range is not None else dst_range
+    dst_r = dst_range if dst_range is not None else src_range
+    src_r = src_r if src_r is not None else range(src_layers)
+    dst_r = dst_r if dst_r is not None else range(dst_layers)
+    if src_r.stop > src_layers:
+        raise param_invalid(
+            f"src_layer_range={src_r!r} exceeds the {src_layers} layers of {src_name}"
+        )
+    if dst_r.stop > dst_layers:
+        raise param_invalid(
+            f"dst_layer_range={dst_r!r} exceeds the {dst_layers} layers of {dst_name}"
+        )
+    if len(src_r) != len(dst_r):
+        raise param_invalid(
+            f"src_layer_range ({len(src_r)} layers) and dst_layer_range ({len(dst_r)} layers) "
+            "must have the same length"
+        )
+    return list(zip(src_r, dst_r, strict=True))
+
+
+def pair_spans(
+    src_desc: CacheDesc,
+    src_batch: int,
+    dst_desc: CacheDesc,
+    dst_batch: int,
+    size: int,
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], int]:
+    """Matching byte spans of a source slot and a destination slot (``size`` -1: whole)."""
+    s_off, s_len = slot_spans(src_desc, src_batch)
+    d_off, d_len = slot_spans(dst_desc, dst_batch)
+    if len(s_off) == 1 and len(d_off) == 1:
+        length = s_len if size < 0 else size
+        if length > min(s_len, d_len):
+            raise param_invalid(
+                f"a batch slot of {length} bytes does not fit: source slot {s_len} bytes, "
+                f"destination slot {d_len} bytes"
+            )
+        return s_off, d_off, length
+    if len(s_off) != len(d_off) or s_len != d_len or (size >= 0 and size != s_len * len(s_off)):
+        raise param_invalid(
+            "source and destination batch slots have different layouts "
+            f"(shapes {src_desc.shape} / {dst_desc.shape}, batch_dim_index "
+            f"{src_desc.batch_dim_index} / {dst_desc.batch_dim_index})"
+        )
+    return s_off, d_off, s_len
+
+
+def slot_layer_rows(
+    local_addrs: Sequence[int],
+    remote_addrs: Sequence[int],
+    remote_rkeys: Sequence[int],
+    local_tensors: range,
+    remote_tensors: range,
+    local_off: npt.NDArray[np.uint64],
+    remote_off: npt.NDArray[np.uint64],
+    length: int,
+) -> npt.NDArray[np.uint64]:
+    """The native row table of one layer of a batch-slot transfer."""
+    m = len(local_off)
+    rows = np.empty((len(local_tensors) * m, 4), dtype=U64)
+    for k, (lt, rt) in enumerate(zip(local_tensors, remote_tensors, strict=True)):
+        block = rows[k * m : (k + 1) * m]
+        block[:, 0] = local_off + U64(local_addrs[lt])
+        block[:, 1] = remote_off + U64(remote_addrs[rt])
+        block[:, 2] = length
+        block[:, 3] = remote_rkeys[rt]
+    return rows
+
+
+def check_block_count(name: str, ids: npt.NDArray[np.int64], slot_len: int, block: int) -> None:
+    """A batch slot of ``slot_len`` bytes fills exactly ``len(ids)`` blocks."""
+    need = -(-slot_len // block)
+    if ids.size != need:
+        raise param_invalid(
+            f"{name} has {ids.size} blocks but a batch slot of {slot_len} bytes fills "
+            f"{need} blocks of {block} bytes"
+        )
+
+
+def check_block_sizes(src_desc: CacheDesc, dst_desc: CacheDesc, src: str, dst: str) -> int:
+    """Both blocks caches have the same block size; returns it."""
+    sb, db = block_bytes(src_desc), block_bytes(dst_desc)
+    if sb != db:
+        raise param_invalid(f"{src} has blocks of {sb} bytes but {dst} has {db}-byte blocks")
+    return sb

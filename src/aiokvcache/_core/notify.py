@@ -1,0 +1,256 @@
+"""Receiver notifications: what a tagged push tells its destination, per layer.
+
+The sender encodes one small payload per layer (:func:`payload`), which the
+engine sends as an eager active message after the layer's bytes landed. The
+receiver's :class:`Receiver` lives on the owner's event loop: the bridge hands
+it each payload as the loop drains the completion queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from .._loader import native
+from . import control
+from .errors import LLMStatusCode, LLMTimeoutError, make_error, param_invalid
+from .planner import runs
+
+__all__ = [
+    "MAX_NOTIFY_BLOCKS",
+    "MAX_QUEUED_NOTIFICATIONS",
+    "MAX_TAG_RECORDS",
+    "NO_BLOCKS",
+    "Notification",
+    "Receiver",
+    "block_list",
+    "decode_block_ids",
+    "encode_block_ids",
+    "payload",
+]
+
+log = logging.getLogger("aiokvcache")
+
+# Receiver state caps (see API.md, "Receiver notifications").
+MAX_TAG_RECORDS = 4096
+MAX_QUEUED_NOTIFICATIONS = 65536
+#: Most block ids a notification carries (sender and receiver both apply it).
+MAX_NOTIFY_BLOCKS = 1 << 20
+
+
+class _NoBlocks:
+    """Marks a notification of a contiguous (not blocks) destination."""
+
+
+NO_BLOCKS = _NoBlocks()
+
+
+class Notification(NamedTuple):
+    """A layer of a tagged push landed in one of our caches.
+
+    ``batch_index`` is the destination batch index for a contiguous cache;
+    for a blocks destination it is the tuple of destination block ids — or
+    None when that list was too long to travel with the notification (more
+    than about 1000 scattered ids; runs of consecutive ids travel as runs, so
+    long consecutive lists fit), or when a ``TransferConfig``'s raw address
+    does not name a batch slot.
+    """
+
+    tag: str | bytes
+    src_cluster_id: int
+    cache_id: int
+    batch_index: int | tuple[int, ...] | None
+    layer: int
+
+    @property
+    def blocks(self) -> tuple[int, ...] | None:
+        """The destination block ids of a blocks push (None otherwise)."""
+        return self.batch_index if isinstance(self.batch_index, tuple) else None
+
+
+def payload(
+    cluster_id: int,
+    tag: str | bytes | None,
+    cache_id: int,
+    batch_index: int | None,
+    layer: int,
+    blocks: bytes | _NoBlocks | None = NO_BLOCKS,
+) -> bytes:
+    """One layer's notification (empty without a tag); ``blocks`` from :func:`block_list`."""
+    if tag is None:
+        return b""
+    d: dict[str, Any] = {"t": tag, "c": cluster_id, "i": cache_id, "b": batch_index, "l": layer}
+    if not isinstance(blocks, _NoBlocks):
+        d["k"] = blocks
+    out = control.encode(d)
+    if len(out) > native.MAX_PAYLOAD:
+        raise param_invalid(
+            f"tag is too long for a notification ({len(out)} > {native.MAX_PAYLOAD} bytes)"
+        )
+    return out
+
+
+def block_list(
+    cluster_id: int, tag: str | bytes | None, ids: npt.NDArray[np.int64]
+) -> bytes | None:
+    """Destination block ids in the compact form that fits next to ``tag``, or None."""
+    if tag is None:
+        return None
+    base = len(payload(cluster_id, tag, 2**63 - 1, None, 2**31 - 1, b""))
+    return encode_block_ids(ids, native.MAX_PAYLOAD - base)
+
+
+_FMT_IDS = 1  # little-endian uint32 ids
+_FMT_RUNS = 2  # little-endian uint32 (start, count) pairs
+
+
+def encode_block_ids(ids: npt.NDArray[np.int64], budget: int) -> bytes | None:
+    """The shorter of two compact forms of ``ids``, or None if neither fits ``budget``."""
+    if ids.size > MAX_NOTIFY_BLOCKS or (ids.size and int(ids.max()) >= 1 << 32):
+        return None
+    if ids.size == 0:
+        return bytes([_FMT_IDS])
+    starts, _, counts = runs(ids, np.arange(ids.size, dtype=np.int64))
+    if starts.size * 8 < ids.size * 4:
+        pairs = np.empty((starts.size, 2), dtype="<u4")
+        pairs[:, 0] = starts
+        pairs[:, 1] = counts
+        out = bytes([_FMT_RUNS]) + pairs.tobytes()
+    else:
+        out = bytes([_FMT_IDS]) + ids.astype("<u4").tobytes()
+    return out if len(out) <= budget else None
+
+
+def decode_block_ids(data: bytes) -> tuple[int, ...]:
+    """Inverse of :func:`encode_block_ids`; ``ValueError`` on malformed input."""
+    if not data:
+        raise ValueError("empty block list")
+    fmt, body = data[0], data[1:]
+    if len(body) % 4:
+        raise ValueError("block list is not whole uint32s")
+    words = np.frombuffer(body, dtype="<u4").astype(np.int64)
+    if fmt == _FMT_IDS:
+        if words.size > MAX_NOTIFY_BLOCKS:
+            raise ValueError("too many block ids")
+        return tuple(words.tolist())
+    if fmt != _FMT_RUNS or words.size % 2:
+        raise ValueError("unknown block list format")
+    starts, counts = words[0::2], words[1::2]
+    total = int(counts.sum())
+    if total > MAX_NOTIFY_BLOCKS:
+        raise ValueError("too many block ids")
+    # ids = start of the run + position inside it
+    first = np.cumsum(counts) - counts
+    ids = np.arange(total, dtype=np.int64) + np.repeat(starts - first, counts)
+    return tuple(ids.tolist())
+
+
+class Receiver:
+    """Notifications that arrived, per tag, and who waits for them (owner loop only)."""
+
+    def __init__(self) -> None:
+        self._records: collections.OrderedDict[str | bytes, set[int]] = collections.OrderedDict()
+        self._waiters: dict[str | bytes, list[tuple[set[int], asyncio.Future[None]]]] = {}
+        self._subscribers: list[asyncio.Queue[Notification]] = []
+        self.dropped_records = 0
+        self.dropped_notifications = 0
+        self.bad_notifications = 0
+
+    @property
+    def records(self) -> int:
+        """Tags with a record."""
+        return len(self._records)
+
+    def on_notify(self, data: bytes) -> None:
+        """The bridge's callback for every notification payload a peer sent."""
+        try:
+            d = control.decode(data)
+            if not isinstance(d, dict):
+                raise control.ProtocolError("not a dict")
+            where: int | tuple[int, ...] | None
+            if "k" in d:
+                where = None if d["k"] is None else decode_block_ids(d["k"])
+            else:
+                where = None if d["b"] is None else int(d["b"])
+            note = Notification(d["t"], int(d["c"]), int(d["i"]), where, int(d["l"]))
+            if not isinstance(note.tag, (str, bytes)):
+                raise control.ProtocolError("bad tag")
+        except (control.ProtocolError, KeyError, TypeError, ValueError, IndexError):
+            self.bad_notifications += 1
+            log.warning("aiokvcache: dropped a malformed notification (%d bytes)", len(data))
+            return
+        rec = self._records.get(note.tag)
+        if rec is None:
+            rec = set()
+            self._records[note.tag] = rec
+            while len(self._records) > MAX_TAG_RECORDS:
+                # Oldest first, but never what someone waits for (few: skip them).
+                victim = next((t for t in self._records if t not in self._waiters), None)
+                if victim is None or victim == note.tag:
+                    break
+                del self._records[victim]
+                self.dropped_records += 1
+        rec.add(note.layer)
+        for want, fut in self._waiters.get(note.tag, []):
+            if not fut.done() and want <= rec:
+                fut.set_result(None)
+        for q in self._subscribers:
+            if q.full():
+                q.get_nowait()
+                self.dropped_notifications += 1
+            q.put_nowait(note)
+
+    async def wait_for_layers(
+        self, tag: str | bytes, want: set[int], timeout: float | None
+    ) -> None:
+        """Return once every layer in ``want`` of ``tag`` has landed; drop the record then."""
+        rec = self._records.get(tag)
+        if rec is None or not want <= rec:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            entry = (want, fut)
+            self._waiters.setdefault(tag, []).append(entry)
+            try:
+                async with asyncio.timeout(timeout):
+                    await fut
+            except TimeoutError:
+                have = sorted(self._records.get(tag, set()) & want)
+                raise LLMTimeoutError(
+                    f"wait_for_layers({tag!r}) timed out; landed: {have or 'none'}"
+                ) from None
+            finally:
+                waiters = self._waiters.get(tag, [])
+                if entry in waiters:
+                    waiters.remove(entry)
+                if not waiters:
+                    self._waiters.pop(tag, None)
+        if tag not in self._waiters:
+            self._records.pop(tag, None)
+
+    def discard(self, tag: str | bytes) -> None:
+        """Drop what is recorded for ``tag``."""
+        self._records.pop(tag, None)
+
+    async def subscribe(self) -> AsyncIterator[Notification]:
+        """Every notification that arrives from now on."""
+        q: asyncio.Queue[Notification] = asyncio.Queue(MAX_QUEUED_NOTIFICATIONS)
+        self._subscribers.append(q)
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            self._subscribers.remove(q)
+
+    def close(self) -> None:
+        """finalize(): every waiter fails with ENGINE_FINALIZED."""
+        for waiters in self._waiters.values():
+            for _, fut in waiters:
+                if not fut.done():
+                    fut.set_exception(
+                        make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "finalized while waiting")
+                    )

@@ -1,0 +1,510 @@
+"""Engine options: :class:`LLMConfig` builds the ``dict[str, str]`` that
+``LLMDataDist.init`` takes; :class:`EngineOptions` parses and checks it.
+
+Keys and value formats are LLM-DataDist's (``llm.*``; booleans as ``"1"`` /
+``"0"``), plus aiokvcache's own ``aiokvcache.*`` keys.  Keys aiokvcache does
+not know are ignored and listed in :attr:`EngineOptions.unknown_keys`, so
+option dicts written for LLM-DataDist keep working.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import param_invalid
+from .types import INT32_MAX, INT64_MAX, UINT16_MAX, UINT32_MAX, check_int, check_isinstance
+
+__all__ = [
+    "DEFAULT_MAX_INFLIGHT_BYTES",
+    "DEFAULT_SYNC_KV_TIMEOUT_MS",
+    "KEY_AUTH_TOKEN",
+    "KEY_DIRECT_COPY",
+    "KEY_ENABLE_CACHE_MANAGER",
+    "KEY_ENABLE_REMOTE_CACHE_ACCESSIBLE",
+    "KEY_HOST_MEM_POOL_CONFIG",
+    "KEY_LINK_RETRY_COUNT",
+    "KEY_LINK_TOTAL_TIME",
+    "KEY_LISTEN_IP_INFO",
+    "KEY_MAX_INFLIGHT_BYTES",
+    "KEY_MEM_POOL_CONFIG",
+    "KEY_SYNC_KV_TIMEOUT",
+    "KEY_TRANSPORT",
+    "TRANSPORTS",
+    "EngineOptions",
+    "LLMConfig",
+]
+
+KEY_LISTEN_IP_INFO = "llm.listenIpInfo"
+KEY_SYNC_KV_TIMEOUT = "llm.SyncKvCacheWaitTime"
+KEY_ENABLE_REMOTE_CACHE_ACCESSIBLE = "llm.EnableRemoteCacheAccessible"
+KEY_ENABLE_CACHE_MANAGER = "llm.EnableCacheManager"
+KEY_MEM_POOL_CONFIG = "llm.MemPoolConfig"
+KEY_HOST_MEM_POOL_CONFIG = "llm.HostMemPoolConfig"
+KEY_LINK_TOTAL_TIME = "llm.LinkTotalTime"
+KEY_LINK_RETRY_COUNT = "llm.LinkRetryCount"
+KEY_TRANSPORT = "aiokvcache.transport"
+KEY_AUTH_TOKEN = "aiokvcache.authToken"
+KEY_MAX_INFLIGHT_BYTES = "aiokvcache.maxInflightBytes"
+KEY_DIRECT_COPY = "aiokvcache.directCopy"
+# Emitted by LLMConfig.device_id for code ported from LLM-DataDist; the
+# engine ignores them.
+_KEY_DEVICE_ID = "ge.exec.deviceId"
+_KEY_SESSION_DEVICE_ID = "ge.session_device_id"
+
+#: Data-plane transports ``transport`` may name.
+TRANSPORTS = ("auto", "shm", "tcp", "rdma")
+DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
+DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
+LINK_RETRY_COUNT_MAX = 100
+# page_shift of a memory pool config, as LLM-DataDist checks it: [10, 31).
+_PAGE_SHIFT_MIN, _PAGE_SHIFT_MAX = 10, 30
+
+
+# --------------------------------------------------------------------------
+# value parsers, shared by LLMConfig setters and EngineOptions.from_options;
+# each raises _BadValue, which the callers turn into their own error type.
+
+
+class _BadValue(Exception):
+    pass
+
+
+_DIGITS = re.compile(r"[0-9]+")
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _parse_uint(text: str, lo: int, hi: int) -> int:
+    if not _DIGITS.fullmatch(text):
+        raise _BadValue(f"must be a decimal integer in [{lo}, {hi}], got {text!r}")
+    value = int(text)
+    if not lo <= value <= hi:
+        raise _BadValue(f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _parse_flag(text: str) -> bool:
+    if text == "1":
+        return True
+    if text == "0":
+        return False
+    raise _BadValue(f'must be "1" or "0", got {text!r}')
+
+
+def _check_host(host: str) -> str:
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return str(ipaddress.IPv6Address(host[1:-1]))
+        except ValueError:
+            raise _BadValue(f"bad IPv6 address {host!r}") from None
+    try:
+        return str(ipaddress.IPv4Address(host))
+    except ValueError:
+        pass
+    labels = host.split(".")
+    if len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels):
+        # A dotted all-numeric name is a mistyped IPv4 address, not a host name.
+        if not all(label.isdigit() for label in labels):
+            return host
+    raise _BadValue(f"bad host {host!r}: expected an IPv4 address, [IPv6] or a host name")
+
+
+def _parse_listen(text: str) -> tuple[str, int]:
+    if ";" in text:
+        raise _BadValue(f"only one listen address is supported, got {text!r}")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host:
+        raise _BadValue(f'must be "ip:port", got {text!r}')
+    return _check_host(host), _parse_uint(port, 0, UINT16_MAX)
+
+
+def _parse_mem_pool(text: str) -> int:
+    try:
+        cfg = json.loads(text)
+    except ValueError:
+        raise _BadValue(
+            f"must be JSON such as '{{\"memory_size\": 1073741824}}', got {text!r}"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise _BadValue(f"must be a JSON object, got {text!r}")
+    size = cfg.get("memory_size")
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= INT64_MAX:
+        raise _BadValue(f'needs "memory_size", a positive integer, got {text!r}')
+    shift = cfg.get("page_shift")
+    if shift is not None and (
+        isinstance(shift, bool)
+        or not isinstance(shift, int)
+        or not _PAGE_SHIFT_MIN <= shift <= _PAGE_SHIFT_MAX
+    ):
+        raise _BadValue(
+            f'"page_shift" must be an integer in [{_PAGE_SHIFT_MIN}, {_PAGE_SHIFT_MAX}], '
+            f"got {shift!r}"
+        )
+    return size
+
+
+def _parse_transport(text: str) -> str:
+    if text not in TRANSPORTS:
+        raise _BadValue(f"must be one of {', '.join(TRANSPORTS)}, got {text!r}")
+    return text
+
+
+def _parse_auth_token(text: str) -> bytes:
+    if not text:
+        raise _BadValue("must not be empty")
+    return text.encode("utf-8")
+
+
+# --------------------------------------------------------------------------
+# LLMConfig
+
+
+def _setter_value(name: str, parse: Any, text: str) -> Any:
+    try:
+        return parse(text)
+    except _BadValue as exc:
+        raise ValueError(f"{name} {exc}") from None
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be bool, got {type(value).__name__}")
+    return value
+
+
+class LLMConfig:
+    """Builds the option dict for ``LLMDataDist.init``.
+
+    Set properties, then call :meth:`generate_options`; only what was set
+    is emitted.  A getter returns the value set, or when unset the value
+    the engine will use.  Setters raise ``TypeError`` for a wrong type and
+    ``ValueError`` for a bad value.
+    """
+
+    def __init__(self) -> None:
+        self._listen_ip_info: str | None = None
+        self._sync_kv_timeout: int | None = None
+        self._enable_remote_cache_accessible: bool | None = None
+        self._enable_cache_manager: bool | None = None
+        self._mem_pool_cfg: str | None = None
+        self._host_mem_pool_cfg: str | None = None
+        self._link_total_time: int | None = None
+        self._link_retry_count: int | None = None
+        self._transport: str | None = None
+        self._auth_token: str | None = None
+        self._max_inflight_bytes: int | None = None
+        self._direct_copy: bool | None = None
+        self._device_id: int | tuple[int, ...] | None = None
+        self._ge_options: dict[str, str] = {}
+
+    def generate_options(self) -> dict[str, str]:
+        """The option dict: one entry per property that was set."""
+        options = dict(self._ge_options)
+        if self._device_id is not None:
+            ids = self._device_id if isinstance(self._device_id, tuple) else (self._device_id,)
+            options[_KEY_DEVICE_ID] = ";".join(str(i) for i in ids)
+            options[_KEY_SESSION_DEVICE_ID] = str(ids[0])
+        if self._listen_ip_info is not None:
+            options[KEY_LISTEN_IP_INFO] = self._listen_ip_info
+        if self._sync_kv_timeout is not None:
+            options[KEY_SYNC_KV_TIMEOUT] = str(self._sync_kv_timeout)
+        if self._enable_remote_cache_accessible is not None:
+            options[KEY_ENABLE_REMOTE_CACHE_ACCESSIBLE] = (
+                "1" if self._enable_remote_cache_accessible else "0"
+            )
+        if self._enable_cache_manager is not None:
+            options[KEY_ENABLE_CACHE_MANAGER] = "1" if self._enable_cache_manager else "0"
+        if self._mem_pool_cfg is not None:
+            options[KEY_MEM_POOL_CONFIG] = self._mem_pool_cfg
+        if self._host_mem_pool_cfg is not None:
+            options[KEY_HOST_MEM_POOL_CONFIG] = self._host_mem_pool_cfg
+        if self._link_total_time is not None:
+            options[KEY_LINK_TOTAL_TIME] = str(self._link_total_time)
+        if self._link_retry_count is not None:
+            options[KEY_LINK_RETRY_COUNT] = str(self._link_retry_count)
+        if self._transport is not None:
+            options[KEY_TRANSPORT] = self._transport
+        if self._auth_token is not None:
+            options[KEY_AUTH_TOKEN] = self._auth_token
+        if self._max_inflight_bytes is not None:
+            options[KEY_MAX_INFLIGHT_BYTES] = str(self._max_inflight_bytes)
+        if self._direct_copy is not None:
+            options[KEY_DIRECT_COPY] = "1" if self._direct_copy else "0"
+        return options
+
+    @property
+    def listen_ip_info(self) -> str:
+        """Control-plane listen address ``"ip:port"`` (port 0 = pick one);
+        ``""`` when unset (client only).  Key ``llm.listenIpInfo``."""
+        return self._listen_ip_info or ""
+
+    @listen_ip_info.setter
+    def listen_ip_info(self, value: str) -> None:
+        check_isinstance("listen_ip_info", value, str)
+        _setter_value("listen_ip_info", _parse_listen, value)
+        self._listen_ip_info = value
+
+    @property
+    def sync_kv_timeout(self) -> int:
+        """Per-layer transfer timeout in ms (default 1000); an int or a digit
+        string in ``[1, 2**31-1]``.  Key ``llm.SyncKvCacheWaitTime``."""
+        if self._sync_kv_timeout is None:
+            return DEFAULT_SYNC_KV_TIMEOUT_MS
+        return self._sync_kv_timeout
+
+    @sync_kv_timeout.setter
+    def sync_kv_timeout(self, value: int | str) -> None:
+        if isinstance(value, str):
+            self._sync_kv_timeout = _setter_value(
+                "sync_kv_timeout", lambda t: _parse_uint(t, 1, INT32_MAX), value
+            )
+        else:
+            self._sync_kv_timeout = check_int("sync_kv_timeout", value, 1, INT32_MAX)
+
+    @property
+    def enable_remote_cache_accessible(self) -> bool:
+        """Whether peers may push into / pull from this instance's caches
+        (default True in aiokvcache).  Key ``llm.EnableRemoteCacheAccessible``."""
+        if self._enable_remote_cache_accessible is None:
+            return True
+        return self._enable_remote_cache_accessible
+
+    @enable_remote_cache_accessible.setter
+    def enable_remote_cache_accessible(self, value: bool) -> None:
+        self._enable_remote_cache_accessible = _check_bool("enable_remote_cache_accessible", value)
+
+    @property
+    def enable_cache_manager(self) -> bool:
+        """Accepted for LLM-DataDist compatibility; the cache manager is
+        always on.  Key ``llm.EnableCacheManager``."""
+        if self._enable_cache_manager is None:
+            return True
+        return self._enable_cache_manager
+
+    @enable_cache_manager.setter
+    def enable_cache_manager(self, value: bool) -> None:
+        self._enable_cache_manager = _check_bool("enable_cache_manager", value)
+
+    @property
+    def mem_pool_cfg(self) -> str:
+        """JSON ``{"memory_size": N}``: optional cap on DEVICE cache bytes;
+        ``""`` when unset.  Key ``llm.MemPoolConfig``."""
+        return self._mem_pool_cfg or ""
+
+    @mem_pool_cfg.setter
+    def mem_pool_cfg(self, value: str) -> None:
+        check_isinstance("mem_pool_cfg", value, str)
+        _setter_value("mem_pool_cfg", _parse_mem_pool, value)
+        self._mem_pool_cfg = value
+
+    @property
+    def host_mem_pool_cfg(self) -> str:
+        """JSON ``{"memory_size": N}``: optional cap on HOST cache bytes;
+        ``""`` when unset.  Key ``llm.HostMemPoolConfig``."""
+        return self._host_mem_pool_cfg or ""
+
+    @host_mem_pool_cfg.setter
+    def host_mem_pool_cfg(self, value: str) -> None:
+        check_isinstance("host_mem_pool_cfg", value, str)
+        _setter_value("host_mem_pool_cfg", _parse_mem_pool, value)
+        self._host_mem_pool_cfg = value
+
+    @property
+    def link_total_time(self) -> int:
+        """Total time for a link attempt in seconds, ``[0, 2**32-1]``; 0
+        (default) = the library default.  Key ``llm.LinkTotalTime``."""
+        return 0 if self._link_total_time is None else self._link_total_time
+
+    @link_total_time.setter
+    def link_total_time(self, value: int) -> None:
+        self._link_total_time = check_int("link_total_time", value, 0, UINT32_MAX)
+
+    @property
+    def link_retry_count(self) -> int:
+        """Link attempts within :attr:`link_total_time`, ``[1, 100]``, default 1.
+        Key ``llm.LinkRetryCount``."""
+        return 1 if self._link_retry_count is None else self._link_retry_count
+
+    @link_retry_count.setter
+    def link_retry_count(self, value: int) -> None:
+        self._link_retry_count = check_int("link_retry_count", value, 1, LINK_RETRY_COUNT_MAX)
+
+    @property
+    def transport(self) -> str:
+        """**[ours]** Transports the data plane may use: ``"auto"`` (default),
+        ``"shm"``, ``"tcp"`` or ``"rdma"``.  Key ``aiokvcache.transport``."""
+        return self._transport or "auto"
+
+    @transport.setter
+    def transport(self, value: str) -> None:
+        check_isinstance("transport", value, str)
+        self._transport = _setter_value("transport", _parse_transport, value)
+
+    @property
+    def auth_token(self) -> str | None:
+        """**[ours]** Shared secret; a peer without it cannot link.  A ``str``,
+        or ``bytes`` that are UTF-8.  Key ``aiokvcache.authToken``."""
+        return self._auth_token
+
+    @auth_token.setter
+    def auth_token(self, value: str | bytes) -> None:
+        check_isinstance("auth_token", value, (str, bytes))
+        if isinstance(value, bytes):
+            try:
+                value = value.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(
+                    "auth_token bytes must be UTF-8 (pass e.g. token.hex() instead)"
+                ) from None
+        _setter_value("auth_token", _parse_auth_token, value)
+        self._auth_token = value
+
+    @property
+    def max_inflight_bytes(self) -> int:
+        """**[ours]** Backpressure window of the native engine in bytes,
+        ``[1, 2**63-1]``, default 64 MiB.  Key ``aiokvcache.maxInflightBytes``."""
+        if self._max_inflight_bytes is None:
+            return DEFAULT_MAX_INFLIGHT_BYTES
+        return self._max_inflight_bytes
+
+    @max_inflight_bytes.setter
+    def max_inflight_bytes(self, value: int) -> None:
+        self._max_inflight_bytes = check_int("max_inflight_bytes", value, 1, INT64_MAX)
+
+    @property
+    def direct_copy(self) -> bool:
+        """**[ours]** Move bytes to and from same-host peers with one memcpy
+        into their mapped shared memory (default on); off, every byte goes
+        through UCX's own lanes.  Key ``aiokvcache.directCopy``."""
+        return True if self._direct_copy is None else self._direct_copy
+
+    @direct_copy.setter
+    def direct_copy(self, value: bool) -> None:
+        self._direct_copy = _check_bool("direct_copy", value)
+
+    @property
+    def device_id(self) -> int | tuple[int, ...] | None:
+        """LLM-DataDist's device id (``ge.exec.deviceId``): accepted so ported
+        code runs; aiokvcache ignores it."""
+        return self._device_id
+
+    @device_id.setter
+    def device_id(self, value: int | Sequence[int]) -> None:
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError("device_id must not be empty")
+            self._device_id = tuple(
+                check_int(f"device_id[{i}]", v, 0, INT32_MAX) for i, v in enumerate(value)
+            )
+        else:
+            self._device_id = check_int("device_id", value, 0, INT32_MAX)
+
+    @property
+    def ge_options(self) -> dict[str, str]:
+        """Extra raw options merged into :meth:`generate_options` (the
+        properties above win on a clash)."""
+        return dict(self._ge_options)
+
+    @ge_options.setter
+    def ge_options(self, value: Mapping[str, str]) -> None:
+        _check_str_dict("ge_options", value)
+        self._ge_options = dict(value)
+
+
+def _check_str_dict(name: str, value: Any) -> None:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
+    for key, item in value.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{name} keys must be str, got {type(key).__name__}")
+        if not isinstance(item, str):
+            raise TypeError(f"{name}[{key!r}] must be str, got {type(item).__name__}")
+
+
+# --------------------------------------------------------------------------
+# EngineOptions
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Checked, typed engine options; build with :meth:`from_options`."""
+
+    listen_host: str | None = None
+    listen_port: int | None = None
+    sync_kv_timeout_ms: int = DEFAULT_SYNC_KV_TIMEOUT_MS
+    enable_remote_cache_accessible: bool = True
+    mem_pool_bytes: int | None = None
+    host_mem_pool_bytes: int | None = None
+    link_total_time_s: int = 0
+    link_retry_count: int = 1
+    transport: str = "auto"
+    auth_token: bytes | None = field(default=None, repr=False)
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+    direct_copy: bool = True
+    unknown_keys: tuple[str, ...] = ()
+
+    @property
+    def listen_address(self) -> str | None:
+        """``"host:port"`` as configured (port may be 0), or None for client only."""
+        if self.listen_host is None or self.listen_port is None:
+            return None
+        host = f"[{self.listen_host}]" if ":" in self.listen_host else self.listen_host
+        return f"{host}:{self.listen_port}"
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, str] | None) -> EngineOptions:
+        """Parse an option dict (e.g. from :meth:`LLMConfig.generate_options`).
+
+        ``None`` gives the defaults.  A non-dict, or a key or value that is
+        not ``str``, raises ``TypeError``; a bad value raises
+        ``LLMException(LLM_PARAM_INVALID)`` whose message names the key.
+        Unknown keys are ignored and listed in :attr:`unknown_keys`.
+        """
+        if options is None:
+            return cls()
+        _check_str_dict("options", options)
+        fields: dict[str, Any] = {}
+        unknown: list[str] = []
+        for key, text in options.items():
+            parse = _FIELD_PARSERS.get(key)
+            if parse is None:
+                unknown.append(key)
+                continue
+            try:
+                fields.update(parse(text))
+            except _BadValue as exc:
+                raise param_invalid(f"option {key} {exc}") from None
+        return cls(**fields, unknown_keys=tuple(unknown))
+
+
+def _listen_fields(text: str) -> dict[str, Any]:
+    host, port = _parse_listen(text)
+    return {"listen_host": host, "listen_port": port}
+
+
+def _accept_cache_manager(text: str) -> dict[str, Any]:
+    # Checked for form only: the cache manager is always on.
+    _parse_flag(text)
+    return {}
+
+
+_FIELD_PARSERS: dict[str, Callable[[str], dict[str, Any]]] = {
+    KEY_LISTEN_IP_INFO: _listen_fields,
+    KEY_SYNC_KV_TIMEOUT: lambda t: {"sync_kv_timeout_ms": _parse_uint(t, 1, INT32_MAX)},
+    KEY_ENABLE_REMOTE_CACHE_ACCESSIBLE: lambda t: {
+        "enable_remote_cache_accessible": _parse_flag(t)
+    },
+    KEY_ENABLE_CACHE_MANAGER: _accept_cache_manager,
+    KEY_MEM_POOL_CONFIG: lambda t: {"mem_pool_bytes": _parse_mem_pool(t)},
+    KEY_HOST_MEM_POOL_CONFIG: lambda t: {"host_mem_pool_bytes": _parse_mem_pool(t)},
+    KEY_LINK_TOTAL_TIME: lambda t: {"link_total_time_s": _parse_uint(t, 0, UINT32_MAX)},
+    KEY_LINK_RETRY_COUNT: lambda t: {"link_retry_count": _parse_uint(t, 1, LINK_RETRY_COUNT_MAX)},
+    KEY_TRANSPORT: lambda t: {"transport": _parse_transport(t)},
+    KEY_AUTH_TOKEN: lambda t: {"auth_token": _parse_auth_token(t)},
+    KEY_MAX_INFLIGHT_BYTES: lambda t: {"max_inflight_bytes": _parse_uint(t, 1, INT64_MAX)},
+    KEY_DIRECT_COPY: lambda t: {"direct_copy": _parse_flag(t)},
+}

@@ -1,0 +1,231 @@
+"""The one transfer runner: leases, native deadlines, cancel-and-settle, error mapping.
+
+Every transfer — ``push_*``, ``pull_*`` and each layer of
+``transfer_cache_async`` — goes through :meth:`Runner.start` (submit the jobs
+and lease the caches they touch, in one critical section of the state lock)
+and :meth:`Runner.finish` (await the group through the bridge, map native
+statuses to LLM-DataDist errors, give the leases back). The bridge has
+already made the group quiescent when it returns or raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import numbers
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .._bridge import Bridge, BridgeError, GroupFailed, JobGroup, JobResult, Jobs
+from .._loader import native
+from .errors import InternalError, LLMException, LLMStatusCode, make_error
+from .state import LocalCache, RemoteCache, State
+
+__all__ = [
+    "STATUS_CODE",
+    "Runner",
+    "check_timeout",
+    "failure",
+    "run_jobs",
+    "status_code",
+    "time_left",
+]
+
+#: Native job status -> the LLM-DataDist code it stands for, from the engine's table.
+STATUS_CODE: dict[int, LLMStatusCode] = {
+    value: LLMStatusCode[llm] for value, _name, _words, llm in native.STATUSES
+}
+
+
+def status_code(status: int) -> LLMStatusCode:
+    """Map a native job status to the LLM-DataDist status code it stands for."""
+    return STATUS_CODE.get(status, LLMStatusCode.LLM_FAILED)
+
+
+def check_timeout(timeout: Any) -> float | None:
+    """A whole-call ``timeout=`` in seconds: None, or a positive number."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(
+            f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
+        )
+    value = float(timeout)
+    if not value > 0:  # also rejects NaN
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    return value
+
+
+def time_left(timeout: float | None, start: float) -> float | None:
+    """What is left of ``timeout`` (seconds) since loop time ``start``; never 0."""
+    if timeout is None:
+        return None
+    return max(timeout - (asyncio.get_running_loop().time() - start), 1e-6)
+
+
+def failure(group: JobGroup, labels: Sequence[str] | None, *, timed_out: bool) -> LLMException:
+    """The error a failed group raises: the root cause, then what landed."""
+    names = list(labels) if labels is not None else [f"job {i}" for i in range(len(group.results))]
+    landed = [names[i] for i, r in enumerate(group.results) if r is not None and r.ok]
+    failed = [(names[i], r) for i, r in enumerate(group.results) if r is not None and not r.ok]
+    # The root cause first: a timeout or link failure, not the jobs we
+    # cancelled because of it.
+    failed.sort(key=lambda item: item[1].status == native.ST_CANCELLED)
+    if timed_out:
+        code = LLMStatusCode.LLM_TIMEOUT
+        reason = "timed out"
+    elif failed:
+        code = status_code(failed[0][1].status)
+        reason = f"{failed[0][0]} failed: {failed[0][1].describe()}"
+    else:  # pragma: no cover - a failure without a failed job
+        code = LLMStatusCode.LLM_FAILED
+        reason = "failed"
+    landed_text = ", ".join(landed) if landed else "none"
+    exc = make_error(code, f"{reason}; landed: {landed_text}")
+    exc.results = list(group.results)  # type: ignore[attr-defined]
+    return exc
+
+
+def _submit(bridge: Bridge, jobs: Jobs, timeout: float | None) -> JobGroup:
+    try:
+        return bridge.submit_group(jobs, timeout=timeout)
+    except native.EngineClosedError as exc:
+        raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized") from exc
+
+
+async def _wait(bridge: Bridge, group: JobGroup, labels: Sequence[str] | None) -> list[JobResult]:
+    try:
+        return await bridge.wait(group)
+    except GroupFailed as exc:
+        raise failure(exc.group, labels, timed_out=exc.timed_out) from None
+    except BridgeError as exc:
+        raise InternalError(str(exc)) from exc
+
+
+async def run_jobs(
+    bridge: Bridge,
+    jobs: Jobs,
+    *,
+    timeout: float | None = None,
+    labels: Sequence[str] | None = None,
+) -> list[JobResult]:
+    """Submit jobs as one group and await them, with LLM-DataDist errors.
+
+    Raises an :class:`LLMException` naming the jobs that landed when one
+    fails (its ``results`` attribute lists each job's result),
+    :class:`LLMTimeoutError` when ``timeout`` (seconds, whole group, a native
+    deadline) passes, and re-raises cancellation; always after every job is
+    released. No cache leases: this is the engine-level path.
+    """
+    return await _wait(bridge, _submit(bridge, jobs, timeout), labels)
+
+
+class Runner:
+    """Runs job groups on caches, holding a lease on each cache while jobs live."""
+
+    def __init__(self, state: State, bridge: Bridge) -> None:
+        self._state = state
+        self._bridge = bridge
+
+    @property
+    def bridge(self) -> Bridge:
+        """The owner loop's bridge."""
+        return self._bridge
+
+    def start(
+        self,
+        jobs: Jobs,
+        timeout: float | None,
+        local: LocalCache,
+        remotes: Iterable[RemoteCache],
+    ) -> JobGroup:
+        """Submit ``jobs`` and lease ``local`` and ``remotes`` for them.
+
+        Refuses with KV_CACHE_NOT_EXIST when one of the caches was retired
+        meanwhile: the check and the submit share one critical section, so a
+        retirement either sees these jobs or this call sees the retirement.
+        """
+        remotes = list(remotes)
+        with self._state.lock:
+            if not local.valid:
+                raise make_error(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    f"the local cache {local.cache_id} was deallocated",
+                )
+            for rc in remotes:
+                if not rc.valid:
+                    raise make_error(
+                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                        f"the remote cache {rc.cache_id} was deallocated",
+                    )
+            group = _submit(self._bridge, jobs, timeout)
+            ids = group.job_ids
+            local.jobs.update(ids)
+            for rc in remotes:
+                rc.jobs.update(ids)
+        return group
+
+    async def finish(
+        self,
+        group: JobGroup,
+        labels: Sequence[str] | None,
+        local: LocalCache,
+        remotes: Iterable[RemoteCache],
+    ) -> None:
+        """Await ``group``; map its failure; give the leases back (always)."""
+        remotes = list(remotes)
+        ids = list(group.index)
+        try:
+            await _wait(self._bridge, group, labels)
+        except LLMException as exc:
+            raise self.explain(exc, local, remotes) from exc
+        finally:
+            self.release(ids, local, remotes)
+
+    async def run(
+        self,
+        jobs: Jobs,
+        labels: Sequence[str],
+        timeout: float | None,
+        local: LocalCache,
+        remote: RemoteCache,
+    ) -> None:
+        """:meth:`start` then :meth:`finish`: the whole call's path."""
+        group = self.start(jobs, timeout, local, (remote,))
+        await self.finish(group, labels, local, (remote,))
+
+    async def wait(self, group: JobGroup, labels: Sequence[str] | None) -> list[JobResult]:
+        """Await ``group`` (LLM-DataDist errors, no lease bookkeeping)."""
+        return await _wait(self._bridge, group, labels)
+
+    def release(self, ids: list[int], local: LocalCache, remotes: Iterable[RemoteCache]) -> None:
+        """Give back the leases of jobs ``ids`` (all released by now)."""
+        with self._state.lock:
+            local.jobs.difference_update(ids)
+            for rc in remotes:
+                rc.jobs.difference_update(ids)
+
+    @staticmethod
+    def explain(
+        exc: LLMException, local: LocalCache, remotes: Sequence[RemoteCache]
+    ) -> LLMException:
+        """Jobs cancelled because a cache went away, or refused because its key
+        was released meanwhile, read as KV_CACHE_NOT_EXIST."""
+        code = exc.status_code
+        if code not in (LLMStatusCode.LLM_FAILED, LLMStatusCode.LLM_PARAM_INVALID):
+            return exc
+        if any(not rc.valid for rc in remotes):
+            return make_error(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"the remote cache was deallocated during the transfer; {exc.message}",
+            )
+        if not local.valid:
+            return make_error(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"the local cache was deallocated during the transfer; {exc.message}",
+            )
+        if code == LLMStatusCode.LLM_PARAM_INVALID:
+            return make_error(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"destination cache went away: {exc.message}",
+            )
+        return exc

@@ -1,0 +1,121 @@
+"""The runtime of one ``LLMDataDist``: engine, bridge, peer service, shared state.
+
+Built by ``LLMDataDist.init()`` on the owner's event loop (the loop the
+bridge binds to), torn down by ``finalize()``. The public classes are thin
+surfaces over it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from .._bridge import Bridge
+from .._loader import native
+from .control import LocalInfo
+from .errors import LLMStatusCode, make_error
+from .notify import Receiver
+from .options import EngineOptions
+from .runner import Runner
+from .service import PeerService
+from .state import State
+from .transfers import Transfers
+
+__all__ = ["Runtime"]
+
+log = logging.getLogger("aiokvcache")
+
+
+def _host_id() -> bytes:
+    """This machine's boot id: peers with the same one can share memory."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return f.read().strip()
+    except OSError:
+        return b""
+
+
+class Runtime:
+    """Everything an initialized ``LLMDataDist`` runs on."""
+
+    def __init__(self, cluster_id: int, role: int, opts: EngineOptions) -> None:
+        """Start the engine, the bridge (on the running loop) and the service thread."""
+        try:
+            engine = native.Engine(
+                opts.transport,
+                max_inflight_bytes=opts.max_inflight_bytes,
+                direct_copy=opts.direct_copy,
+            )
+        except Exception as exc:
+            code = (
+                LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+                if opts.transport != "auto"
+                else LLMStatusCode.LLM_FAILED
+            )
+            raise make_error(
+                code, f"cannot start the transfer engine with transport={opts.transport!r}: {exc}"
+            ) from exc
+        local = LocalInfo(
+            cluster_id=cluster_id,
+            role=role,
+            worker_address=engine.worker_address,
+            auth_token=opts.auth_token,
+            host_id=_host_id(),
+        )
+        self.state = State(cluster_id, opts, engine, local)
+        self.bridge = Bridge(engine)
+        self.runner = Runner(self.state, self.bridge)
+        self.receiver = Receiver()
+        self.service = PeerService(self.state)
+        self.transfers = Transfers(self.state, self.service, self.runner)
+        self.bridge.on_notify = self.receiver.on_notify
+        self.bridge.on_endpoint_error = self._on_endpoint_error
+        self._closed = False
+
+    @property
+    def engine(self) -> native.Engine:
+        """The native engine."""
+        return self.state.engine  # type: ignore[no-any-return]
+
+    def _on_endpoint_error(self, ep: int, ucs_status: int) -> None:
+        reason = f"transport error: {native.ucs_status_string(ucs_status)}"
+        self.service.endpoint_failed(ep, reason)
+
+    async def listen(self, host: str, port: int) -> None:
+        """Start the control server on the service thread."""
+        await self.service.call(self.service.listen(host, port))
+
+    async def close(self) -> None:
+        """finalize(): peers told, transfers ended, links and server closed, memory freed."""
+        if self._closed:
+            return
+        self._closed = True
+        st = self.state
+        st.finalized = True
+        with st.lock:
+            for rec in st.registry.caches.values():
+                rec.valid = False
+        self.receiver.close()
+        # Tell peers first, so the transport errors they are about to see
+        # read as a shutdown, not a failure.
+        with contextlib.suppress(Exception):
+            await self.service.call(self.service.announce_finalizing())
+        # Joins the progress thread: every in-flight job is reported released
+        # (ENGINE_FINALIZED) before memory goes.
+        self.bridge.close()
+        with contextlib.suppress(Exception):
+            await self.service.call(self.service.close())
+        self.service.stop()
+        tasks = list(self.transfers.tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        with st.lock:
+            recs = list(st.registry.caches.values())
+            st.registry.caches.clear()
+            st.registry.keys.clear()
+            st.registry.blocks_keys.clear()
+        for rec in recs:
+            rec.cache._invalidate()

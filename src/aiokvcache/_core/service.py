@@ -1,0 +1,627 @@
+"""The peer service: one thread per ``LLMDataDist`` that owns the control plane.
+
+It runs its own asyncio loop with the control server, every control
+connection (accepted and initiated), handshakes, the cache-metadata requests
+peers send us and those we send them, invalidations and their
+acknowledgements. So peers are served while the owner's event loop is blocked
+in a syscall, a synchronous model step or a barrier, as LLM-DataDist serves
+them from native threads. The data plane needs no Python on the passive side
+at all (one-sided UCX, driven by the engine's progress thread).
+
+The owner reaches the service through :meth:`PeerService.call` (a coroutine
+run on the service loop, awaited from the owner's loop through
+``asyncio.wrap_future``: the owner's future is completed on the owner's loop)
+and :meth:`PeerService.spawn` (fire and track). The service never touches the
+bridge and never completes a future of the owner's loop itself. Shared tables
+follow :mod:`.state`'s locking rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from .._loader import native
+from . import control
+from .catalog import forget_link, install_remote, metadata, retire_remote
+from .errors import LLMException, LLMStatusCode, make_error, param_invalid
+from .state import Link, LocalCache, State
+from .types import BlocksCacheKey, CacheKey, LLMClusterInfo
+
+__all__ = ["SERVICE_ERRORS", "PeerService"]
+
+log = logging.getLogger("aiokvcache")
+
+T = TypeVar("T")
+
+# How long a deallocated cache's memory waits for peers to confirm they will
+# not write it any more before it is released anyway.
+RETIRE_TIMEOUT_S = 5.0
+METADATA_TIMEOUT_S = 10.0
+MAX_ADDRS_PER_REQUEST = 4096
+_PEER_FINALIZING = "the peer finalized"
+# Native release waits run in a worker thread in slices of this many seconds,
+# so a close() in between is noticed.
+_RELEASE_SLICE_S = 1.0
+
+#: Errors that reached a service loop's exception handler (tests assert none).
+SERVICE_ERRORS: list[dict[str, Any]] = []
+
+
+def _overall(results: Sequence[LLMStatusCode]) -> LLMStatusCode:
+    for r in results:
+        if r != LLMStatusCode.LLM_SUCCESS:
+            return r
+    return LLMStatusCode.LLM_SUCCESS
+
+
+class PeerService:
+    """The service thread, its loop, and everything that runs there."""
+
+    def __init__(self, state: State) -> None:
+        self._state = state
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(self._on_loop_error)
+        self._server: control.ControlServer | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._fetching: dict[tuple[int, int], asyncio.Future[Any]] = {}
+        self._thread = threading.Thread(
+            target=self._main, name=f"aiokvcache-service-{state.cluster_id}", daemon=True
+        )
+        self._thread.start()
+
+    # ----------------------------------------------------------- the thread
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            pending = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    @staticmethod
+    def _on_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        SERVICE_ERRORS.append(context)
+        loop.default_exception_handler(context)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The service's own event loop."""
+        return self._loop
+
+    def in_service(self) -> bool:
+        """True when called on the service thread."""
+        return threading.current_thread() is self._thread
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+        """Run ``coro`` on the service loop; await the result on the calling loop.
+
+        Cancelling the returned future cancels the coroutine's task.
+        """
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        """Run ``coro`` on the service loop in the background (from any thread)."""
+        return asyncio.run_coroutine_threadsafe(self._tracked(coro), self._loop)
+
+    async def _tracked(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("aiokvcache: background task failed")
+            return None
+        finally:
+            self._tasks.discard(task)
+
+    def stop(self) -> None:
+        """Stop the loop (pending tasks are cancelled) and join the thread."""
+        if not self._thread.is_alive():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if not self.in_service():
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------- listener
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """The bound (host, port) of the control server, if it listens."""
+        return None if self._server is None else self._server.address
+
+    async def listen(self, host: str, port: int) -> None:
+        """Start the control server (service loop)."""
+        server = control.ControlServer(self._state.local, self)
+        try:
+            await server.start(host, port)
+        except LLMException as exc:
+            raise make_error(
+                LLMStatusCode.LLM_PARAM_INVALID, f"cannot listen on {host}:{port}: {exc.message}"
+            ) from exc
+        self._server = server
+
+    def set_role(self, role: int) -> None:
+        """Announce ``role`` in later handshakes."""
+        local = self._state.local
+        self._state.local = control.LocalInfo(
+            cluster_id=local.cluster_id,
+            role=role,
+            worker_address=local.worker_address,
+            auth_token=local.auth_token,
+            host_id=local.host_id,
+        )
+        if self._server is not None:
+            self._server._local = self._state.local
+
+    # ----------------------------------------------------------------- links
+
+    async def link_all(
+        self, infos: Sequence[LLMClusterInfo], timeout_ms: int
+    ) -> list[LLMStatusCode]:
+        """Link every cluster concurrently; one status each."""
+        return list(await asyncio.gather(*(self._link_one(c, timeout_ms) for c in infos)))
+
+    async def _link_one(self, info: LLMClusterInfo, timeout_ms: int) -> LLMStatusCode:
+        st = self._state
+        cid = info.remote_cluster_id
+        assert cid is not None
+        with st.lock:
+            existing = st.links.get(cid)
+            if existing is not None and not existing.broken:
+                return LLMStatusCode.LLM_ALREADY_LINK
+            if cid in st.linking:
+                return LLMStatusCode.LLM_PROCESSING_LINK
+            if not info.remote_ip_info:
+                log.warning("aiokvcache: link to cluster %d: no remote_ip_info", cid)
+                return LLMStatusCode.LLM_PARAM_INVALID
+            st.linking.add(cid)
+        addresses = list(info.remote_ip_info)
+        attempts = max(1, st.options.link_retry_count)
+        try:
+            loop = asyncio.get_running_loop()
+            budget = timeout_ms / 1000
+            if st.options.link_total_time_s > 0:  # LLM-DataDist's cap on all attempts
+                budget = min(budget, float(st.options.link_total_time_s))
+            deadline = loop.time() + budget
+            status = LLMStatusCode.LLM_LINK_FAILED
+            for attempt in range(attempts):
+                # Every address of the cluster in turn, each with a fair share
+                # of what is left, so one silent address cannot eat it all.
+                for i, (host, port) in enumerate(addresses):
+                    left = (deadline - loop.time()) / (len(addresses) - i)
+                    if left <= 0:
+                        break
+                    status, reason = await self._try_link(cid, host, port, left)
+                    if status in (
+                        LLMStatusCode.LLM_SUCCESS,
+                        LLMStatusCode.LLM_ALREADY_LINK,
+                        LLMStatusCode.LLM_PARAM_INVALID,
+                    ):
+                        return status
+                    log.warning(
+                        "aiokvcache: link to cluster %d at %s:%d failed (attempt %d/%d): %s",
+                        cid,
+                        host,
+                        port,
+                        attempt + 1,
+                        attempts,
+                        reason,
+                    )
+                if attempt + 1 < attempts:  # a short pause before the next try
+                    await asyncio.sleep(min(0.1, max(0.0, deadline - loop.time())))
+            return status
+        finally:
+            with st.lock:
+                st.linking.discard(cid)
+
+    async def _try_link(
+        self, cid: int, host: str, port: int, timeout: float
+    ) -> tuple[LLMStatusCode, str]:
+        """One connection attempt: (status, reason); the link exists on SUCCESS."""
+        try:
+            conn = await control.connect(host, port, self._state.local, self, timeout)
+        except LLMException as exc:
+            return exc.status_code, str(exc)
+        if conn.peer_cluster_id != cid:
+            await conn.close("wrong cluster id")
+            return LLMStatusCode.LLM_LINK_FAILED, f"it is cluster {conn.peer_cluster_id}"
+        return LLMStatusCode.LLM_SUCCESS, ""
+
+    async def unlink_all(
+        self, cluster_ids: Sequence[int], timeout_ms: int, force: bool
+    ) -> list[LLMStatusCode]:
+        """Unlink each cluster in turn; one status each."""
+        results: list[LLMStatusCode] = []
+        for cid in cluster_ids:
+            with self._state.lock:
+                link = self._state.links.get(cid)
+            if link is None:
+                results.append(LLMStatusCode.LLM_NOT_YET_LINK)
+                continue
+            self.drop_link(link, "unlinked")
+            try:
+                async with asyncio.timeout(timeout_ms / 1000):
+                    await link.conn.close("unlinked")
+            except TimeoutError:
+                results.append(
+                    LLMStatusCode.LLM_UNLINK_FAILED if not force else LLMStatusCode.LLM_SUCCESS
+                )
+                continue
+            results.append(LLMStatusCode.LLM_SUCCESS)
+        return results
+
+    def drop_link(self, link: Link, reason: str) -> None:
+        """Forget a link: fail its transfers, release its endpoint and keys."""
+        with self._state.lock:
+            if self._state.links.get(link.cluster_id) is link:
+                del self._state.links[link.cluster_id]
+        self.break_link(link, reason)
+        forget_link(self._state, link)
+        with contextlib.suppress(native.EngineClosedError):
+            self._state.engine.disconnect(link.ep)
+
+    def break_link(self, link: Link, reason: str) -> None:
+        """Mark a link broken and fail its endpoint (every job on it ends)."""
+        with self._state.lock:
+            if link.broken:
+                return
+            link.broken = True
+            link.reason = reason
+        with contextlib.suppress(native.EngineClosedError):
+            self._state.engine.fail_endpoint(link.ep)
+
+    def endpoint_failed(self, ep: int, reason: str) -> None:
+        """The engine reported an endpoint error (from any thread)."""
+        with self._state.lock:
+            links = [lk for lk in self._state.links.values() if lk.ep == ep and not lk.broken]
+            for link in links:
+                link.broken = True
+                link.reason = reason
+        for link in links:
+            # INFO: the control connection's close (logged below) says
+            # whether this was a failure or the peer shutting down.
+            log.info("aiokvcache: link to cluster %d broke: %s", link.cluster_id, reason)
+            # The control connection may still be up; close it so the peer
+            # learns of it too.
+            self.spawn(link.conn.close(reason))
+
+    async def announce_finalizing(self) -> None:
+        """Tell every linked peer we are going, so its errors read as a shutdown."""
+        with self._state.lock:
+            links = [lk for lk in self._state.links.values() if not lk.broken]
+        if links:
+            await asyncio.gather(
+                *(lk.conn.request("finalizing", {}, timeout=1.0) for lk in links),
+                return_exceptions=True,
+            )
+
+    async def close(self) -> None:
+        """Close the server and every connection; cancel background work."""
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await self._server.close()
+        with self._state.lock:
+            links = list(self._state.links.values())
+            self._state.links.clear()
+        for link in links:
+            with contextlib.suppress(Exception):
+                await link.conn.close("finalized")
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ------------------------------------------------- control.Handler side
+
+    def on_connected(self, conn: control.ControlConnection) -> None:
+        """A control connection finished its handshake: make it a link."""
+        st = self._state
+        if st.finalized:
+            raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "peer is finalizing")
+        cid = conn.peer_cluster_id
+        with st.lock:
+            existing = st.links.get(cid)
+        if existing is not None:
+            if not existing.broken:
+                raise make_error(LLMStatusCode.LLM_ALREADY_LINK, f"cluster {cid} is already linked")
+            self.drop_link(existing, "replaced by a new link")
+        # UCX peer-failure handling only for RDMA: UCX refuses it on shared
+        # memory, and over TCP it cost 3.5x in bandwidth here (0.35 vs 1.23
+        # GB/s); TCP errors still fail the operations (LINK_FAILED), and a
+        # dead peer's control connection breaks the link on any transport.
+        peer_errors = st.options.transport == "rdma"
+        try:
+            ep = st.engine.connect(conn.peer_worker_address, peer_errors)
+        except Exception as exc:
+            raise make_error(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"cannot reach cluster {cid}'s transfer engine: {exc}",
+            ) from exc
+        with st.lock:
+            st.links[cid] = Link(cid, conn, ep)
+        log.info("aiokvcache: cluster %d linked with cluster %d", st.cluster_id, cid)
+
+    async def handle_request(
+        self, conn: control.ControlConnection, op: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Serve a peer's request (cache metadata, invalidations)."""
+        st = self._state
+        if st.finalized:
+            raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "finalized")
+        with st.lock:
+            link = st.links.get(conn.peer_cluster_id)
+        if link is None or link.conn is not conn:
+            raise make_error(LLMStatusCode.LLM_NOT_YET_LINK, "not linked")
+        if op == "finalizing":
+            # The peer's engine is about to go: break the link now, so the
+            # transport errors that follow read as a shutdown, not a failure.
+            log.info("aiokvcache: cluster %d is finalizing", link.cluster_id)
+            self.break_link(link, _PEER_FINALIZING)
+            return {}
+        if op == "invalidate":
+            cid = body.get("cache_id")
+            if not isinstance(cid, int):
+                raise param_invalid("invalidate: cache_id must be int")
+            await self._drop_remote(link, cid)
+            return {}
+        return self._serve_lookup(op, body)
+
+    def _serve_lookup(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        st = self._state
+        reg = st.registry
+        access = st.options.enable_remote_cache_accessible
+        if op == "cache_by_id":
+            cid = body.get("cache_id")
+            if not isinstance(cid, int):
+                raise param_invalid("cache_by_id: cache_id must be int")
+            with st.lock:
+                rec = reg.served(cid, access)
+            return metadata(st, rec)
+        if op == "cache_by_key":
+            try:
+                key = CacheKey(
+                    cluster_id=body["cluster_id"],
+                    req_id=body["req_id"],
+                    model_id=body["model_id"],
+                    prefix_id=body["prefix_id"],
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise param_invalid(f"cache_by_key: bad key: {exc}") from None
+            with st.lock:
+                bound = reg.keys.get(key)
+                if bound is None:
+                    raise make_error(
+                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no cache is bound to {key!r}"
+                    )
+                rec = reg.served(bound[0], access)
+            out = metadata(st, rec)
+            out["batch_index"] = bound[1]
+            return out
+        if op == "blocks_by_key":
+            try:
+                bkey = BlocksCacheKey(body["cluster_id"], body["model_id"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise param_invalid(f"blocks_by_key: bad key: {exc}") from None
+            with st.lock:
+                bound_id = reg.blocks_keys.get(bkey)
+                if bound_id is None:
+                    raise make_error(
+                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                        f"no blocks cache is bound to {bkey!r}",
+                    )
+                rec = reg.served(bound_id, access)
+            return metadata(st, rec)
+        if op == "cache_by_addr":
+            addrs = body.get("addrs")
+            if (
+                not isinstance(addrs, list)
+                or len(addrs) > MAX_ADDRS_PER_REQUEST
+                or not all(isinstance(a, int) for a in addrs)
+            ):
+                raise param_invalid("cache_by_addr: addrs must be a list of ints")
+            found: dict[int, LocalCache] = {}
+            with st.lock:
+                for a in addrs:
+                    for rec in reg.caches.values():
+                        if rec.cache_id in found or not rec.valid or not rec.remote_accessible:
+                            continue
+                        if any(t <= a < t + rec.desc.size for t in rec.addrs):
+                            found[rec.cache_id] = reg.served(rec.cache_id, access)
+                            break
+            return {"caches": [metadata(st, rec) for rec in found.values()]}
+        raise param_invalid(f"unknown request {op!r}")
+
+    def on_event(self, conn: control.ControlConnection, op: str, body: dict[str, Any]) -> None:
+        """Peers send no events in this protocol version; log and ignore."""
+        log.warning("aiokvcache: unexpected event %r from cluster %d", op, conn.peer_cluster_id)
+
+    def on_closed(self, conn: control.ControlConnection, reason: str) -> None:
+        """The control connection closed: the link is broken (or was unlinked)."""
+        st = self._state
+        with st.lock:
+            link = st.links.get(conn.peer_cluster_id)
+        if link is None or link.conn is not conn:
+            return
+        if reason == "peer closed: unlinked":
+            self.drop_link(link, "unlinked by peer")
+            return
+        if st.finalized:
+            level = logging.DEBUG
+        elif reason == "peer closed: finalized" or link.reason == _PEER_FINALIZING:
+            level = logging.INFO
+        else:
+            level = logging.WARNING
+        log.log(level, "aiokvcache: link to cluster %d closed: %s", link.cluster_id, reason)
+        self.break_link(link, f"control connection closed ({reason})")
+        forget_link(st, link)
+
+    # --------------------------------------------- remote metadata (ours)
+
+    async def remote_by_id(self, link: Link, cache_id: int) -> Any:
+        """The peer's cache ``cache_id``, fetched once per link (concurrent asks share it)."""
+        with self._state.lock:
+            rc = link.remote.get(cache_id)
+        if rc is not None:
+            return rc
+        key = (id(link), cache_id)
+        fut = self._fetching.get(key)
+        if fut is None:
+            fut = self._loop.create_future()
+            self._fetching[key] = fut
+            self._loop.create_task(self._fetch(link, cache_id, key, fut))
+        return await asyncio.shield(fut)
+
+    async def _fetch(
+        self, link: Link, cache_id: int, key: tuple[int, int], fut: asyncio.Future[Any]
+    ) -> None:
+        try:
+            meta = await link.conn.request(
+                "cache_by_id", {"cache_id": cache_id}, timeout=METADATA_TIMEOUT_S
+            )
+            rc = install_remote(self._state, link, meta)
+        except BaseException as exc:
+            if not fut.done():
+                fut.set_exception(exc if isinstance(exc, Exception) else LLMException(str(exc)))
+                fut.exception()  # retrieved: waiters may have given up already
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            if not fut.done():
+                fut.set_result(rc)
+        finally:
+            self._fetching.pop(key, None)
+
+    async def remote_by_key(self, link: Link, key: CacheKey) -> tuple[Any, int]:
+        """The peer's cache and batch index bound to ``key`` (asked every time)."""
+        meta = await link.conn.request(
+            "cache_by_key",
+            {
+                "cluster_id": key.cluster_id,
+                "req_id": key.req_id,
+                "model_id": key.model_id,
+                "prefix_id": key.prefix_id,
+            },
+            timeout=METADATA_TIMEOUT_S,
+        )
+        sb = meta.get("batch_index")
+        if not isinstance(sb, int):
+            raise make_error(LLMStatusCode.LLM_FAILED, "peer sent no batch_index")
+        return install_remote(self._state, link, meta), sb
+
+    async def remote_blocks(self, link: Link, key: BlocksCacheKey) -> Any:
+        """The peer's blocks cache bound to ``key`` (asked every time: keys rebind)."""
+        meta = await link.conn.request(
+            "blocks_by_key",
+            {"cluster_id": key.cluster_id, "model_id": key.model_id},
+            timeout=METADATA_TIMEOUT_S,
+        )
+        remote = install_remote(self._state, link, meta)
+        if not remote.is_blocks:
+            raise make_error(
+                LLMStatusCode.LLM_FAILED, f"cluster {link.cluster_id} sent a non-blocks cache"
+            )
+        return remote
+
+    async def remotes_by_addr(self, link: Link, addrs: list[int]) -> None:
+        """Ask the peer which caches hold ``addrs``; record every one it names."""
+        for k in range(0, len(addrs), MAX_ADDRS_PER_REQUEST):
+            resp = await link.conn.request(
+                "cache_by_addr",
+                {"addrs": addrs[k : k + MAX_ADDRS_PER_REQUEST]},
+                timeout=METADATA_TIMEOUT_S,
+            )
+            caches = resp.get("caches")
+            if not isinstance(caches, list):
+                raise make_error(
+                    LLMStatusCode.LLM_FAILED, f"cluster {link.cluster_id} sent a bad cache_by_addr"
+                )
+            for meta in caches:
+                if not isinstance(meta, dict):
+                    raise make_error(
+                        LLMStatusCode.LLM_FAILED,
+                        f"cluster {link.cluster_id} sent bad cache metadata",
+                    )
+                install_remote(self._state, link, meta)
+
+    # ---------------------------------------------------------- retirement
+
+    async def _released(self, ids: list[int]) -> None:
+        """Wait, off the loop, until the engine has released every job in ``ids``."""
+        if not ids:
+            return
+        engine = self._state.engine
+        loop = asyncio.get_running_loop()
+        while not await loop.run_in_executor(None, engine.wait_released, ids, _RELEASE_SLICE_S):
+            if engine.closed:
+                return
+
+    async def _drop_remote(self, link: Link, cache_id: int) -> None:
+        """The peer retires a cache: stop our jobs on it, wait for them, then confirm."""
+        st = self._state
+        with st.lock:
+            rc = link.remote.pop(cache_id, None)
+            if rc is None:
+                return
+            rc.valid = False  # no job starts on it from here on
+            ids = list(rc.jobs)
+        with contextlib.suppress(native.EngineClosedError):
+            st.engine.cancel_many(ids)
+        await self._released(ids)
+        retire_remote(st, rc)
+
+    def retire_local(self, rec: LocalCache) -> None:
+        """Our cache ``rec`` goes (any thread): stop using it, then free it safely."""
+        st = self._state
+        with st.lock:
+            st.registry.drop(rec)  # out of every lookup, no new job on it
+            ids = list(rec.jobs)
+        owners = rec.cache._owner
+        rec.cache._invalidate()
+        # Our own transfers on it stop now; the memory waits for them below.
+        with contextlib.suppress(native.EngineClosedError):
+            st.engine.cancel_many(ids)
+        self.spawn(self._release_later(rec, ids, owners))
+
+    async def _release_later(self, rec: LocalCache, ids: list[int], owners: Any) -> None:
+        st = self._state
+        try:
+            await self._released(ids)
+            if rec.remote_accessible:
+                with st.lock:
+                    links = [lk for lk in st.links.values() if not lk.broken]
+                await asyncio.gather(
+                    *(self._invalidate_at(lk, rec.cache_id) for lk in links),
+                    return_exceptions=True,
+                )
+        finally:
+            for rid, _, _ in rec.regions:
+                with contextlib.suppress(Exception):
+                    st.engine.mem_release(rid)
+            del owners  # user buffers may go now
+
+    async def _invalidate_at(self, link: Link, cache_id: int) -> None:
+        try:
+            await link.conn.request("invalidate", {"cache_id": cache_id}, timeout=RETIRE_TIMEOUT_S)
+        except LLMException as exc:
+            log.info(
+                "aiokvcache: cluster %d did not confirm invalidation: %s", link.cluster_id, exc
+            )
+
+    def overall(self, results: Sequence[LLMStatusCode]) -> LLMStatusCode:
+        """The first non-success status of ``results``, else SUCCESS."""
+        return _overall(results)

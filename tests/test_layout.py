@@ -1,0 +1,127 @@
+"""The package's layering: one direction of knowledge, no import cycle.
+
+Public modules -> ``_core`` -> ``_bridge`` -> ``_native`` (through
+``_loader``). Every import statement counts, at any depth of the file
+(function-level and ``TYPE_CHECKING`` ones too): they are found by parsing the
+sources, not by importing them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import aiokvcache
+
+PKG = Path(aiokvcache.__file__).parent
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> list[str]:
+    if node.level == 0:
+        base = node.module or ""
+    else:
+        parts = mod.split(".")
+        if not is_pkg:
+            parts = parts[:-1]
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    out = [base]
+    for alias in node.names:
+        out.append(f"{base}.{alias.name}")  # `from pkg import module`
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (every import statement)."""
+    files = {_module_name(p): p for p in PKG.rglob("*.py")}
+    known = set(files)
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        is_pkg = path.name == "__init__.py"
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = _resolve(mod, is_pkg, node)
+            for name in names:
+                # The deepest known module the name is or lies in.
+                while name and name not in known:
+                    name = name.rpartition(".")[0]
+                if name and name != mod and name.startswith("aiokvcache"):
+                    deps.add(name)
+        # A package's parents are imported implicitly, not by this file.
+        graph[mod] = {d for d in deps if not mod.startswith(d + ".")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path of modules, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return [*stack[stack.index(d) :], d]
+            if d not in state:
+                found = visit(d)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _layer(mod: str) -> int:
+    short = mod.removeprefix("aiokvcache").lstrip(".")
+    if short in ("_native", "_loader"):
+        return 0
+    if short == "_bridge":
+        return 1
+    if short == "_core" or short.startswith("_core."):
+        return 2
+    return 3  # public (and the tools beside them)
+
+
+@pytest.mark.parametrize("layer,name", [(0, "native"), (1, "bridge"), (2, "core")])
+def test_nothing_below_knows_what_is_above(layer: int, name: str) -> None:
+    graph = import_graph()
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if _layer(m) == layer
+        for d in deps
+        if _layer(d) > layer
+    ]
+    assert not bad, f"the {name} layer imports upward: {bad}"
