@@ -21,7 +21,7 @@ from aiokvcache import (
     LLMRole,
     LLMStatusCode,
 )
-from aiokvcache.__main__ import Shape
+from aiokvcache.bench import Shape
 
 
 async def test_decoder_killed_mid_push(transport: str) -> None:
