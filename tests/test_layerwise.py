@@ -6,7 +6,6 @@ import asyncio
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ import numpy as np
 import pytest
 
 import aiokvcache.cache_manager as cm_module
-from _kv import Pair, assert_still, blocks_desc, fill, make_pair, pair_fixture, same, snapshot
 from aiokvcache import (
     BlocksCacheKey,
     CacheDesc,
@@ -29,15 +27,18 @@ from aiokvcache import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aiokvcache.testing import (
+    Pair,
+    assert_still,
+    blocks_desc,
+    fill,
+    make_pair,
+    same,
+    snapshot,
+)
 
 S = LLMStatusCode
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-async def pair(transport: str) -> AsyncIterator[Pair]:
-    async for pr in pair_fixture(transport):
-        yield pr
 
 
 class Gate(LayerSynchronizer):
@@ -399,7 +400,7 @@ async def test_cancel_midway_is_quiescent(transport: str) -> None:
         await assert_still(dst)
         assert layer_empty(dst, 2) and layer_empty(dst, 3)
         assert await task.get_results() == [S.LLM_FAILED]
-        assert pr.prompt._engine.stats()["live_jobs"] == 0
+        assert pr.p.stats()["live_jobs"] == 0
         # Cancelling the coroutine that awaits a task cancels the task too.
         gate2 = Gate(layers)
         task2 = await pr.p.transfer_cache_async(src, gate2, [cfg])
@@ -491,7 +492,7 @@ async def test_bounded_receiver_state(pair: Pair, monkeypatch: pytest.MonkeyPatc
 
     async def landed(count: int) -> None:
         for _ in range(500):
-            if pair.decoder._engine.stats()["notifications_received"] >= count:
+            if pair.d.stats()["notifications_received"] >= count:
                 await asyncio.sleep(0.01)  # the loop dispatches what arrived
                 return
             await asyncio.sleep(0.01)

@@ -318,6 +318,7 @@ class Child:
             start_new_session=new_session,
             bufsize=0,
         )
+        self.label = os.path.basename(self.argv[0])
         self._buf = b""
         self._eof = False
         self._skipped: collections.deque[str] = collections.deque(maxlen=5)
@@ -366,9 +367,7 @@ class Child:
                 return None
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(
-                    f"no answer from {self._name()}: last lines {list(self._skipped)}"
-                )
+                raise TimeoutError(f"no answer from {self.label}: last lines {list(self._skipped)}")
             ready, _, _ = select.select([fd], [], [], left)
             if ready:
                 chunk = os.read(fd, 1 << 16)
@@ -377,14 +376,11 @@ class Child:
                 else:
                     self._eof = True
 
-    def _name(self) -> str:
-        return " ".join(self.argv[1:4]) or self.argv[0]
-
     def _exited(self) -> PeerExited:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(1)
         return PeerExited(
-            f"{self._name()} exited (rc {self.proc.poll()}): last lines {list(self._skipped)}"
+            f"{self.label} exited (rc {self.proc.poll()}): last lines {list(self._skipped)}"
         )
 
     def read_line(self, prefix: str = "", timeout: float = 60) -> str:
@@ -491,6 +487,7 @@ class Peer(Child):
             new_session=new_session,
         )
         self.mode = mode
+        self.label = f"peer {mode}"
         try:
             self.hello: dict[str, Any] = self.read_json(startup_timeout)
         except BaseException:
@@ -591,6 +588,8 @@ class AsyncPeer:
             while True:
                 raw = await stdout.readline()
                 if not raw:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._proc().wait(), 1)
                     raise PeerExited(
                         f"peer {self.mode} exited (rc {self._proc().returncode}): "
                         f"last lines {list(self._skipped)}"
