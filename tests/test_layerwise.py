@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from aiokvcache import (
     TransferWithCacheKeyConfig,
 )
 from aiokvcache.testing import (
+    Child,
     Pair,
     assert_still,
     blocks_desc,
@@ -536,36 +536,12 @@ async def test_bounded_receiver_state(pair: Pair, monkeypatch: pytest.MonkeyPatc
 # ----------------------------------------------------------------- example
 
 
-def _ready_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    """The child's ``READY ...`` line (an editable install may print build lines first)."""
-    box: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        box.append(next((ln for ln in proc.stdout if ln.startswith("READY ")), ""))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not box or not box[0]:
-        proc.kill()
-        raise AssertionError(f"no READY line from the child within {timeout}s")
-    return box[0]
-
-
 def test_example_layerwise_pd(transport: str) -> None:
     """examples/layerwise_pd.py as two processes: decode first, then prefill."""
     script = str(ROOT / "examples" / "layerwise_pd.py")
-    decode = subprocess.Popen(
-        [sys.executable, script, "--role", "decode", "--transport", transport],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        line = _ready_line(decode, 30)
+    argv = [sys.executable, script, "--role", "decode", "--transport", transport]
+    with Child(argv, cwd=ROOT) as decode:
+        line = decode.read_line("READY ", timeout=30)
         prefill = subprocess.run(
             [
                 sys.executable,
@@ -584,13 +560,9 @@ def test_example_layerwise_pd(transport: str) -> None:
         )
         assert prefill.returncode == 0, prefill.stdout + prefill.stderr
         assert "prefill: all 8 layers sent" in prefill.stdout
-        out, err = decode.communicate("done\n", timeout=30)
-        assert decode.returncode == 0, out + err
+        out = decode.communicate("done", timeout=30)
+        assert decode.returncode == 0, out
         assert "decode: all 8 layers verified" in out
-    finally:
-        if decode.poll() is None:
-            decode.kill()
-            decode.wait()
 
 
 async def test_finalize_during_a_task(transport: str) -> None:
