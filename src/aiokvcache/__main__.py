@@ -14,8 +14,7 @@ import asyncio
 import os
 import sys
 
-from . import bench
-from .errors import LLMException
+from . import LLMException, bench
 from .testing import PeerError
 
 

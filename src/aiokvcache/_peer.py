@@ -25,10 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from . import bench
-from .datadist import LLMDataDist
+from . import BlocksCacheKey, CacheDesc, DataType, LLMDataDist, LLMRole, Placement, bench
 from .testing import DECODER_ID, options
-from .types import BlocksCacheKey, CacheDesc, DataType, LLMRole, Placement
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 

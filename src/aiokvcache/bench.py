@@ -20,18 +20,18 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
-from .datadist import LLMDataDist
-from .testing import DECODER_ID, PROMPT_ID, Peer, cluster_info, options
-from .types import (
+from . import (
     BlocksCacheKey,
     Cache,
     CacheDesc,
     CacheKeyByIdAndIndex,
     DataType,
+    LLMDataDist,
     LLMRole,
     Placement,
+    __version__,
 )
+from .testing import DECODER_ID, PROMPT_ID, Peer, cluster_info, options
 
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 

@@ -7,17 +7,17 @@ import sys
 
 import numpy as np
 
-from . import __version__
-from .datadist import LLMDataDist
-from .options import LLMConfig
-from .types import (
+from . import (
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
     LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
     LLMRole,
     Placement,
+    __version__,
 )
 
 PROMPT_ID, DECODER_ID = 1, 2

@@ -56,7 +56,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Self
 
 import numpy as np
 
@@ -454,7 +454,7 @@ class Child:
                 self.proc.stdout.close()
         return self.proc.wait()
 
-    def __enter__(self) -> Child:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -505,9 +505,6 @@ class Peer(Child):
         self.send({"op": op, **args})
         return _checked(self.read_json(timeout), op)
 
-    def __enter__(self) -> Peer:
-        return self
-
 
 class AsyncPeer:
     """The peer program on asyncio: ``async with AsyncPeer(mode, *args) as peer``.
@@ -550,7 +547,7 @@ class AsyncPeer:
             raise RuntimeError("the peer is not started")
         return self.proc
 
-    async def start(self) -> AsyncPeer:
+    async def start(self) -> Self:
         """Start it and wait for its hello line (killed and reaped if that fails)."""
         if self.proc is not None:
             raise RuntimeError("the peer is already started")
@@ -629,7 +626,7 @@ class AsyncPeer:
                 await self.kill()
         return await proc.wait()
 
-    async def __aenter__(self) -> AsyncPeer:
+    async def __aenter__(self) -> Self:
         if self.proc is None:
             await self.start()
         return self
