@@ -1,9 +1,9 @@
 """Helpers shared by the benchmark scripts (not part of the package).
 
 * :class:`Children`: every process a benchmark starts, each with a deadline,
-  killed on exit, error or Ctrl-C.
-* :func:`spawn_receiver` / :func:`receiver_main`: a peer process that owns the
-  destination region and keeps its engine progressing until told to exit.
+  killed on exit, error or Ctrl-C; :meth:`Children.peer` starts the peer
+  program of :mod:`aiokvcache.testing` (the decode side, a blocks cache, a
+  bare engine owning the destination region).
 * :func:`run_perftest`: ``ucx_perftest`` from the libucx wheel, server and
   client, at one size, parsed into a :class:`PerftestResult`: the plain
   baseline every number is compared with.
@@ -13,19 +13,17 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import select
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from aiokvcache.testing import Child, Peer
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -123,7 +121,7 @@ class Children:
     """
 
     def __init__(self) -> None:
-        self._procs: list[subprocess.Popen[str]] = []
+        self._procs: list[subprocess.Popen[str] | Child] = []
 
     def popen(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[str]:
         """Start a child (text mode, own session) and remember it."""
@@ -131,8 +129,35 @@ class Children:
         self._procs.append(proc)
         return proc
 
-    def end(self, proc: subprocess.Popen[str], grace: float = 3.0) -> None:
-        """Terminate one child, then kill it if it is still there after ``grace``."""
+    def peer(
+        self,
+        mode: str,
+        *args: str,
+        lifetime: float | None = None,
+        startup_timeout: float = 120.0,
+        stderr: int | None = None,
+    ) -> Peer:
+        """Start the peer program in ``mode`` (own session, dies after ``lifetime``
+        seconds whatever happens to us), wait for its hello, remember it."""
+        peer = Peer(
+            mode,
+            *args,
+            lifetime=lifetime,
+            startup_timeout=startup_timeout,
+            stderr=stderr,
+            new_session=True,
+        )
+        self._procs.append(peer)
+        return peer
+
+    def end(self, proc: subprocess.Popen[str] | Child, grace: float = 3.0) -> None:
+        """End one child: a peer is asked to exit (end of input); a plain process
+        is terminated; either is killed if still there after ``grace``."""
+        if isinstance(proc, Child):
+            proc.close(grace)
+            if proc in self._procs:
+                self._procs.remove(proc)
+            return
         for stream in (proc.stdin,):
             with contextlib.suppress(Exception):
                 if stream is not None:
@@ -168,35 +193,6 @@ def with_deadline(argv: Sequence[str], seconds: float) -> list[str]:
     return [tool, "-k", "2", f"{max(1.0, seconds):.0f}", *argv]
 
 
-def read_json_line(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
-    """The first JSON object the child prints, skipping other lines.
-
-    A development install may print build chatter on stdout at import.
-    """
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    skipped: list[str] = []
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no JSON line from child within {timeout:.0f} s: {skipped[-5:]}")
-        ready, _, _ = select.select([proc.stdout], [], [], left)
-        if not ready:
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(
-                f"child exited (rc {proc.poll()}) before its JSON line: {skipped[-5:]}"
-            )
-        text = line.strip()
-        if text.startswith("{"):
-            with contextlib.suppress(json.JSONDecodeError):
-                obj = json.loads(text)
-                if isinstance(obj, dict):
-                    return obj
-        skipped.append(text)
-
-
 def free_port() -> int:
     """A TCP port nobody listens on right now (racy by nature; callers retry)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -215,87 +211,6 @@ def _listening(port: int) -> bool:
                 if len(cols) > 3 and cols[1].endswith(want) and cols[3] == "0A":
                     return True
     return False
-
-
-# ---------------------------------------------------------------- receiver
-
-
-def receiver_main(transport: str, size: int, ucx_options: dict[str, str]) -> None:
-    """Own ``size`` bytes of registered memory and let peers write into it.
-
-    Prints one JSON line (worker address, region address, packed rkey), then
-    waits for ``exit`` or end of input on stdin. The engine's native progress
-    thread serves the incoming transfers meanwhile.
-    """
-    import numpy as np
-
-    from aiokvcache._loader import native
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    eng = native.Engine(transport, ucx_options=ucx_options)
-    rid, addr = eng.mem_alloc(size)
-    # Touch every page now, so no page fault is timed later.
-    np.frombuffer(native.buffer_from_address(addr, size), dtype=np.uint8)[:] = 0
-    print(
-        json.dumps(
-            {
-                "worker": eng.worker_address.hex(),
-                "addr": addr,
-                "size": size,
-                "rkey": eng.rkey_pack(rid).hex(),
-                "pid": os.getpid(),
-            }
-        ),
-        flush=True,
-    )
-    for line in sys.stdin:
-        if line.strip() == "exit":
-            break
-    eng.close()
-
-
-def spawn_receiver(
-    children: Children,
-    script: Path,
-    transport: str,
-    size: int,
-    ucx_options: dict[str, str],
-    *,
-    lifetime: float,
-    startup_timeout: float = 120.0,
-) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """Start ``script --serve`` (which calls :func:`receiver_main`); return it and its JSON."""
-    argv = [
-        sys.executable,
-        str(script),
-        "--serve",
-        transport,
-        str(size),
-        json.dumps(ucx_options),
-    ]
-    proc = children.popen(
-        with_deadline(argv, lifetime),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        info = read_json_line(proc, startup_timeout)
-    except BaseException:
-        children.end(proc)
-        raise
-    return proc, info
-
-
-def stop_receiver(children: Children, proc: subprocess.Popen[str]) -> None:
-    """Ask a receiver to exit, then make sure it did."""
-    with contextlib.suppress(Exception):
-        assert proc.stdin is not None
-        proc.stdin.write("exit\n")
-        proc.stdin.flush()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
-    children.end(proc)
 
 
 # ---------------------------------------------------------------- perftest

@@ -7,8 +7,9 @@ Usage::
     python benchmarks/bench_layerwise.py --compute-ms 2     # transfer-bound
     python benchmarks/bench_layerwise.py --quick            # a smoke run
 
-This process is the prefill side; a spawned receiver process (``--role
-receiver``) owns the destination blocks cache. Per layer the sender
+This process is the prefill side; a receiver process (the ``blocks`` mode of
+the peer program in :mod:`aiokvcache.testing`) owns the destination blocks
+cache. Per layer the sender
 "computes" for C ms (NumPy matmuls on one thread, on the event loop, as a
 model's forward pass would hold it) then marks the layer ready; the layer
 synchronizer lets ``transfer_cache_async`` push it while the next layer is
@@ -41,7 +42,6 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -51,6 +51,7 @@ import numpy as np  # noqa: E402
 
 import aiokvcache as kv  # noqa: E402
 from aiokvcache._core import planner as blocks  # noqa: E402
+from aiokvcache.testing import Peer, cluster_info, options  # noqa: E402
 
 MiB = 1 << 20
 SENDER, RECEIVER = 1, 2
@@ -58,28 +59,6 @@ SENDER, RECEIVER = 1, 2
 
 def desc_for(layers: int, nblocks: int, block_bytes: int) -> kv.CacheDesc:
     return kv.CacheDesc(2 * layers, [nblocks, block_bytes], kv.DataType.DT_UINT8, kv.Placement.HOST)
-
-
-def options(transport: str, listen: bool = False) -> dict[str, str]:
-    cfg = kv.LLMConfig()
-    cfg.transport = transport
-    cfg.sync_kv_timeout = 120_000
-    if listen:
-        cfg.listen_ip_info = "127.0.0.1:0"
-    return cfg.generate_options()
-
-
-# ---------------------------------------------------------------- receiver
-
-
-async def receiver(transport: str, layers: int, nblocks: int, block_bytes: int) -> None:
-    async with kv.LLMDataDist(kv.LLMRole.DECODER, RECEIVER) as dd:
-        await dd.init(options(transport, listen=True))
-        dd.cache_manager.allocate_blocks_cache(
-            desc_for(layers, nblocks, block_bytes), kv.BlocksCacheKey(RECEIVER, 0)
-        )
-        print(f"READY {dd.listen_address}", flush=True)
-        await asyncio.to_thread(sys.stdin.readline)
 
 
 # ------------------------------------------------------------------ compute
@@ -138,12 +117,8 @@ async def pipeline_bench(args: argparse.Namespace, peer: str) -> dict[str, Any]:
     nblocks = max(1, args.layer_mib * MiB // 2 // block_bytes)  # K and V per layer
     layer_bytes = 2 * nblocks * block_bytes
     async with kv.LLMDataDist(kv.LLMRole.PROMPT, SENDER) as dd:
-        await dd.init(options(args.transport))
-        host, port = peer.rsplit(":", 1)
-        info = kv.LLMClusterInfo()
-        info.remote_cluster_id = RECEIVER
-        info.append_remote_ip_info(host, int(port))
-        rc, _ = await dd.link_clusters([info], timeout=10_000)
+        await dd.init(options(args.transport, sync_kv_timeout=120_000))
+        rc, _ = await dd.link_clusters([cluster_info(peer, RECEIVER)], timeout=10_000)
         if rc != kv.LLMStatusCode.LLM_SUCCESS:
             raise SystemExit(f"link failed: {rc.name}")
         cm = dd.cache_manager
@@ -290,7 +265,6 @@ def report(r: dict[str, Any], prep: list[tuple[str, float]], transport: str) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=["sender", "receiver"], default="sender")
     ap.add_argument("--transport", default="shm", choices=["auto", "shm", "tcp", "rdma"])
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--layer-mib", type=int, default=32, help="K+V bytes per layer (MiB)")
@@ -308,40 +282,15 @@ def main() -> None:
         ap.error("--layers, --layer-mib, --block-kib and --repeat must be >= 1")
     block_bytes = args.block_kib * 1024
     nblocks = max(1, args.layer_mib * MiB // 2 // block_bytes)
-    if args.role == "receiver":
-        asyncio.run(receiver(args.transport, args.layers, nblocks, block_bytes))
-        return
-    child = subprocess.Popen(
-        [
-            sys.executable,
-            __file__,
-            "--role=receiver",
-            f"--transport={args.transport}",
-            f"--layers={args.layers}",
-            f"--layer-mib={args.layer_mib}",
-            f"--block-kib={args.block_kib}",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    # The receiver owns the destination: one blocks cache, BlocksCacheKey(2, 0).
+    sizes = (str(2 * args.layers), str(nblocks), str(block_bytes))
     try:
-        assert child.stdout is not None
-        line = next((ln for ln in child.stdout if ln.startswith("READY ")), "")
-        if not line:
-            raise SystemExit("the receiver did not start")
-        result = asyncio.run(pipeline_bench(args, line.split()[1]))
+        with Peer("blocks", args.transport, *sizes, "--no-pattern", startup_timeout=120) as peer:
+            result = asyncio.run(pipeline_bench(args, peer.address))
         prep = descriptor_bench(args.blocks, max(5, args.repeat))
         report(result, prep, args.transport)
     except KeyboardInterrupt:
         sys.exit(130)
-    finally:
-        if child.poll() is None:
-            try:
-                child.communicate("exit\n", timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
 
 
 if __name__ == "__main__":

@@ -27,9 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Children, fmt_gbs, fmt_ratio, read_json_line, run_perftest, table
+from _common import Children, fmt_gbs, fmt_ratio, run_perftest, table
 
 import aiokvcache as kv
+from aiokvcache.testing import cluster_info, options
 
 MiB = 1 << 20
 PERFTEST_TLS = {"shm": "sm,self", "tcp": "tcp,self"}
@@ -53,33 +54,13 @@ async def measure(
     transport: str, layers: int, seconds: float, direct_copy: bool, children: Children
 ) -> float:
     """Bytes/s of awaited push passes (one push_cache per layer, all in flight)."""
-    argv = [
-        sys.executable,
-        "-m",
-        "aiokvcache",
-        "_decode",
-        f"--layers={layers}",
-        "--tokens=4096",
-        "--heads=1",
-        "--head-dim=128",
-        f"--transport={transport}",
-    ]
-    import subprocess
-
-    peer = children.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    # The decode side: the bench's decode peer, one cache of layers x (K, V) x 1 MiB.
+    shape = [f"--layers={layers}", "--tokens=4096", "--heads=1", "--head-dim=128"]
+    peer = children.peer("decode", *shape, f"--transport={transport}", startup_timeout=60)
     try:
-        hello = read_json_line(peer, 60)
-        cfg = kv.LLMConfig()
-        cfg.transport = transport
-        cfg.direct_copy = direct_copy
-        cfg.sync_kv_timeout = 60_000
         async with kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as dd:
-            await dd.init(cfg.generate_options())
-            host, port = str(hello["address"]).rsplit(":", 1)
-            info = kv.LLMClusterInfo()
-            info.remote_cluster_id = 2
-            info.append_remote_ip_info(host, int(port))
-            ret, rets = await dd.link_clusters([info], timeout=10_000)
+            await dd.init(options(transport, direct_copy=direct_copy, sync_kv_timeout=60_000))
+            ret, rets = await dd.link_clusters([cluster_info(peer.address, 2)], timeout=10_000)
             if ret != kv.LLMStatusCode.LLM_SUCCESS:
                 raise RuntimeError(f"link failed: {rets}")
             desc = kv.CacheDesc(
@@ -89,7 +70,7 @@ async def measure(
             src = cm.allocate_cache(desc)
             for t in src.tensors:
                 t[...] = 1
-            key = kv.CacheKeyByIdAndIndex(2, int(hello["cache_id"]))
+            key = kv.CacheKeyByIdAndIndex(2, int(peer.hello["cache_id"]))
 
             async def one_pass() -> None:
                 await asyncio.gather(

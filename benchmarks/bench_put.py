@@ -6,8 +6,9 @@ Usage::
     python benchmarks/bench_put.py --quick         # a smoke run (~20 s)
     python benchmarks/bench_put.py --transport tcp --sizes 1M,16M --seconds 2
 
-This process sends; a spawned receiver process (``--serve``) owns the
-destination region and keeps its engine progressing. For each size we keep a
+This process sends; a receiver process (the ``engine`` mode of the peer
+program in :mod:`aiokvcache.testing`) owns the destination region and keeps
+its engine progressing. For each size we keep a
 window of awaited puts in flight, each one ``Bridge.run`` of one job (post,
 flush to remote completion, completion through the eventfd to an asyncio
 future), and count completions per second in steady state.
@@ -43,16 +44,14 @@ import json
 import os
 import platform
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import _common as C
-
-SCRIPT = Path(__file__).resolve()
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 QUICK_SIZES = "4K,1M,16M"
@@ -395,9 +394,15 @@ def run_transport(
         engine_kw["ucx_options"] = ucx_options
 
     lifetime = 600.0 + 20 * len(plan.sizes) * (plan.seconds + 5)
-    proc, info = C.spawn_receiver(
-        children, SCRIPT, transport, remote_size, ucx_options, lifetime=lifetime
+    receiver = children.peer(
+        "engine",
+        transport,
+        str(remote_size),
+        f"--ucx-options={json.dumps(ucx_options)}",
+        lifetime=lifetime,
+        stderr=subprocess.DEVNULL,
     )
+    info = receiver.hello
     link: Link | None = None
     try:
         link = runner.run(open_link(transport, info, src_size, engine_kw, peer_errors=peer_errors))
@@ -457,7 +462,7 @@ def run_transport(
     finally:
         if link is not None:
             link.bridge.close()  # closes the engine (drains, then closes endpoints)
-        C.stop_receiver(children, proc)
+        children.end(receiver)
 
 
 # ------------------------------------------------------------------ report
@@ -685,12 +690,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="engine in-flight window (default its own)",
     )
-    p.add_argument(
-        "--serve",
-        nargs=3,
-        metavar=("TRANSPORT", "SIZE", "UCX_OPTIONS_JSON"),
-        help=argparse.SUPPRESS,
-    )
     return p.parse_args(argv)
 
 
@@ -728,10 +727,6 @@ def _interrupt(signum: int, frame: Any) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the plan; print the tables; end every child."""
     a = parse_args(argv)
-    if a.serve:
-        transport, size, options = a.serve
-        C.receiver_main(transport, int(size), json.loads(options))
-        return 0
     plan = make_plan(a)
     if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         # Like Ctrl-C: end the children in order and print what we have.

@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 import aiokvcache as kv
+from aiokvcache.testing import Child
 
 PREFILL, DECODE = 1, 2
 LAYERS, TOKENS, HEADS, HEAD_DIM = 8, 256, 4, 64
@@ -197,17 +198,9 @@ async def prefill(peer: str, transport: str) -> None:
 
 def both(transport: str) -> None:
     """Start the decode process, then the prefill process, on this machine."""
-    dec = subprocess.Popen(
-        [sys.executable, __file__, "--role", "decode", "--transport", transport],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert dec.stdout is not None
-        line = next((ln for ln in dec.stdout if ln.startswith("READY ")), "")
-        if not line:
-            raise SystemExit("decode did not start")
+    # The decode process is killed if anything fails.
+    with Child([sys.executable, __file__, "--role", "decode", "--transport", transport]) as dec:
+        address = dec.read_line("READY ").split()[1]
         pre = subprocess.run(
             [
                 sys.executable,
@@ -215,19 +208,15 @@ def both(transport: str) -> None:
                 "--role",
                 "prefill",
                 "--peer",
-                line.split()[1],
+                address,
                 "--transport",
                 transport,
             ],
             timeout=120,
         )
-        out, _ = dec.communicate("done\n", timeout=60)
-        print(out, end="")
-        if pre.returncode or dec.returncode:
-            raise SystemExit(1)
-    finally:
-        if dec.poll() is None:
-            dec.kill()
+        print(dec.communicate("done", timeout=60), end="")
+    if pre.returncode or dec.returncode:
+        raise SystemExit(1)
 
 
 def main() -> None:

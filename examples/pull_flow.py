@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import subprocess
 import sys
 
 import numpy as np
 
 import aiokvcache as kv
+from aiokvcache.testing import Child
 
 PROMPT, DECODER = 1, 2
 LAYERS, BATCH, TOKENS, HEADS, DIM = 8, 4, 256, 4, 64
@@ -90,26 +90,12 @@ def main() -> int:
     if args.role == "decoder":
         print("\n".join(asyncio.run(decoder(args.peer, args.transport))))
         return 0
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--role", "prompt", "--transport", args.transport],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None and child.stdout is not None
-    try:
-        line = next(ln for ln in child.stdout if ln.startswith("READY"))
-        _, address, *expected = line.split()
+    # Both roles here: the prompt in a child process (killed if anything fails).
+    argv = [sys.executable, __file__, "--role", "prompt", "--transport", args.transport]
+    with Child(argv) as child:
+        _, address, *expected = child.read_line("READY").split()
         got = asyncio.run(decoder(address, args.transport))
-        child.stdin.write("done\n")
-        child.stdin.flush()
-        child.wait(30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        child.stdin.close()
-        child.stdout.close()
+        child.communicate("done", timeout=30)
     ok = got == expected and child.returncode == 0
     print(
         f"pull flow: {len(REQUESTS)} requests pulled by CacheKey, "

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import subprocess
 import sys
 
 import numpy as np
 
 import aiokvcache as kv
+from aiokvcache.testing import Child
 
 PROMPT, DECODER = 1, 2
 LAYERS, BATCH, TOKENS, HEADS, DIM = 8, 2, 256, 4, 64
@@ -95,27 +95,13 @@ def main() -> int:
     if args.role == "prompt":
         print(asyncio.run(prompt(args.peer, args.cache_id, args.transport)))
         return 0
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--role", "decoder", "--transport", args.transport],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdin is not None and child.stdout is not None
-    try:
-        line = next(ln for ln in child.stdout if ln.startswith("READY"))
-        _, address, cache_id = line.split()
+    # Both roles here: the decoder in a child process (killed if anything fails).
+    argv = [sys.executable, __file__, "--role", "decoder", "--transport", args.transport]
+    with Child(argv) as child:
+        _, address, cache_id = child.read_line("READY").split()
         sent = asyncio.run(prompt(address, int(cache_id), args.transport))
-        got = next(ln for ln in child.stdout if ln.startswith("DIGEST")).split()[1]
-        child.stdin.write("done\n")
-        child.stdin.flush()
-        child.wait(30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        child.stdin.close()
-        child.stdout.close()
+        got = child.read_line("DIGEST").split()[1]
+        child.communicate("done", timeout=30)
     ok = sent == got and child.returncode == 0
     print(f"push flow: {LAYERS} layers pushed, decoder bytes {'match' if ok else 'DIFFER'}")
     return 0 if ok else 1

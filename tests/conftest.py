@@ -1,4 +1,4 @@
-"""Shared fixtures: a guard on the loop's exception handler, transports, peers."""
+"""Shared fixtures: a guard on the loop's exception handler, transports, a linked pair."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
+from aiokvcache import testing
 from aiokvcache._bridge import ALL_BRIDGES
+from aiokvcache.testing import Pair
 
 TRANSPORTS = ("shm", "tcp")
 
@@ -51,3 +53,11 @@ def tmp_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     yield env
+
+
+@pytest.fixture
+async def pair(transport: str) -> AsyncIterator[Pair]:
+    """A prompt (cluster 1) linked to a decoder (cluster 2) in this process, over
+    each transport; finalized after the test, with no native job left live."""
+    async with testing.pair(transport) as pr:
+        yield pr

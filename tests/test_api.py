@@ -5,24 +5,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import numpy as np
 import pytest
 
-from _kv import (
-    Pair,
-    assert_still,
-    cluster_info,
-    fill,
-    make_pair,
-    options,
-    pair_fixture,
-    same,
-    snapshot,
-)
 from aiokvcache import (
     Cache,
     CacheDesc,
@@ -37,15 +25,19 @@ from aiokvcache import (
     LLMTimeoutError,
     Placement,
 )
+from aiokvcache.testing import (
+    Pair,
+    assert_still,
+    cluster_info,
+    fill,
+    make_pair,
+    options,
+    same,
+    snapshot,
+)
 
 S = LLMStatusCode
 MiB = 1 << 20
-
-
-@pytest.fixture
-async def pair(transport: str) -> AsyncIterator[Pair]:
-    async for pr in pair_fixture(transport):
-        yield pr
 
 
 def kv_desc(layers: int = 4, batch: int = 2, tokens: int = 16, dim: int = 64) -> CacheDesc:
@@ -347,7 +339,7 @@ async def test_push_validation_moves_nothing(pair: Pair) -> None:
     assert await code_of(src_cache=foreign) == S.LLM_KV_CACHE_NOT_EXIST
     await other.finalize()
     assert same(before, dst)
-    assert pair.prompt._engine.stats()["jobs_submitted"] == 0
+    assert pair.p.stats()["jobs_submitted"] == 0
 
 
 async def test_push_remote_not_accessible(pair: Pair) -> None:
@@ -505,10 +497,10 @@ async def test_push_after_peer_deallocates(pair: Pair) -> None:
     assert code == S.LLM_KV_CACHE_NOT_EXIST
     # The decoder's memory went back only after the prompt let go of it.
     for _ in range(200):
-        if pair.decoder._engine.stats()["regions"] == 0:
+        if pair.d.stats()["regions"] == 0:
             break
         await asyncio.sleep(0.01)
-    assert pair.decoder._engine.stats()["regions"] == 0
+    assert pair.d.stats()["regions"] == 0
 
 
 async def test_peer_finalize_fails_pushes_with_link_failed(pair: Pair) -> None:
@@ -564,7 +556,7 @@ async def test_timeout_cancel_quiescent_and_reusable(transport: str) -> None:
             with anyio.fail_after(0.001):
                 await pr.p.push_cache(key, src)
         await assert_still(dst)
-        assert pr.prompt._engine.stats()["live_jobs"] == 0
+        assert pr.p.stats()["live_jobs"] == 0
         await pr.p.push_cache(key, src)  # usable afterwards
         assert digest(src) == digest(dst)
     finally:

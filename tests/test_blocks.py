@@ -3,35 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import sys
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from _kv import (
-    Pair,
-    assert_still,
-    blocks_desc,
-    fill,
-    make_pair,
-    options,
-    pair_fixture,
-    same,
-    snapshot,
-    status_of,
-)
 from aiokvcache import (
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
-    LLMClusterInfo,
     LLMDataDist,
     LLMException,
     LLMRole,
@@ -40,14 +23,21 @@ from aiokvcache import (
 )
 from aiokvcache._core import notify
 from aiokvcache._core import planner as blocks
+from aiokvcache.testing import (
+    AsyncPeer,
+    Pair,
+    assert_still,
+    blocks_desc,
+    cluster_info,
+    fill,
+    make_pair,
+    options,
+    same,
+    snapshot,
+    status_of,
+)
 
 S = LLMStatusCode
-
-
-@pytest.fixture
-async def pair(transport: str) -> AsyncIterator[Pair]:
-    async for pr in pair_fixture(transport):
-        yield pr
 
 
 def kv(cache: Any, t: int) -> np.ndarray:
@@ -393,7 +383,7 @@ async def test_push_blocks_cancel_and_timeout_quiescent(transport: str) -> None:
         with pytest.raises(TimeoutError):
             await pr.p.push_blocks(BlocksCacheKey(2), src, range(64), ids, timeout=0.003)
         await assert_still(dst)
-        assert pr.prompt._engine.stats()["live_jobs"] == 0
+        assert pr.p.stats()["live_jobs"] == 0
         await pr.p.push_blocks(BlocksCacheKey(2), src, range(64), ids)  # usable afterwards
         for t in range(8):
             assert np.array_equal(kv(dst, t)[ids], kv(src, t))
@@ -463,56 +453,10 @@ async def test_swap_blocks(pair: Pair) -> None:
 # ------------------------------------------------------------ across processes
 
 
-PEER = Path(__file__).with_name("_blocks_peer.py")
-
-
-class BlocksPeer:
-    """The decode side in a child process (see _blocks_peer.py)."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, address: str) -> None:
-        self.proc = proc
-        self.address = address
-
-    @classmethod
-    async def start(cls, transport: str, tensors: int, blocks: int, block_bytes: int) -> BlocksPeer:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            str(PEER),
-            transport,
-            str(tensors),
-            str(blocks),
-            str(block_bytes),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        assert proc.stdout is not None
-        async with asyncio.timeout(30):
-            while True:
-                line = (await proc.stdout.readline()).decode()
-                if not line:
-                    raise AssertionError("the peer exited before it was ready")
-                if line.startswith("READY "):
-                    return cls(proc, line.split()[1])
-
-    async def digest(self, model: int, tensor: int, ids: Any) -> str:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"hash {model} {tensor} {','.join(map(str, ids))}\n".encode())
-        await self.proc.stdin.drain()
-        async with asyncio.timeout(30):
-            return (await self.proc.stdout.readline()).decode().strip()
-
-    async def stop(self) -> None:
-        if self.proc.returncode is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(b"exit\n")
-            with contextlib.suppress(Exception):
-                await self.proc.stdin.drain()
-            try:
-                async with asyncio.timeout(10):
-                    await self.proc.wait()
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+async def digest(peer: AsyncPeer, cache: int, tensor: int, ids: Any) -> str:
+    """sha256 of those blocks of the peer's cache, in that order."""
+    reply = await peer.call("hash", cache=cache, tensor=tensor, blocks=[int(i) for i in ids])
+    return str(reply["sha"])
 
 
 def sha(a: np.ndarray) -> str:
@@ -521,56 +465,51 @@ def sha(a: np.ndarray) -> str:
 
 async def test_blocks_across_processes(transport: str) -> None:
     layers, nblocks, bb = 3, 4096, 256
-    peer = await BlocksPeer.start(transport, 2 * layers, nblocks, bb)
-    dd = LLMDataDist(LLMRole.PROMPT, 1)
-    try:
-        await dd.init(options(transport, sync_kv_timeout=60_000))
-        host, port = peer.address.rsplit(":", 1)
-        info = LLMClusterInfo()
-        info.remote_cluster_id = 2
-        info.append_remote_ip_info(host, int(port))
-        rc, _ = await dd.link_clusters([info], timeout=10_000)
-        assert rc == S.LLM_SUCCESS
-        cm = dd.cache_manager
-        desc = CacheDesc(2 * layers, [nblocks, bb], DataType.DT_UINT8, Placement.HOST)
-        src = cm.allocate_blocks_cache(desc)
-        fill(src, 14)
-        rng = np.random.default_rng(15)
-        scattered_src = rng.permutation(nblocks)[:1000]
-        scattered_dst = rng.permutation(nblocks)[:1000]
-        consecutive = np.arange(1000, 3000)
-        # Scattered, all layers; consecutive, layers 1..2 → 0..1.
-        await cm.push_blocks(BlocksCacheKey(2, 0), src, scattered_src, scattered_dst)
-        await cm.push_blocks(
-            BlocksCacheKey(2, 0),
-            src,
-            consecutive,
-            consecutive + 1000,
-            src_layer_range=range(1, 3),
-            dst_layer_range=range(0, 2),
-        )
-        for t in range(2 * layers):
-            got = await peer.digest(0, t, scattered_dst)
-            want_ids = scattered_src
-            if t < 4:  # dst layers 0, 1 were overwritten by src layers 1, 2 in 2000..3999
-                overlap = np.isin(scattered_dst, consecutive + 1000)
-                expected = np.array(kv(src, t)[scattered_src])
-                expected[overlap] = kv(src, t + 2)[scattered_dst[overlap] - 1000]
-                assert got == sha(expected), t
-                assert await peer.digest(0, t, consecutive + 1000) == sha(
-                    kv(src, t + 2)[consecutive]
-                )
-            else:
-                assert got == sha(kv(src, t)[want_ids]), t
-        # Pull back from the peer's patterned cache, scattered into consecutive.
-        dst = cm.allocate_blocks_cache(desc)
-        await cm.pull_blocks(BlocksCacheKey(2, 1), dst, scattered_src, range(1000))
-        pattern = np.random.default_rng(99).integers(
-            0, 256, (2 * layers, nblocks, bb), dtype=np.uint8
-        )
-        for t in range(2 * layers):
-            assert np.array_equal(kv(dst, t)[:1000], pattern[t][scattered_src])
-            assert await peer.digest(1, t, scattered_src) == sha(pattern[t][scattered_src])
-    finally:
-        await dd.finalize()
-        await peer.stop()
+    async with AsyncPeer("blocks", transport, str(2 * layers), str(nblocks), str(bb)) as peer:
+        dd = LLMDataDist(LLMRole.PROMPT, 1)
+        try:
+            await dd.init(options(transport, sync_kv_timeout=60_000))
+            rc, _ = await dd.link_clusters([cluster_info(peer.address, 2)], timeout=10_000)
+            assert rc == S.LLM_SUCCESS
+            cm = dd.cache_manager
+            desc = CacheDesc(2 * layers, [nblocks, bb], DataType.DT_UINT8, Placement.HOST)
+            src = cm.allocate_blocks_cache(desc)
+            fill(src, 14)
+            rng = np.random.default_rng(15)
+            scattered_src = rng.permutation(nblocks)[:1000]
+            scattered_dst = rng.permutation(nblocks)[:1000]
+            consecutive = np.arange(1000, 3000)
+            # Scattered, all layers; consecutive, layers 1..2 → 0..1.
+            await cm.push_blocks(BlocksCacheKey(2, 0), src, scattered_src, scattered_dst)
+            await cm.push_blocks(
+                BlocksCacheKey(2, 0),
+                src,
+                consecutive,
+                consecutive + 1000,
+                src_layer_range=range(1, 3),
+                dst_layer_range=range(0, 2),
+            )
+            for t in range(2 * layers):
+                got = await digest(peer, 0, t, scattered_dst)
+                want_ids = scattered_src
+                if t < 4:  # dst layers 0, 1 were overwritten by src layers 1, 2 in 2000..3999
+                    overlap = np.isin(scattered_dst, consecutive + 1000)
+                    expected = np.array(kv(src, t)[scattered_src])
+                    expected[overlap] = kv(src, t + 2)[scattered_dst[overlap] - 1000]
+                    assert got == sha(expected), t
+                    assert await digest(peer, 0, t, consecutive + 1000) == sha(
+                        kv(src, t + 2)[consecutive]
+                    )
+                else:
+                    assert got == sha(kv(src, t)[want_ids]), t
+            # Pull back from the peer's patterned cache, scattered into consecutive.
+            dst = cm.allocate_blocks_cache(desc)
+            await cm.pull_blocks(BlocksCacheKey(2, 1), dst, scattered_src, range(1000))
+            pattern = np.random.default_rng(99).integers(
+                0, 256, (2 * layers, nblocks, bb), dtype=np.uint8
+            )
+            for t in range(2 * layers):
+                assert np.array_equal(kv(dst, t)[:1000], pattern[t][scattered_src])
+                assert await digest(peer, 1, t, scattered_src) == sha(pattern[t][scattered_src])
+        finally:
+            await dd.finalize()

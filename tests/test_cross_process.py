@@ -3,74 +3,45 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from aiokvcache import (
     CacheKeyByIdAndIndex,
-    LLMClusterInfo,
-    LLMConfig,
     LLMDataDist,
     LLMException,
     LLMRole,
     LLMStatusCode,
 )
-from aiokvcache.__main__ import Shape
+from aiokvcache.bench import Shape
+from aiokvcache.testing import AsyncPeer, cluster_info, options
 
 
 async def test_decoder_killed_mid_push(transport: str) -> None:
     shape = Shape(layers=16, batch=1, tokens=4096, heads=8, head_dim=64, dtype="float16")
-    child = subprocess.Popen(  # noqa: ASYNC220 - setup; the loop has nothing to do yet
-        [
-            sys.executable,
-            "-m",
-            "aiokvcache",
-            "_decode",
-            "--layers=16",
-            "--tokens=4096",
-            "--heads=8",
-            "--head-dim=64",
-            f"--transport={transport}",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert child.stdout is not None and child.stdin is not None
-    try:
-        hello = next(json.loads(ln) for ln in child.stdout if ln.startswith("{"))
-        cfg = LLMConfig()
-        cfg.transport = transport
+    decode_args = ["--layers=16", "--tokens=4096", "--heads=8", "--head-dim=64"]
+    async with AsyncPeer("decode", *decode_args, f"--transport={transport}") as peer:
         # A small window and no direct copies make the push long enough to
         # be caught mid-way, on either transport.
-        cfg.max_inflight_bytes = 256 * 1024
-        cfg.direct_copy = False
-        cfg.sync_kv_timeout = 60_000
+        opts = options(
+            transport, max_inflight_bytes=256 * 1024, direct_copy=False, sync_kv_timeout=60_000
+        )
         async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
-            await dd.init(cfg.generate_options())
-            host, port = hello["address"].rsplit(":", 1)
-            info = LLMClusterInfo()
-            info.remote_cluster_id = 2
-            info.append_remote_ip_info(host, int(port))
+            await dd.init(opts)
+            info = cluster_info(peer.address, 2)
             assert (await dd.link_clusters([info], timeout=5000))[0] == LLMStatusCode.LLM_SUCCESS
             src = dd.cache_manager.allocate_cache(shape.desc)
             for t in src.tensors:
                 t[...] = np.float16(1.5)
-            key = CacheKeyByIdAndIndex(2, hello["cache_id"])
+            key = CacheKeyByIdAndIndex(2, peer.hello["cache_id"])
             pushes = [
                 asyncio.create_task(dd.cache_manager.push_cache(key, src, tag="x"))
                 for _ in range(8)
             ]
             await asyncio.sleep(0.05)
             assert not all(p.done() for p in pushes)
-            os.kill(child.pid, signal.SIGKILL)
-            child.wait()
+            await peer.kill()  # SIGKILL, then reaped
             loop = asyncio.get_running_loop()
             t0 = loop.time()
             async with asyncio.timeout(15):
@@ -81,14 +52,8 @@ async def test_decoder_killed_mid_push(transport: str) -> None:
             for r in failures:
                 assert isinstance(r, LLMException), repr(r)
                 assert r.status_code == LLMStatusCode.LLM_LINK_FAILED, repr(r)
-            assert dd._engine.stats()["live_jobs"] == 0
+            assert dd.cache_manager.stats()["live_jobs"] == 0
             # Later pushes fail fast too.
             with pytest.raises(LLMException) as ei:
                 await dd.cache_manager.push_cache(key, src)
             assert ei.value.status_code == LLMStatusCode.LLM_LINK_FAILED
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-        child.stdin.close()
-        child.stdout.close()

@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 import random
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -23,8 +19,8 @@ from aiokvcache import _bridge
 from aiokvcache._core.runner import run_jobs
 from aiokvcache._loader import native
 from aiokvcache.errors import LLMException, LLMStatusCode, LLMTimeoutError
+from aiokvcache.testing import Peer
 
-PEER = Path(__file__).with_name("_engine_peer.py")
 MiB = 1 << 20
 
 
@@ -357,61 +353,22 @@ def test_bad_transport_is_a_value_error() -> None:
 # ---------------------------------------------------------- two processes
 
 
-class Peer:
-    """A peer process owning one region (see _engine_peer.py)."""
-
-    def __init__(self, transport: str, size: int) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), transport, str(size)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.info = self._reply()
-
-    def _reply(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise EOFError("peer exited")
-            if line.startswith("{"):  # skip anything else (build chatter)
-                return dict(json.loads(line))
-
-    def cmd(self, line: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self._reply()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.cmd("exit")
-            except (BrokenPipeError, ValueError, EOFError):
-                pass
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        for f in (self.proc.stdin, self.proc.stdout):
-            if f is not None:
-                f.close()
+def engine_peer(transport: str, size: int) -> Peer:
+    """A peer process owning one region (the peer program's engine mode)."""
+    return Peer("engine", transport, str(size))
 
 
 @pytest.fixture
 async def remote(transport: str) -> AsyncIterator[tuple[Side, Peer, Link]]:
-    peer = Peer(transport, 256 * MiB + 4096)
-    a = make_side(transport)
-    ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), False)
-    rkey = a.engine.rkey_unpack(
-        ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"]
-    )
-    b = Side(None, a.bridge, 0, peer.info["addr"], peer.info["size"])  # addresses only
-    yield a, peer, Link(a, b, ep, rkey)
-    a.bridge.close()
-    peer.close()
+    with engine_peer(transport, 256 * MiB + 4096) as peer:
+        a = make_side(transport)
+        ep = a.engine.connect(bytes.fromhex(peer.hello["worker"]), False)
+        rkey = a.engine.rkey_unpack(
+            ep, bytes.fromhex(peer.hello["rkey"]), peer.hello["addr"], peer.hello["size"]
+        )
+        b = Side(None, a.bridge, 0, peer.hello["addr"], peer.hello["size"])  # addresses only
+        yield a, peer, Link(a, b, ep, rkey)
+        a.bridge.close()
     assert a.engine.stats()["live_jobs"] == 0
 
 
@@ -420,10 +377,10 @@ async def test_cross_process_put_get(remote: tuple[Side, Peer, Link], size: int)
     a, peer, lk = remote
     src = pattern(size, size + 1)
     await run_jobs(a.bridge, [put(lk, src, off=4096)])
-    assert peer.cmd(f"hash 4096 {size}")["sha"] == sha(src)
-    assert peer.cmd("hash 0 4096")["sha"] == sha(np.zeros(4096, np.uint8))
+    assert peer.call("hash", offset=4096, length=size)["sha"] == sha(src)
+    assert peer.call("hash", offset=0, length=4096)["sha"] == sha(np.zeros(4096, np.uint8))
 
-    peer.cmd("fill 77")
+    peer.call("fill", seed=77)
     expect = pattern(lk.b.size, 77)[4096 : 4096 + size]
     back = np.zeros(size, np.uint8)
     job = (_bridge.OP_GET, lk.ep, segs((back.ctypes.data, lk.b.addr + 4096, size, lk.rkey)), b"", 0)
@@ -431,7 +388,9 @@ async def test_cross_process_put_get(remote: tuple[Side, Peer, Link], size: int)
     assert sha(back) == sha(expect)
 
 
-async def test_cross_process_notifications_after_data(remote: tuple[Side, Peer, Link]) -> None:
+async def test_cross_process_notifications_after_data(
+    remote: tuple[Side, Peer, Link],
+) -> None:
     a, peer, lk = remote
     jobs = []
     for i in range(8):
@@ -439,7 +398,7 @@ async def test_cross_process_notifications_after_data(remote: tuple[Side, Peer, 
         payload = f"{i * 4 * MiB}:{4 * MiB}:{sha(src)}".encode()
         jobs.append((src, put(lk, src, off=i * 4 * MiB, payload=payload)))
     await run_jobs(a.bridge, [j for _, j in jobs])
-    assert peer.cmd("notes 8")["notes"] == ["ok"] * 8
+    assert peer.call("notes", count=8)["notes"] == ["ok"] * 8
 
 
 async def test_cross_process_many_concurrent(remote: tuple[Side, Peer, Link]) -> None:
@@ -450,21 +409,21 @@ async def test_cross_process_many_concurrent(remote: tuple[Side, Peer, Link]) ->
         await run_jobs(a.bridge, [put(lk, src[i * 4096 : (i + 1) * 4096], off=i * 4096)])
 
     await asyncio.gather(*(one(i) for i in range(1000)))
-    assert peer.cmd(f"hash 0 {src.nbytes}")["sha"] == sha(src)
+    assert peer.call("hash", offset=0, length=src.nbytes)["sha"] == sha(src)
 
 
 @pytest.mark.parametrize("peer_errors", [False, True], ids=["plain-ep", "ucx-peer-errors"])
 async def test_peer_killed_mid_transfer(transport: str, peer_errors: bool) -> None:
     if transport == "shm" and peer_errors:
         pytest.skip("UCX refuses peer-failure handling on shared memory")
-    peer = Peer(transport, 64 * MiB)
+    peer = engine_peer(transport, 64 * MiB)
     a = slow_side(transport)
     try:
-        ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), peer_errors)
+        ep = a.engine.connect(bytes.fromhex(peer.hello["worker"]), peer_errors)
         rkey = a.engine.rkey_unpack(
-            ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"]
+            ep, bytes.fromhex(peer.hello["rkey"]), peer.hello["addr"], peer.hello["size"]
         )
-        lk = Link(a, Side(None, a.bridge, 0, peer.info["addr"], peer.info["size"]), ep, rkey)
+        lk = Link(a, Side(None, a.bridge, 0, peer.hello["addr"], peer.hello["size"]), ep, rkey)
         if transport == "shm":
             # Shared memory has no peer-failure detection in UCX; the library
             # learns of a dead peer from its control connection. Stand in for
@@ -577,14 +536,14 @@ async def test_bad_job_in_a_group_submits_nothing(pair: Link) -> None:
 async def test_close_with_a_frozen_peer_is_bounded() -> None:
     # A stopped (not dead) TCP peer never completes what is in flight: close()
     # must still return, report every job released, and not crash later.
-    peer = Peer("tcp", 64 * MiB)
+    peer = engine_peer("tcp", 64 * MiB)
     a = slow_side("tcp")
     try:
-        ep = a.engine.connect(bytes.fromhex(peer.info["worker"]), False)
+        ep = a.engine.connect(bytes.fromhex(peer.hello["worker"]), False)
         rkey = a.engine.rkey_unpack(
-            ep, bytes.fromhex(peer.info["rkey"]), peer.info["addr"], peer.info["size"]
+            ep, bytes.fromhex(peer.hello["rkey"]), peer.hello["addr"], peer.hello["size"]
         )
-        lk = Link(a, Side(None, a.bridge, 0, peer.info["addr"], peer.info["size"]), ep, rkey)
+        lk = Link(a, Side(None, a.bridge, 0, peer.hello["addr"], peer.hello["size"]), ep, rkey)
         src = pattern(64 * MiB, 45)
         pushing = asyncio.create_task(run_jobs(a.bridge, [put(lk, src) for _ in range(8)]))  # noqa: RUF006 - awaited below
         await asyncio.sleep(0.1)

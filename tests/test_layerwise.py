@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +12,6 @@ import numpy as np
 import pytest
 
 import aiokvcache._core.notify as cm_module
-from _kv import Pair, assert_still, blocks_desc, fill, make_pair, pair_fixture, same, snapshot
 from aiokvcache import (
     BlocksCacheKey,
     CacheDesc,
@@ -29,15 +26,19 @@ from aiokvcache import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aiokvcache.testing import (
+    Child,
+    Pair,
+    assert_still,
+    blocks_desc,
+    fill,
+    make_pair,
+    same,
+    snapshot,
+)
 
 S = LLMStatusCode
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-async def pair(transport: str) -> AsyncIterator[Pair]:
-    async for pr in pair_fixture(transport):
-        yield pr
 
 
 class Gate(LayerSynchronizer):
@@ -399,7 +400,7 @@ async def test_cancel_midway_is_quiescent(transport: str) -> None:
         await assert_still(dst)
         assert layer_empty(dst, 2) and layer_empty(dst, 3)
         assert await task.get_results() == [S.LLM_FAILED]
-        assert pr.prompt._engine.stats()["live_jobs"] == 0
+        assert pr.p.stats()["live_jobs"] == 0
         # Cancelling the coroutine that awaits a task cancels the task too.
         gate2 = Gate(layers)
         task2 = await pr.p.transfer_cache_async(src, gate2, [cfg])
@@ -491,7 +492,7 @@ async def test_bounded_receiver_state(pair: Pair, monkeypatch: pytest.MonkeyPatc
 
     async def landed(count: int) -> None:
         for _ in range(500):
-            if pair.decoder._engine.stats()["notifications_received"] >= count:
+            if pair.d.stats()["notifications_received"] >= count:
                 await asyncio.sleep(0.01)  # the loop dispatches what arrived
                 return
             await asyncio.sleep(0.01)
@@ -535,36 +536,12 @@ async def test_bounded_receiver_state(pair: Pair, monkeypatch: pytest.MonkeyPatc
 # ----------------------------------------------------------------- example
 
 
-def _ready_line(proc: subprocess.Popen[str], timeout: float) -> str:
-    """The child's ``READY ...`` line (an editable install may print build lines first)."""
-    box: list[str] = []
-
-    def read() -> None:
-        assert proc.stdout is not None
-        box.append(next((ln for ln in proc.stdout if ln.startswith("READY ")), ""))
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(timeout)
-    if not box or not box[0]:
-        proc.kill()
-        raise AssertionError(f"no READY line from the child within {timeout}s")
-    return box[0]
-
-
 def test_example_layerwise_pd(transport: str) -> None:
     """examples/layerwise_pd.py as two processes: decode first, then prefill."""
     script = str(ROOT / "examples" / "layerwise_pd.py")
-    decode = subprocess.Popen(
-        [sys.executable, script, "--role", "decode", "--transport", transport],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        line = _ready_line(decode, 30)
+    argv = [sys.executable, script, "--role", "decode", "--transport", transport]
+    with Child(argv, cwd=ROOT) as decode:
+        line = decode.read_line("READY ", timeout=30)
         prefill = subprocess.run(
             [
                 sys.executable,
@@ -583,13 +560,9 @@ def test_example_layerwise_pd(transport: str) -> None:
         )
         assert prefill.returncode == 0, prefill.stdout + prefill.stderr
         assert "prefill: all 8 layers sent" in prefill.stdout
-        out, err = decode.communicate("done\n", timeout=30)
-        assert decode.returncode == 0, out + err
+        out = decode.communicate("done", timeout=30)
+        assert decode.returncode == 0, out
         assert "decode: all 8 layers verified" in out
-    finally:
-        if decode.poll() is None:
-            decode.kill()
-            decode.wait()
 
 
 async def test_finalize_during_a_task(transport: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from .._loader import native
 from .errors import LLMException, LLMStatusCode, make_error
 from .state import Link, LocalCache, RemoteCache, State
 from .types import CacheDesc, DataType, Placement
@@ -100,7 +101,7 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
     try:
         for reg in regions:
             rkey_ids.append(engine.rkey_unpack(link.ep, reg["rkey"], reg["base"], reg["len"]))
-    except Exception as exc:
+    except native.NativeError as exc:
         release_keys(state, rkey_ids)
         raise make_error(
             LLMStatusCode.LLM_LINK_FAILED, f"cannot use cluster {link.cluster_id}'s keys: {exc}"
@@ -121,7 +122,8 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
 def release_keys(state: State, rkey_ids: list[int]) -> None:
     """Release native remote keys; the engine destroys each once no job uses it."""
     for k in rkey_ids:
-        with contextlib.suppress(Exception):
+        # Closed engine: every key went with it; unknown id: released already.
+        with contextlib.suppress(native.EngineClosedError, native.InvalidArgumentError):
             state.engine.rkey_release(k)
 
 

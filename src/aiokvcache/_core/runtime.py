@@ -47,7 +47,7 @@ class Runtime:
                 max_inflight_bytes=opts.max_inflight_bytes,
                 direct_copy=opts.direct_copy,
             )
-        except Exception as exc:
+        except (native.NativeError, ValueError) as exc:
             code = (
                 LLMStatusCode.LLM_FEATURE_NOT_ENABLED
                 if opts.transport != "auto"

@@ -347,7 +347,7 @@ class PeerService:
         peer_errors = st.options.transport == "rdma"
         try:
             ep = st.engine.connect(conn.peer_worker_address, peer_errors)
-        except Exception as exc:
+        except native.NativeError as exc:
             raise make_error(
                 LLMStatusCode.LLM_LINK_FAILED,
                 f"cannot reach cluster {cid}'s transfer engine: {exc}",
@@ -610,7 +610,8 @@ class PeerService:
                 )
         finally:
             for rid, _, _ in rec.regions:
-                with contextlib.suppress(Exception):
+                # A closed engine freed every region already.
+                with contextlib.suppress(native.EngineClosedError):
                     st.engine.mem_release(rid)
             del owners  # user buffers may go now
 

@@ -160,7 +160,7 @@ class Transfers:
             region, base = st.engine.mem_alloc(total)
         except native.EngineClosedError as exc:
             raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "engine is finalized") from exc
-        except Exception as exc:
+        except native.NativeError as exc:
             raise make_error(LLMStatusCode.LLM_OUT_OF_MEMORY, f"{what} failed: {exc}") from exc
         addrs = [base + i * desc.size for i in range(desc.num_tensors)]
         with st.lock:
@@ -212,11 +212,11 @@ class Transfers:
                 regions.append((engine.mem_register(a, desc.size), a, desc.size))
         except BaseException as exc:
             for rid, _, _ in regions:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(native.NativeError):
                     engine.mem_release(rid)
             if isinstance(exc, native.EngineClosedError):
                 raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "engine is finalized") from exc
-            if isinstance(exc, Exception):
+            if isinstance(exc, native.NativeError):
                 raise make_error(LLMStatusCode.LLM_FAILED, f"register_cache failed: {exc}") from exc
             raise
         arrays = _views(desc, addr_list)
