@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <string>
@@ -240,8 +241,20 @@ PYBIND11_MODULE(_native, m) {
           "wait_released",
           [](PyEngine& e, const py::handle& ids, double timeout) {
             std::vector<uint64_t> v = job_ids_from(ids);
-            py::gil_scoped_release nogil;
-            return e.wait_released(v, timeout);
+            // In slices, so that Ctrl-C reaches a main thread blocked here.
+            constexpr double kSlice = 0.1;
+            auto start = std::chrono::steady_clock::now();
+            while (true) {
+              double left = timeout - std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+              bool last = !(left > kSlice);  // also for NaN: the engine rejects it
+              bool released;
+              {
+                py::gil_scoped_release nogil;
+                released = e.wait_released(v, last ? left : kSlice);
+              }
+              if (released || last) return released;
+              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+            }
           },
           py::arg("job_ids"), py::arg("timeout"))
       .def("drain",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -300,3 +302,29 @@ def test_wait_released_arguments(engine: Any) -> None:
             engine.wait_released(bad, 0)
     with pytest.raises(native.InvalidArgumentError, match="timeout"):
         engine.wait_released([1], float("nan"))
+
+
+def test_wait_released_lets_signals_through(slow_pair: Pair) -> None:
+    # A main thread blocked in wait_released() still runs signal handlers
+    # (Ctrl-C), and the exception they raise ends the wait.
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    p = slow_pair
+    jobs = [p.put() for _ in range(4)]  # seconds of work: still live at the signal
+    previous = signal.signal(signal.SIGUSR1, handler)
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(Interrupted):
+            p.a.wait_released(jobs, float("inf"))
+        assert time.monotonic() - t0 < 10
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+    p.a.cancel_many(jobs)
+    assert p.a.wait_released(jobs, 60)
