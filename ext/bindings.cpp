@@ -40,7 +40,9 @@ std::vector<uint64_t> job_ids_from(const py::handle& ids) {
     py::buffer_info info = py::reinterpret_borrow<py::buffer>(ids).request();
     const std::string& fmt = info.format;
     bool u64 = info.itemsize == 8 && !fmt.empty() && (fmt.back() == 'Q' || fmt.back() == 'L');
-    if (u64 && info.ndim == 1) {
+    // A byte-swapped array takes the element-wise path, which converts it.
+    bool swapped = fmt.front() == '>' || fmt.front() == '!';
+    if (u64 && !swapped && info.ndim == 1) {
       std::vector<uint64_t> out(static_cast<size_t>(info.shape[0]));
       const auto* base = static_cast<const uint8_t*>(info.ptr);
       for (size_t i = 0; i < out.size(); ++i) {

@@ -247,6 +247,8 @@ def test_wait_released_times_out(slow_pair: Pair) -> None:
     t0 = time.monotonic()
     assert p.a.wait_released(jobs, 0.05) is False
     assert time.monotonic() - t0 >= 0.045
+    assert p.a.wait_released(jobs.astype(">u8"), 0) is False  # same ids, byte-swapped
+    assert p.a.wait_released([int(j) for j in jobs], 0) is False
     p.a.cancel_many(jobs)
     assert p.a.wait_released(jobs, 60) is True
     done = p.completions(p.a.drain())
@@ -297,6 +299,8 @@ def test_wait_released_returns_true_at_close(slow_pair: Pair) -> None:
 def test_wait_released_arguments(engine: Any) -> None:
     assert engine.wait_released(np.arange(5, dtype=np.uint64)[::-2], 0) is True
     assert engine.wait_released((1, 2), -1.0) is True
+    assert engine.wait_released(np.array([1, 2], ">u8"), 0) is True
+    engine.cancel_many(np.array([1, 2], np.int64))
     for bad in ([-1], b"\x01", "1", [1.5], None):
         with pytest.raises(TypeError):
             engine.wait_released(bad, 0)
