@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <string>
@@ -39,7 +40,9 @@ std::vector<uint64_t> job_ids_from(const py::handle& ids) {
     py::buffer_info info = py::reinterpret_borrow<py::buffer>(ids).request();
     const std::string& fmt = info.format;
     bool u64 = info.itemsize == 8 && !fmt.empty() && (fmt.back() == 'Q' || fmt.back() == 'L');
-    if (u64 && info.ndim == 1) {
+    // A byte-swapped array takes the element-wise path, which converts it.
+    bool swapped = fmt.front() == '>' || fmt.front() == '!';
+    if (u64 && !swapped && info.ndim == 1) {
       std::vector<uint64_t> out(static_cast<size_t>(info.shape[0]));
       const auto* base = static_cast<const uint8_t*>(info.ptr);
       for (size_t i = 0; i < out.size(); ++i) {
@@ -240,8 +243,20 @@ PYBIND11_MODULE(_native, m) {
           "wait_released",
           [](PyEngine& e, const py::handle& ids, double timeout) {
             std::vector<uint64_t> v = job_ids_from(ids);
-            py::gil_scoped_release nogil;
-            return e.wait_released(v, timeout);
+            // In slices, so that Ctrl-C reaches a main thread blocked here.
+            constexpr double kSlice = 0.1;
+            auto start = std::chrono::steady_clock::now();
+            while (true) {
+              double left = timeout - std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+              bool last = !(left > kSlice);  // also for NaN: the engine rejects it
+              bool released;
+              {
+                py::gil_scoped_release nogil;
+                released = e.wait_released(v, last ? left : kSlice);
+              }
+              if (released || last) return released;
+              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+            }
           },
           py::arg("job_ids"), py::arg("timeout"))
       .def("drain",

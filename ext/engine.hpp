@@ -72,6 +72,9 @@ struct EngineStats {
   uint64_t bytes_direct;  // moved by memcpy into mapped shared memory
 };
 
+// Its definition is split by responsibility: engine.cpp (setup, stats,
+// close), progress.cpp (the loop and the command queue), registry.cpp
+// (regions and remote keys), endpoints.cpp, jobs.cpp.
 class Engine {
  public:
   explicit Engine(EngineConfig cfg);
@@ -83,23 +86,23 @@ class Engine {
   std::string worker_address() const { return worker_address_; }
   std::string info();
 
-  // Memory regions.
+  // Memory regions and remote keys (registry.cpp).
   std::pair<uint64_t, uint64_t> mem_alloc(uint64_t len);  // -> (region id, address)
   uint64_t mem_register(uint64_t addr, uint64_t len);
   void mem_release(uint64_t region_id);
   std::string rkey_pack(uint64_t region_id);
+  uint64_t rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t base, uint64_t len);
+  void rkey_release(uint64_t rkey_id);
 
-  // Endpoints and remote keys.
+  // Endpoints (endpoints.cpp).
   // peer_errors: UCX peer failure handling. Shared-memory transports do not
   // support it (UCX then refuses the endpoint), so same-host peers connect
   // without it and rely on the control plane to notice a dead peer.
   uint64_t connect(const std::string& worker_address, bool peer_errors);
   void disconnect(uint64_t ep_id);
   void fail_endpoint(uint64_t ep_id);
-  uint64_t rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t base, uint64_t len);
-  void rkey_release(uint64_t rkey_id);
 
-  // Jobs. Segments are (local, remote, len, rkey id) rows.
+  // Jobs (jobs.cpp). Segments are (local, remote, len, rkey id) rows.
   uint64_t submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, std::string&& payload,
                   uint64_t timeout_ms);
   void cancel(uint64_t job_id);
@@ -116,46 +119,56 @@ class Engine {
   bool closed() const { return closed_.load(); }
 
  private:
-  // Progress-thread side.
+  // Progress-thread side, except call(), post_command(), wake() and
+  // check_open(): callers' threads reach the progress thread through them.
+
+  // The loop and the command queue (progress.cpp).
   void run();
   void run_commands();
   bool step();
+  int wait_timeout_ms();
+  // Runs fn on the progress thread and waits for its result.
+  template <typename T>
+  T call(std::function<T()> fn);
+  void post_command(std::function<void()> fn);
+  void wake();
+
+  // Lifecycle (engine.cpp).
+  void shutdown_all();
+  void check_open() const;
+
+  // Regions and remote keys (registry.cpp).
+  void destroy_rkey(RemoteKey* rk);
+
+  // Endpoints (endpoints.cpp).
+  void close_endpoint(Endpoint* ep, bool force);
+  void reap_endpoints();
+  void endpoint_failed(Endpoint* ep, ucs_status_t st);
+  static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+  // Jobs (jobs.cpp).
+  void admit(std::unique_ptr<Job> j);
   bool post_all();
   void post_job(Job* j);
   void touch(Job* j);
   void process_touched();
   void advance(Job* j);
   void finish(Job* j);
-  void check_deadlines();
-  void check_stuck();
-  void abandon(Job* j);
-  bool post_flushes();
-  void complete_flush(std::vector<Job*>* batch, ucs_status_t st);
-  void cancel_job(Job* j, Status why);
-  void admit(std::unique_ptr<Job> j);
-  void close_endpoint(Endpoint* ep, bool force);
-  void reap_endpoints();
-  void endpoint_failed(Endpoint* ep, ucs_status_t st);
-  void shutdown_all();
-  void destroy_rkey(RemoteKey* rk);
-  int wait_timeout_ms();
-
-  static void on_data_done(void* request, ucs_status_t status, void* user_data);
-  static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status);
-  static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
-                            size_t length, const ucp_am_recv_param_t* param);
-  void op_done(RequestCtx* ctx, ucs_status_t status);
   // The one way a job's completion reaches the queue: it also wakes
   // wait_released(), which must not return before the entry is drainable.
   void push_job_completion(Completion&& c);
+  bool post_flushes();
+  void complete_flush(std::vector<Job*>* batch, ucs_status_t st);
+  void check_deadlines();
+  void cancel_job(Job* j, Status why);
+  void check_stuck();
+  void abandon(Job* j);
+  static void on_data_done(void* request, ucs_status_t status, void* user_data);
+  static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
+                            size_t length, const ucp_am_recv_param_t* param);
+  void op_done(RequestCtx* ctx, ucs_status_t status);
 
-  // Runs fn on the progress thread and waits for its result.
-  template <typename T>
-  T call(std::function<T()> fn);
-  void post_command(std::function<void()> fn);
-  void wake();
-  void check_open() const;
-
+  // UCX and the loop's file descriptors (engine.cpp, progress.cpp).
   EngineConfig cfg_;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
@@ -165,6 +178,7 @@ class Engine {
   int epfd_ = -1;
   CompletionQueue cq_;
 
+  // Command queue and lifecycle (progress.cpp, engine.cpp).
   std::mutex cmd_mu_;
   std::vector<std::function<void()>> commands_;
   std::mutex close_mu_;
@@ -173,13 +187,10 @@ class Engine {
   std::thread thread_;
 
   // Owned by the progress thread after construction.
+  // Jobs (jobs.cpp).
   std::unordered_map<uint64_t, std::unique_ptr<Job>> jobs_;
   std::vector<std::unique_ptr<Job>> graveyard_;  // abandoned, freed after the worker
   std::deque<Job*> active_;  // jobs with something left to post, FIFO
-  std::unordered_map<uint64_t, std::unique_ptr<Endpoint>> eps_;
-  std::unordered_map<uint64_t, std::unique_ptr<RemoteKey>> rkeys_;
-  std::unordered_map<uint64_t, std::unique_ptr<Region>> regions_;
-  std::vector<Endpoint*> failed_eps_;  // reported by the error callback
   std::vector<Job*> touched_;          // jobs whose state machine may move
   std::vector<Endpoint*> flush_eps_;   // endpoints with jobs waiting for a flush
   DeadlineMap deadlines_;
@@ -187,10 +198,17 @@ class Engine {
   uint64_t copy_budget_ = 0;  // bytes of direct copies left in this step
   uint64_t cancelling_ = 0;  // cancelled jobs not yet finished
   uint64_t posted_ = 0;      // data operations posted (UCX or direct copy)
-  bool any_forced_ = false;  // some endpoint was force-closed: look for stuck jobs
   std::chrono::steady_clock::time_point next_stuck_check_{};
-  bool destroying_ = false;  // after shutdown: callbacks only free requests
   uint64_t inflight_bytes_ = 0;
+  // Endpoints (endpoints.cpp).
+  std::unordered_map<uint64_t, std::unique_ptr<Endpoint>> eps_;
+  std::vector<Endpoint*> failed_eps_;  // reported by the error callback
+  bool any_forced_ = false;  // some endpoint was force-closed: look for stuck jobs
+  // Regions and remote keys (registry.cpp).
+  std::unordered_map<uint64_t, std::unique_ptr<RemoteKey>> rkeys_;
+  std::unordered_map<uint64_t, std::unique_ptr<Region>> regions_;
+  // Lifecycle (engine.cpp).
+  bool destroying_ = false;  // after shutdown: callbacks only free requests
   uint64_t next_region_ = 1, next_ep_ = 1, next_rkey_ = 1;
 
   // Ids of live jobs: filled by submit() before its command is queued, so a
@@ -199,6 +217,7 @@ class Engine {
   std::condition_variable live_cv_;
   std::unordered_set<uint64_t> live_ids_;
 
+  // Counters behind stats(), read from any thread.
   std::atomic<uint64_t> next_job_{1};
   std::atomic<uint64_t> live_jobs_{0};
   std::atomic<uint64_t> jobs_submitted_{0}, jobs_completed_{0}, jobs_failed_{0};

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -245,6 +247,8 @@ def test_wait_released_times_out(slow_pair: Pair) -> None:
     t0 = time.monotonic()
     assert p.a.wait_released(jobs, 0.05) is False
     assert time.monotonic() - t0 >= 0.045
+    assert p.a.wait_released(jobs.astype(">u8"), 0) is False  # same ids, byte-swapped
+    assert p.a.wait_released([int(j) for j in jobs], 0) is False
     p.a.cancel_many(jobs)
     assert p.a.wait_released(jobs, 60) is True
     done = p.completions(p.a.drain())
@@ -295,8 +299,36 @@ def test_wait_released_returns_true_at_close(slow_pair: Pair) -> None:
 def test_wait_released_arguments(engine: Any) -> None:
     assert engine.wait_released(np.arange(5, dtype=np.uint64)[::-2], 0) is True
     assert engine.wait_released((1, 2), -1.0) is True
+    assert engine.wait_released(np.array([1, 2], ">u8"), 0) is True
+    engine.cancel_many(np.array([1, 2], np.int64))
     for bad in ([-1], b"\x01", "1", [1.5], None):
         with pytest.raises(TypeError):
             engine.wait_released(bad, 0)
     with pytest.raises(native.InvalidArgumentError, match="timeout"):
         engine.wait_released([1], float("nan"))
+
+
+def test_wait_released_lets_signals_through(slow_pair: Pair) -> None:
+    # A main thread blocked in wait_released() still runs signal handlers
+    # (Ctrl-C), and the exception they raise ends the wait.
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    p = slow_pair
+    jobs = [p.put() for _ in range(4)]  # seconds of work: still live at the signal
+    previous = signal.signal(signal.SIGUSR1, handler)
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        t0 = time.monotonic()
+        with pytest.raises(Interrupted):
+            p.a.wait_released(jobs, float("inf"))
+        assert time.monotonic() - t0 < 10
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+    p.a.cancel_many(jobs)
+    assert p.a.wait_released(jobs, 60)

@@ -1,0 +1,574 @@
+// Transfer jobs from submit() to their completion: admission, posting
+// within the window, direct copies, flushes, notifications, deadlines,
+// cancellation, and the release of jobs a dead peer never answered.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include "engine_internal.hpp"
+
+namespace akv {
+namespace {
+
+Status status_from_ucs(ucs_status_t st) {
+  switch (st) {
+    case UCS_OK:
+      return Status::kOK;
+    case UCS_ERR_CANCELED:
+      return Status::kCANCELLED;
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_IO_ERROR:
+      return Status::kLINK_FAILED;
+    default:
+      return Status::kERROR;
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- API side
+
+uint64_t Engine::submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, std::string&& payload,
+                        uint64_t timeout_ms) {
+  if (payload.size() > kMaxPayload) throw InvalidArgument("notification payload too large");
+  if (op == Op::kGet && !payload.empty()) throw InvalidArgument("get jobs carry no payload");
+  check_open();
+  auto j = std::make_unique<Job>();
+  j->id = next_job_.fetch_add(1);
+  j->op = op;
+  j->ep_id = ep_id;
+  j->raw = std::move(segs);
+  j->payload = std::move(payload);
+  if (timeout_ms > 0) {
+    j->has_deadline = true;
+    j->deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  }
+  uint64_t id = j->id;
+  live_jobs_.fetch_add(1);
+  jobs_submitted_.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> lk(live_mu_);
+    live_ids_.insert(id);
+  }
+  Job* raw = j.release();
+  try {
+    post_command([this, raw]() { admit(std::unique_ptr<Job>(raw)); });
+  } catch (...) {
+    delete raw;
+    live_jobs_.fetch_sub(1);
+    {
+      std::lock_guard<std::mutex> lk(live_mu_);
+      live_ids_.erase(id);
+    }
+    live_cv_.notify_all();
+    throw;
+  }
+  return id;
+}
+
+void Engine::cancel(uint64_t job_id) {
+  // Cancelling after close is a no-op: close already released every job.
+  if (closed_.load()) return;
+  try {
+    post_command([this, job_id]() {
+      auto it = jobs_.find(job_id);
+      if (it == jobs_.end()) return;  // already finished; its completion is queued
+      cancel_job(it->second.get(), Status::kCANCELLED);
+    });
+  } catch (const ClosedError&) {
+  }
+}
+
+void Engine::cancel_many(std::vector<uint64_t> job_ids) {
+  // As cancel(): a no-op after close.
+  if (job_ids.empty() || closed_.load()) return;
+  try {
+    post_command([this, ids = std::move(job_ids)]() {
+      for (uint64_t job_id : ids) {
+        auto it = jobs_.find(job_id);
+        if (it == jobs_.end()) continue;  // already finished; its completion is queued
+        cancel_job(it->second.get(), Status::kCANCELLED);
+      }
+    });
+  } catch (const ClosedError&) {
+  }
+}
+
+bool Engine::wait_released(const std::vector<uint64_t>& job_ids, double timeout_s) {
+  if (std::isnan(timeout_s)) throw InvalidArgument("timeout must be a number of seconds");
+  // Ids are unique and never reused, so one seen released stays released:
+  // each wakeup resumes where the last one stopped instead of rescanning.
+  size_t done = 0;
+  auto all_released = [&]() {
+    while (done < job_ids.size() && live_ids_.count(job_ids[done]) == 0) ++done;
+    return done == job_ids.size();
+  };
+  std::unique_lock<std::mutex> lk(live_mu_);
+  // Past a few centuries now() + timeout would overflow the clock.
+  if (timeout_s > 1e9) {
+    live_cv_.wait(lk, all_released);
+    return true;
+  }
+  auto deadline = std::chrono::steady_clock::now() +
+                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                      std::chrono::duration<double>(std::max(0.0, timeout_s)));
+  return live_cv_.wait_until(lk, deadline, all_released);
+}
+
+// ---------------------------------------------------------- progress thread
+
+void Engine::admit(std::unique_ptr<Job> j) {
+  Job* job = j.get();
+  jobs_[job->id] = std::move(j);
+  auto eit = eps_.find(job->ep_id);
+  if (eit == eps_.end()) {
+    job->fail(Status::kINVALID);
+  } else {
+    job->ep = eit->second.get();
+    job->ep->jobs++;
+    if (job->ep->broken || job->ep->closing || job->ep->handle == nullptr) {
+      job->fail(Status::kLINK_FAILED, job->ep->ucs_status);
+    }
+  }
+  if (job->status == Status::kOK) {
+    job->segs.reserve(job->raw.size());
+    for (const SegmentIn& s : job->raw) {
+      if (s.len == 0) continue;
+      auto kit = rkeys_.find(s.rkey_id);
+      if (kit == rkeys_.end() || kit->second->released || kit->second->ep_id != job->ep_id ||
+          kit->second->handle == nullptr) {
+        job->fail(Status::kINVALID);
+        break;
+      }
+      RemoteKey* rk = kit->second.get();
+      // Defence in depth: Python checked bounds against the peer's
+      // descriptor; the key's region is checked again here.
+      if (s.remote < rk->base || s.len > rk->len || s.remote - rk->base > rk->len - s.len ||
+          s.local + s.len < s.local) {
+        job->fail(Status::kINVALID);
+        break;
+      }
+      if (!job->segs.empty()) {
+        Segment& last = job->segs.back();
+        if (last.rkey == rk && last.local + last.len == s.local && last.remote + last.len == s.remote) {
+          last.len += s.len;
+          continue;
+        }
+      }
+      if (std::find(job->keys.begin(), job->keys.end(), rk) == job->keys.end()) {
+        job->keys.push_back(rk);
+        rk->users++;
+      }
+      job->segs.push_back(Segment{s.local, s.remote, s.len, rk});
+    }
+  }
+  job->raw.clear();
+  job->raw.shrink_to_fit();
+  if (job->has_deadline) job->dl_it = deadlines_.emplace(job->deadline, job->id);
+  if (job->status == Status::kOK && !job->segs.empty()) {
+    job->in_active = true;
+    active_.push_back(job);
+  } else {
+    touch(job);
+  }
+}
+
+void Engine::post_job(Job* j) {
+  while (j->seg_idx < j->segs.size() && !j->cancel && j->status == Status::kOK) {
+    const Segment& s = j->segs[j->seg_idx];
+    uint64_t n = std::min(s.len - j->seg_off, cfg_.chunk_bytes);
+    if (inflight_bytes_ > 0 && inflight_bytes_ + n > cfg_.max_inflight_bytes) {
+      window_full_ = true;
+      return;
+    }
+    void* local = reinterpret_cast<void*>(s.local + j->seg_off);
+    uint64_t remote = s.remote + j->seg_off;
+    if (s.rkey->mapped != nullptr) {
+      // Copies run on this thread: yield to commands (cancel) and deadlines
+      // every few chunks so a huge job stays cancellable.
+      if (copy_budget_ < n) {
+        window_full_ = true;
+        return;
+      }
+      copy_budget_ -= n;
+      uint8_t* peer = s.rkey->mapped + (remote - s.rkey->base);
+      if (j->op == Op::kPut) {
+        std::memcpy(peer, local, n);
+      } else {
+        std::memcpy(local, peer, n);
+      }
+      j->copied_any = true;
+      posted_++;
+      bytes_direct_.fetch_add(n);
+      j->bytes_done += n;
+      (j->op == Op::kPut ? bytes_put_ : bytes_get_).fetch_add(n);
+      j->seg_off += n;
+      if (j->seg_off == s.len) {
+        j->seg_idx++;
+        j->seg_off = 0;
+      }
+      continue;
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = &Engine::on_data_done;
+    p.user_data = this;
+    ucs_status_ptr_t r = j->op == Op::kPut
+                             ? ucp_put_nbx(j->ep->handle, local, n, remote, s.rkey->handle, &p)
+                             : ucp_get_nbx(j->ep->handle, local, n, remote, s.rkey->handle, &p);
+    j->posted_any = true;
+    posted_++;
+    if (UCS_PTR_IS_ERR(r)) {
+      ucs_status_t st = UCS_PTR_STATUS(r);
+      j->fail(j->ep->broken ? Status::kLINK_FAILED : status_from_ucs(st), st);
+      return;
+    }
+    if (r == nullptr) {
+      j->bytes_done += n;
+      (j->op == Op::kPut ? bytes_put_ : bytes_get_).fetch_add(n);
+    } else {
+      auto* ctx = static_cast<RequestCtx*>(r);
+      ctx->kind = RequestCtx::kData;
+      ctx->job = j;
+      ctx->ep = j->ep;
+      ctx->len = n;
+      j->inflight_ops++;
+      j->inflight_bytes += n;
+      inflight_bytes_ += n;
+    }
+    j->seg_off += n;
+    if (j->seg_off == s.len) {
+      j->seg_idx++;
+      j->seg_off = 0;
+    }
+  }
+}
+
+bool Engine::post_all() {
+  // Busy only when something moved: a full window with nothing posted must
+  // let the thread sleep until a completion frees room.
+  uint64_t before = posted_;
+  bool any = false;
+  window_full_ = false;
+  copy_budget_ = 4 * cfg_.chunk_bytes;
+  while (!active_.empty() && !window_full_) {
+    Job* j = active_.front();
+    post_job(j);
+    any = any || posted_ != before;
+    bool done_posting = j->seg_idx >= j->segs.size() || j->cancel || j->status != Status::kOK;
+    if (!done_posting) break;  // window full: keep FIFO order
+    active_.pop_front();
+    j->in_active = false;
+    touch(j);
+    any = true;
+  }
+  return any;
+}
+
+void Engine::touch(Job* j) {
+  if (!j->touched) {
+    j->touched = true;
+    touched_.push_back(j);
+  }
+}
+
+void Engine::process_touched() {
+  while (!touched_.empty()) {
+    std::vector<Job*> batch;
+    batch.swap(touched_);
+    // touch() queues a job at most once, and only advance() frees a job, so
+    // no pointer in the batch dangles.
+    for (Job* j : batch) {
+      j->touched = false;
+      advance(j);
+    }
+  }
+}
+
+void Engine::advance(Job* j) {
+  // Each step starts only when the previous step has nothing in flight.
+  if (j->abandoned || j->inflight_ops > 0) return;
+  if (j->phase == Phase::kPosting) {
+    bool done_posting = j->seg_idx >= j->segs.size() || j->cancel || j->status != Status::kOK;
+    if (!done_posting) return;
+    if (j->in_active) {
+      active_.erase(std::find(active_.begin(), active_.end(), j));
+      j->in_active = false;
+    }
+    j->phase = Phase::kFlushing;
+    // A put has landed only when the peer has it: flush, even after a cancel,
+    // so nothing this job posted can still arrive once it is reported.
+    // Jobs that reach this point in the same step share one endpoint flush
+    // (it covers every operation posted before it): see post_flushes().
+    if (j->op == Op::kPut && j->posted_any && !j->ep->broken && j->ep->handle != nullptr) {
+      j->inflight_ops++;
+      j->ep->flush_wait.push_back(j);
+      if (!j->ep->flush_queued) {
+        j->ep->flush_queued = true;
+        flush_eps_.push_back(j->ep);
+      }
+      return;
+    }
+  }
+  if (j->phase == Phase::kFlushing) {
+    j->phase = Phase::kNotifying;
+    if (j->status == Status::kOK && !j->cancel && !j->payload.empty()) {
+      // Copies into mapped memory may use non-temporal stores: make them
+      // visible before the notification that announces them.
+      if (j->copied_any) std::atomic_thread_fence(std::memory_order_seq_cst);
+      ucp_request_param_t p{};
+      p.op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+      p.cb.send = &Engine::on_data_done;
+      p.user_data = this;
+      p.flags = UCP_AM_SEND_FLAG_EAGER;
+      ucs_status_ptr_t r =
+          ucp_am_send_nbx(j->ep->handle, kAmId, nullptr, 0, j->payload.data(), j->payload.size(), &p);
+      if (UCS_PTR_IS_ERR(r)) {
+        ucs_status_t st = UCS_PTR_STATUS(r);
+        j->fail(status_from_ucs(st), st);
+      } else if (r != nullptr) {
+        auto* ctx = static_cast<RequestCtx*>(r);
+        ctx->kind = RequestCtx::kNotify;
+        ctx->job = j;
+        ctx->ep = j->ep;
+        ctx->len = 0;
+        j->inflight_ops++;
+        return;
+      } else {
+        notes_sent_.fetch_add(1);
+      }
+    }
+  }
+  finish(j);
+}
+
+void Engine::finish(Job* j) {
+  j->phase = Phase::kDone;
+  if (j->in_active) {
+    active_.erase(std::find(active_.begin(), active_.end(), j));
+    j->in_active = false;
+  }
+  if (j->has_deadline) {
+    deadlines_.erase(j->dl_it);
+    j->has_deadline = false;
+  }
+  for (RemoteKey* rk : j->keys) {
+    rk->users--;
+    if (rk->released && rk->users == 0) destroy_rkey(rk);
+  }
+  if (j->ep != nullptr) j->ep->jobs--;
+  if (j->cancel) cancelling_--;
+  if (j->status == Status::kOK) {
+    jobs_completed_.fetch_add(1);
+  } else {
+    jobs_failed_.fetch_add(1);
+  }
+  Completion c{EntryKind::kJob, j->id, j->status, j->ucs_status, j->bytes_done, {}};
+  jobs_.erase(j->id);  // frees j
+  // The counter drops before the entry is visible, so a reader who has seen
+  // every completion also sees zero live jobs.
+  live_jobs_.fetch_sub(1);
+  push_job_completion(std::move(c));
+}
+
+void Engine::push_job_completion(Completion&& c) {
+  uint64_t id = c.id;
+  cq_.push(std::move(c));
+  {
+    std::lock_guard<std::mutex> lk(live_mu_);
+    live_ids_.erase(id);
+  }
+  live_cv_.notify_all();
+}
+
+bool Engine::post_flushes() {
+  if (flush_eps_.empty()) return false;
+  std::vector<Endpoint*> eps;
+  eps.swap(flush_eps_);
+  for (Endpoint* ep : eps) {
+    ep->flush_queued = false;
+    auto* batch = new std::vector<Job*>();
+    batch->swap(ep->flush_wait);
+    if (ep->broken || ep->handle == nullptr) {
+      complete_flush(batch, UCS_ERR_CONNECTION_RESET);
+      continue;
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = &Engine::on_data_done;
+    p.user_data = this;
+    ucs_status_ptr_t r = ucp_ep_flush_nbx(ep->handle, &p);
+    if (UCS_PTR_IS_ERR(r)) {
+      complete_flush(batch, UCS_PTR_STATUS(r));
+    } else if (r == nullptr) {
+      complete_flush(batch, UCS_OK);
+    } else {
+      auto* ctx = static_cast<RequestCtx*>(r);
+      ctx->kind = RequestCtx::kFlush;
+      ctx->job = nullptr;
+      ctx->ep = ep;
+      ctx->len = 0;
+      ctx->batch = batch;
+    }
+  }
+  return true;
+}
+
+void Engine::complete_flush(std::vector<Job*>* batch, ucs_status_t st) {
+  for (Job* j : *batch) {
+    j->inflight_ops--;
+    if (j->abandoned) continue;
+    if (st != UCS_OK) {
+      Status s = status_from_ucs(st);
+      j->fail(s == Status::kCANCELLED || s == Status::kERROR ? Status::kLINK_FAILED : s, st);
+    }
+    touch(j);
+  }
+  delete batch;
+}
+
+void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
+  if (ctx->kind == RequestCtx::kFlush) {
+    complete_flush(ctx->batch, st);
+    return;
+  }
+  if (ctx->kind == RequestCtx::kClose) {
+    ctx->ep->handle = nullptr;
+    ctx->ep->close_done = true;
+    return;
+  }
+  Job* j = ctx->job;
+  j->inflight_ops--;
+  // An abandoned job was reported long ago; its window share was returned.
+  if (j->abandoned) return;
+  if (ctx->kind == RequestCtx::kData) {
+    j->inflight_bytes -= ctx->len;
+    inflight_bytes_ -= ctx->len;
+    if (st == UCS_OK) {
+      j->bytes_done += ctx->len;
+      (j->op == Op::kPut ? bytes_put_ : bytes_get_).fetch_add(ctx->len);
+    }
+  } else if (ctx->kind == RequestCtx::kNotify && st == UCS_OK) {
+    notes_sent_.fetch_add(1);
+  }
+  if (st != UCS_OK) {
+    Status s = status_from_ucs(st);
+    if (j->ep->broken || s == Status::kCANCELLED) s = Status::kLINK_FAILED;
+    j->fail(s, st);
+  }
+  touch(j);
+}
+
+void Engine::on_data_done(void* request, ucs_status_t status, void* user_data) {
+  auto* self = static_cast<Engine*>(user_data);
+  // During ucp_worker_destroy the jobs were already reported released.
+  if (!self->destroying_) self->op_done(static_cast<RequestCtx*>(request), status);
+  ucp_request_free(request);
+}
+
+ucs_status_t Engine::on_am(void* arg, const void* /*header*/, size_t /*header_length*/, void* data,
+                           size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<Engine*>(arg);
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    // Our peers send notifications eagerly; anything else is dropped
+    // (returning UCS_OK releases a rendezvous descriptor).
+    return UCS_OK;
+  }
+  self->notes_received_.fetch_add(1);
+  self->cq_.push(Completion{EntryKind::kNotify, 0, Status::kOK, 0, length,
+                            std::string(static_cast<const char*>(data), length)});
+  return UCS_OK;
+}
+
+void Engine::check_deadlines() {
+  if (deadlines_.empty()) return;
+  auto now = std::chrono::steady_clock::now();
+  while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+    auto it = jobs_.find(deadlines_.begin()->second);
+    deadlines_.erase(deadlines_.begin());
+    if (it == jobs_.end()) continue;
+    it->second->has_deadline = false;
+    cancel_job(it->second.get(), Status::kTIMEOUT);
+  }
+}
+
+void Engine::cancel_job(Job* j, Status why) {
+  // Past the flush the bytes have landed (and the peer may be notified):
+  // the job's outcome stands.
+  if (j->phase == Phase::kNotifying || j->phase == Phase::kDone) return;
+  j->fail(why);
+  if (!j->cancel) {
+    j->cancel = true;
+    j->cancelled_at = std::chrono::steady_clock::now();
+    cancelling_++;
+  }
+  touch(j);
+}
+
+void Engine::check_stuck() {
+  if (cancelling_ == 0 && !any_forced_) return;
+  // Timers of seconds: a look every 50 ms is plenty, and keeps this scan
+  // off the hot path.
+  auto now = std::chrono::steady_clock::now();
+  if (now < next_stuck_check_) return;
+  next_stuck_check_ = now + std::chrono::milliseconds(50);
+  std::vector<Endpoint*> stuck;
+  for (auto& kv : jobs_) {
+    Job* j = kv.second.get();
+    if (j->cancel && j->inflight_ops > 0 && j->ep != nullptr && !j->ep->broken &&
+        now - j->cancelled_at > kCancelGrace) {
+      stuck.push_back(j->ep);
+    }
+  }
+  for (Endpoint* ep : stuck) {
+    if (ep->broken) continue;
+    endpoint_failed(ep, UCS_ERR_ENDPOINT_TIMEOUT);
+    close_endpoint(ep, true);  // purges the requests the peer never answered
+  }
+  // Without UCX peer-failure mode a forced close may not complete what was
+  // outstanding (a peer host that vanished answers nothing). Such jobs are
+  // reported released once their endpoint has been closed for a while: it
+  // sends and receives nothing more, so their buffers are no longer used.
+  std::vector<Job*> gone;
+  for (auto& kv : jobs_) {
+    Job* j = kv.second.get();
+    if (j->inflight_ops > 0 && j->ep != nullptr && j->ep->forced &&
+        now - j->ep->forced_at > kFailGrace) {
+      gone.push_back(j);
+    }
+  }
+  for (Job* j : gone) abandon(j);
+}
+
+void Engine::abandon(Job* j) {
+  j->abandoned = true;
+  j->fail(Status::kLINK_FAILED, j->ep->ucs_status);
+  if (j->in_active) {
+    active_.erase(std::find(active_.begin(), active_.end(), j));
+    j->in_active = false;
+  }
+  if (j->has_deadline) {
+    deadlines_.erase(j->dl_it);
+    j->has_deadline = false;
+  }
+  inflight_bytes_ -= j->inflight_bytes;
+  j->inflight_bytes = 0;
+  j->ep->jobs--;
+  if (j->cancel) cancelling_--;
+  // Its keys stay counted: a request may still name them. The Job itself
+  // stays allocated (graveyard_) until the worker is destroyed.
+  jobs_failed_.fetch_add(1);
+  live_jobs_.fetch_sub(1);
+  push_job_completion(Completion{EntryKind::kJob, j->id, j->status, j->ucs_status, j->bytes_done, {}});
+  auto it = jobs_.find(j->id);
+  graveyard_.push_back(std::move(it->second));
+  jobs_.erase(it);
+}
+
+}  // namespace akv
