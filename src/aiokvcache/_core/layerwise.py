@@ -756,19 +756,9 @@ class _Pipeline:
                     await self.runner.wait(g, [label])
                 except LLMException as exc:
                     if t.error is None:
-                        t.error = self._explain(t, exc)
+                        t.error = self.runner.explain(exc, self.src, t.remotes)
                     for g2, _, _ in t.groups:
                         self.runner.bridge.cancel_group(g2)
-
-    def _explain(self, t: _Target, exc: LLMException) -> LLMException:
-        code = exc.status_code
-        gone = not self.src.valid or any(not rc.valid for rc in t.remotes)
-        if code == LLMStatusCode.LLM_PARAM_INVALID or (gone and code == LLMStatusCode.LLM_FAILED):
-            return make_error(
-                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                f"a cache was deallocated during the transfer; {exc.message}",
-            )
-        return exc
 
     async def _release_all(self) -> None:
         groups = [g for t in self.targets for g, _, _ in t.groups]
