@@ -6,20 +6,5 @@ public name for them.
 
 from __future__ import annotations
 
-from ._core.errors import (
-    InternalError,
-    LLMException,
-    LLMStatusCode,
-    LLMTimeoutError,
-    make_error,
-    param_invalid,
-)
-
-__all__ = [
-    "InternalError",
-    "LLMException",
-    "LLMStatusCode",
-    "LLMTimeoutError",
-    "make_error",
-    "param_invalid",
-]
+from ._core.errors import *  # noqa: F403 - this module is their public home
+from ._core.errors import __all__ as __all__
