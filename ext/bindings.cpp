@@ -214,6 +214,8 @@ PYBIND11_MODULE(_native, m) {
           py::arg("worker_address"), py::arg("peer_errors") = true)
       .def("disconnect", &Engine::disconnect, py::arg("ep_id"), py::call_guard<py::gil_scoped_release>())
       .def("fail_endpoint", &Engine::fail_endpoint, py::arg("ep_id"), py::call_guard<py::gil_scoped_release>())
+      .def("endpoint_closed", &Engine::endpoint_closed, py::arg("ep_id"),
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "rkey_unpack",
           [](PyEngine& e, uint64_t ep, const py::bytes& packed, uint64_t base, uint64_t len) {

@@ -52,6 +52,16 @@ void Engine::fail_endpoint(uint64_t ep_id) {
   });
 }
 
+bool Engine::endpoint_closed(uint64_t ep_id) {
+  if (closed_.load()) return true;  // close() closed every endpoint
+  return call<bool>([this, ep_id]() {
+    auto it = eps_.find(ep_id);
+    // Closed = UCX reported the close done: nothing more goes out or comes in
+    // on it. A failed endpoint gets there by its forced close.
+    return it == eps_.end() || (it->second->close_posted && it->second->close_done);
+  });
+}
+
 // ---------------------------------------------------------- progress thread
 
 void Engine::on_ep_error(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {

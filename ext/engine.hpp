@@ -101,6 +101,8 @@ class Engine {
   uint64_t connect(const std::string& worker_address, bool peer_errors);
   void disconnect(uint64_t ep_id);
   void fail_endpoint(uint64_t ep_id);
+  // True once the endpoint is closed at the transport (or unknown).
+  bool endpoint_closed(uint64_t ep_id);
 
   // Jobs (jobs.cpp). Segments are (local, remote, len, rkey id) rows.
   uint64_t submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, std::string&& payload,

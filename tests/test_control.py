@@ -875,3 +875,75 @@ async def test_garbage_from_raw_socket_never_hurts_the_server(chunks: list[bytes
     finally:
         await srv.close()
     assert len(handler.connected) == 1 and len(handler.closed) == 1
+
+
+# --------------------------------------------------------------------------
+# what an unproven peer learns, and what idle sockets cannot block
+
+
+async def _read_raw_frame(reader: asyncio.StreamReader) -> tuple[int, dict[str, object]]:
+    (length,) = struct.unpack(">I", await reader.readexactly(4))
+    body = await reader.readexactly(length)
+    payload = decode(body[6:])
+    assert isinstance(payload, dict)
+    return body[1], payload
+
+
+async def test_no_worker_address_before_the_token_is_proven(net: Net) -> None:
+    srv, sh = await net.server(token=b"secret")
+    reader, writer = await asyncio.open_connection(*srv.address)
+    try:
+        hello = {"version": PROTOCOL_VERSION, "cluster_id": 5, "role": 1}
+        hello.update(nonce=b"n" * 32, auth=True)
+        writer.write(frame(1, encode(hello)))
+        kind, reply = await asyncio.wait_for(_read_raw_frame(reader), 5)
+        assert kind == 2  # HELLO_REPLY: no identity in it
+        assert "worker_address" not in reply and "host_id" not in reply
+        # A forged proof with an identity of our own: refused, still nothing.
+        auth = {"mac": b"x" * 32, "worker_address": b"w", "host_id": b""}
+        writer.write(frame(3, encode(auth)))
+        kind, refusal = await asyncio.wait_for(_read_raw_frame(reader), 5)
+        assert kind == 7  # ERROR_RESPONSE
+        assert "worker_address" not in refusal
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    finally:
+        writer.close()
+    assert sh.connected == []
+    await net.connect(srv, token=b"secret")  # the real peer still links
+    await eventually(lambda: len(sh.connected) == 1)
+
+
+async def test_the_identity_is_proven_with_the_token(net: Net) -> None:
+    srv, sh = await net.server(token=b"k")
+    conn, _ = await net.connect(srv, token=b"k")
+    await eventually(lambda: len(sh.connected) == 1)
+    assert conn.peer_worker_address == b"ucx-worker-1"
+    assert sh.connected[0].peer_worker_address == b"ucx-worker-2"
+
+
+async def test_idle_sockets_cannot_lock_out_a_peer(
+    net: Net, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    monkeypatch.setattr(control, "MAX_PENDING_HANDSHAKES", 8)
+    srv, _ = await net.server()
+    idle = [await asyncio.open_connection(*srv.address) for _ in range(3 * 8)]
+    try:
+        await eventually(lambda: srv.evicted >= 2 * 8)
+        for _ in range(3):  # served at once, every time, while they stay open
+            await asyncio.wait_for(assert_serves(srv), 5)
+    finally:
+        for _, w in idle:
+            w.close()
+    assert any("evicting the oldest pending handshake" in m for m in control_warnings(caplog))
+
+
+async def test_connection_cap_refuses_more(net: Net, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(control, "MAX_CONNECTIONS", 2)
+    srv, _ = await net.server()
+    await net.connect(srv, cluster_id=11)
+    await net.connect(srv, cluster_id=12)
+    await eventually(lambda: len(srv.connections) == 2)
+    with pytest.raises(LLMException) as ei:
+        await net.connect(srv, cluster_id=13, link_timeout=2.0)
+    assert ei.value.status_code == LLMStatusCode.LLM_LINK_FAILED

@@ -8,15 +8,22 @@ encoding implemented by :func:`encode` / :func:`decode`.
 The side that calls :func:`connect` (the initiator) and the side whose
 :class:`ControlServer` accepted the socket (the acceptor) run a handshake::
 
-    initiator -> HELLO        {version, cluster_id, role, worker_address, nonce, auth}
+    initiator -> HELLO        {version, cluster_id, role, nonce, auth}
     acceptor  -> HELLO_REPLY  {same fields, mac}
-    initiator -> AUTH         {mac}
-    acceptor  -> AUTH_OK      {}            (or ERROR_RESPONSE {status, message})
+    initiator -> AUTH         {mac, worker_address, host_id}
+    acceptor  -> AUTH_OK      {mac, worker_address, host_id}
+                              (or ERROR_RESPONSE {status, message})
 
 With a shared ``auth_token`` each side proves it with an HMAC-SHA256 over
 both nonces and both sides' identities; without one the macs are empty but
-the same four messages flow.  After the handshake the connection is
-symmetric: either end sends REQUESTs (answered by RESPONSE or
+the same four messages flow. What lets a peer touch memory — the UCX worker
+address, the host id — travels only after the other side has proven the
+token: the initiator sends its own in AUTH, once the acceptor's HELLO_REPLY
+proved it; the acceptor sends its own in AUTH_OK, once the initiator's AUTH
+proved it. Each is bound into the sender's mac, so it cannot be swapped in
+flight. (Protocol version 2; version 1 sent worker addresses in the hellos.)
+
+After the handshake the connection is symmetric: either end sends REQUESTs (answered by RESPONSE or
 ERROR_RESPONSE with the same request id) and EVENTs, and either end says
 BYE before closing.
 
@@ -56,7 +63,7 @@ __all__ = [
 
 _log = logging.getLogger("aiokvcache.control")
 
-PROTOCOL_VERSION: int = 1
+PROTOCOL_VERSION: int = 2
 """Version byte carried by every frame and by HELLO / HELLO_REPLY."""
 
 MAX_FRAME: int = 1 << 20
@@ -78,7 +85,13 @@ MAX_INFLIGHT_REQUESTS = 1024
 """Incoming requests served at once per connection; more get LLM_LINK_BUSY."""
 
 MAX_PENDING_HANDSHAKES = 128
-"""Accepted sockets still in the handshake per server; more are dropped."""
+"""Accepted sockets still in the handshake per server. When all are taken, a
+new socket evicts the oldest pending one: idle sockets cannot lock out a peer
+whose handshake takes milliseconds (a slowloris would have to open this many
+sockets within one legitimate handshake)."""
+
+MAX_CONNECTIONS = 1024
+"""Established connections per server; a handshake beyond that is refused."""
 
 _NONCE_LEN = 32
 _MAX_MESSAGE = 4096  # error / bye text sent to a peer is cut to this
@@ -764,14 +777,13 @@ def _abort(writer: asyncio.StreamWriter) -> None:
 
 
 def _hello(local: LocalInfo, nonce: bytes) -> dict[str, Any]:
+    # Nothing here lets the peer reach our memory: it has proven nothing yet.
     return {
         "version": PROTOCOL_VERSION,
         "cluster_id": local.cluster_id,
         "role": local.role,
-        "worker_address": bytes(local.worker_address),
         "nonce": nonce,
         "auth": local.auth_token is not None,
-        "host_id": bytes(local.host_id),
     }
 
 
@@ -779,24 +791,48 @@ def _check_hello(kind: _Kind, payload: dict[str, Any]) -> dict[str, Any]:
     _get(payload, "version", int, kind)
     _get(payload, "cluster_id", int, kind)
     _get(payload, "role", int, kind)
-    _get(payload, "worker_address", bytes, kind)
     _get(payload, "auth", bool, kind)
-    _get(payload, "host_id", bytes, kind)
     if len(_get(payload, "nonce", bytes, kind)) != _NONCE_LEN:
         raise ProtocolError(f"{kind.name}: nonce must be {_NONCE_LEN} bytes")
     return payload
 
 
+#: Longest UCX worker address a peer may announce (real ones are a few hundred bytes).
+MAX_WORKER_ADDRESS = 1 << 16
+
+
+def _identity(local: LocalInfo) -> dict[str, Any]:
+    """What a proven peer may learn: how to reach our transfer engine."""
+    return {"worker_address": bytes(local.worker_address), "host_id": bytes(local.host_id)}
+
+
+def _check_identity(kind: _Kind, payload: dict[str, Any]) -> dict[str, Any]:
+    address = _get(payload, "worker_address", bytes, kind)
+    if not 0 < len(address) <= MAX_WORKER_ADDRESS:
+        raise ProtocolError(f"{kind.name}: worker_address of {len(address)} bytes")
+    if len(_get(payload, "host_id", bytes, kind)) > 256:
+        raise ProtocolError(f"{kind.name}: host_id too long")
+    return {"worker_address": address, "host_id": payload["host_id"]}
+
+
 def _transcript(client: dict[str, Any], server: dict[str, Any]) -> bytes:
     # Both identities bound into the mac, so neither can be swapped in flight.
-    fields = ("version", "cluster_id", "role", "worker_address", "auth")
+    fields = ("version", "cluster_id", "role", "auth")
     return encode([[client[f] for f in fields], [server[f] for f in fields]])
 
 
-def _mac(token: bytes | None, label: bytes, first: bytes, second: bytes, ids: bytes) -> bytes:
+def _mac(
+    token: bytes | None,
+    label: bytes,
+    first: bytes,
+    second: bytes,
+    ids: bytes,
+    identity: dict[str, Any] | None = None,
+) -> bytes:
     if token is None:
         return b""
-    return hmac.new(bytes(token), label + first + second + ids, hashlib.sha256).digest()
+    extra = b"" if identity is None else encode([identity["worker_address"], identity["host_id"]])
+    return hmac.new(bytes(token), label + first + second + ids + extra, hashlib.sha256).digest()
 
 
 def _auth_mismatch(local_auth: bool, peer_auth: bool) -> str:
@@ -828,12 +864,16 @@ async def _refuse(writer: asyncio.StreamWriter, exc: LLMException) -> None:
 
 
 async def _accept_handshake(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, local: LocalInfo, handler: Handler
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    local: LocalInfo,
+    handler: Handler,
+    timeout: float | None = None,
 ) -> ControlConnection | None:
     """Acceptor side; returns the started connection, or None after logging why not."""
     peer = _fmt(_peer_address(writer))
     try:
-        async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT if timeout is None else timeout):
             kind, _, hello = await _read_frame(reader)
             if kind is not _Kind.HELLO:
                 raise ProtocolError(f"expected HELLO, got {kind.name}")
@@ -857,9 +897,13 @@ async def _accept_handshake(
             if kind is not _Kind.AUTH:
                 raise ProtocolError(f"expected AUTH, got {kind.name}")
             mac = _get(auth, "mac", bytes, kind)
-            expected = _mac(local.auth_token, b"aiokvcache-c", nonce, hello["nonce"], ids)
+            peer_identity = _check_identity(kind, auth)
+            expected = _mac(
+                local.auth_token, b"aiokvcache-c", nonce, hello["nonce"], ids, peer_identity
+            )
             if not hmac.compare_digest(mac, expected):
                 raise _link_failed("authentication failed: bad client proof (auth token differs)")
+            hello = {**hello, **peer_identity}
     except TimeoutError:
         _log.warning("closing control connection from %s: handshake timed out", peer)
         _abort(writer)
@@ -902,7 +946,10 @@ async def _accept_handshake(
     # Written now, not queued: AUTH_OK must precede anything on_connected
     # queued, and the writer task that sends those only starts here.  No
     # await between on_connected and _start, so on_closed is never lost.
-    writer.write(_pack_frame(_Kind.AUTH_OK, 0, {}))
+    # Our identity goes out only now: the initiator has proven the token.
+    mine = _identity(local)
+    ok = {"mac": _mac(local.auth_token, b"aiokvcache-a", hello["nonce"], nonce, ids, mine), **mine}
+    writer.write(_pack_frame(_Kind.AUTH_OK, 0, ok))
     conn._start()
     return conn
 
@@ -950,13 +997,22 @@ async def connect(
             expected = _mac(local.auth_token, b"aiokvcache-s", nonce, reply["nonce"], ids)
             if not hmac.compare_digest(server_mac, expected):
                 raise _link_failed("authentication failed: bad server proof (auth token differs)")
-            client_mac = _mac(local.auth_token, b"aiokvcache-c", reply["nonce"], nonce, ids)
-            await _send_now(writer, _Kind.AUTH, 0, {"mac": client_mac})
+            # The acceptor proved the token: it may learn our identity now.
+            mine = _identity(local)
+            client_mac = _mac(local.auth_token, b"aiokvcache-c", reply["nonce"], nonce, ids, mine)
+            await _send_now(writer, _Kind.AUTH, 0, {"mac": client_mac, **mine})
             kind, _, ok = await _read_frame(reader)
             if kind is _Kind.ERROR_RESPONSE:
                 raise _error_from_payload(ok)
             if kind is not _Kind.AUTH_OK:
                 raise ProtocolError(f"expected AUTH_OK, got {kind.name}")
+            peer_identity = _check_identity(kind, ok)
+            expected = _mac(
+                local.auth_token, b"aiokvcache-a", nonce, reply["nonce"], ids, peer_identity
+            )
+            if not hmac.compare_digest(_get(ok, "mac", bytes, kind), expected):
+                raise _link_failed("authentication failed: bad server identity proof")
+            reply = {**reply, **peer_identity}
     except LLMException as e:
         if writer is not None:
             _say_bye_and_close(writer, e.message)
@@ -1019,7 +1075,12 @@ class ControlServer:
         self._handler = handler
         self._server: asyncio.Server | None = None
         self._address: tuple[str, int] | None = None
-        self._handshakes: set[asyncio.Task[Any]] = set()
+        # Pending handshakes, oldest first, with their sockets (for eviction).
+        self._handshakes: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+        self.handshake_timeout = HANDSHAKE_TIMEOUT
+        self.max_pending = MAX_PENDING_HANDSHAKES
+        self.max_connections = MAX_CONNECTIONS
+        self.evicted = 0  # pending handshakes dropped to make room
         self._conns: set[ControlConnection] = set()
         self._closing = False
         self._closed = asyncio.Event()
@@ -1056,19 +1117,34 @@ class ControlServer:
         return frozenset(self._conns)
 
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._closing or len(self._handshakes) >= MAX_PENDING_HANDSHAKES:
+        peer = _fmt(_peer_address(writer))
+        if self._closing or len(self._conns) >= self.max_connections:
             _log.warning(
                 "dropping control connection from %s: %s",
-                _fmt(_peer_address(writer)),
-                "server closing" if self._closing else "too many pending handshakes",
+                peer,
+                "server closing" if self._closing else "too many connections",
             )
             _abort(writer)
             return
+        while len(self._handshakes) >= self.max_pending:
+            oldest, sock = next(iter(self._handshakes.items()))
+            del self._handshakes[oldest]
+            self.evicted += 1
+            _log.warning(
+                "evicting the oldest pending handshake (%s) for %s: %d pending",
+                _fmt(_peer_address(sock)),
+                peer,
+                self.max_pending,
+            )
+            _abort(sock)
+            oldest.cancel()
         task = asyncio.current_task()
         assert task is not None
-        self._handshakes.add(task)
+        self._handshakes[task] = writer
         try:
-            conn = await _accept_handshake(reader, writer, self._local, self._handler)
+            conn = await _accept_handshake(
+                reader, writer, self._local, self._handler, self.handshake_timeout
+            )
         except asyncio.CancelledError:
             _abort(writer)  # server closing mid-handshake
             return
@@ -1077,7 +1153,7 @@ class ControlServer:
             _abort(writer)
             return
         finally:
-            self._handshakes.discard(task)
+            self._handshakes.pop(task, None)
         if conn is None or conn._closed_event.is_set():
             return
         self._conns.add(conn)

@@ -26,10 +26,12 @@ __all__ = [
     "KEY_DIRECT_COPY",
     "KEY_ENABLE_CACHE_MANAGER",
     "KEY_ENABLE_REMOTE_CACHE_ACCESSIBLE",
+    "KEY_HANDSHAKE_TIMEOUT",
     "KEY_HOST_MEM_POOL_CONFIG",
     "KEY_LINK_RETRY_COUNT",
     "KEY_LINK_TOTAL_TIME",
     "KEY_LISTEN_IP_INFO",
+    "KEY_MAX_CONNECTIONS",
     "KEY_MAX_INFLIGHT_BYTES",
     "KEY_MEM_POOL_CONFIG",
     "KEY_SYNC_KV_TIMEOUT",
@@ -51,6 +53,8 @@ KEY_TRANSPORT = "aiokvcache.transport"
 KEY_AUTH_TOKEN = "aiokvcache.authToken"
 KEY_MAX_INFLIGHT_BYTES = "aiokvcache.maxInflightBytes"
 KEY_DIRECT_COPY = "aiokvcache.directCopy"
+KEY_HANDSHAKE_TIMEOUT = "aiokvcache.handshakeTimeout"
+KEY_MAX_CONNECTIONS = "aiokvcache.maxConnections"
 # Emitted by LLMConfig.device_id for code ported from LLM-DataDist; the
 # engine ignores them.
 _KEY_DEVICE_ID = "ge.exec.deviceId"
@@ -60,6 +64,8 @@ _KEY_SESSION_DEVICE_ID = "ge.session_device_id"
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
+DEFAULT_HANDSHAKE_TIMEOUT_MS = 5000
+DEFAULT_MAX_CONNECTIONS = 1024
 LINK_RETRY_COUNT_MAX = 100
 # page_shift of a memory pool config, as LLM-DataDist checks it: [10, 31).
 _PAGE_SHIFT_MIN, _PAGE_SHIFT_MAX = 10, 30
@@ -198,6 +204,8 @@ class LLMConfig:
         self._auth_token: str | None = None
         self._max_inflight_bytes: int | None = None
         self._direct_copy: bool | None = None
+        self._handshake_timeout: int | None = None
+        self._max_connections: int | None = None
         self._device_id: int | tuple[int, ...] | None = None
         self._ge_options: dict[str, str] = {}
 
@@ -234,6 +242,10 @@ class LLMConfig:
             options[KEY_MAX_INFLIGHT_BYTES] = str(self._max_inflight_bytes)
         if self._direct_copy is not None:
             options[KEY_DIRECT_COPY] = "1" if self._direct_copy else "0"
+        if self._handshake_timeout is not None:
+            options[KEY_HANDSHAKE_TIMEOUT] = str(self._handshake_timeout)
+        if self._max_connections is not None:
+            options[KEY_MAX_CONNECTIONS] = str(self._max_connections)
         return options
 
     @property
@@ -376,6 +388,32 @@ class LLMConfig:
         self._max_inflight_bytes = check_int("max_inflight_bytes", value, 1, INT64_MAX)
 
     @property
+    def handshake_timeout(self) -> int:
+        """**[ours]** Milliseconds an accepted control connection may take to
+        finish its handshake, ``[1, 2**31-1]``, default 5000: a socket that
+        sends nothing holds a slot no longer. Key ``aiokvcache.handshakeTimeout``."""
+        if self._handshake_timeout is None:
+            return DEFAULT_HANDSHAKE_TIMEOUT_MS
+        return self._handshake_timeout
+
+    @handshake_timeout.setter
+    def handshake_timeout(self, value: int) -> None:
+        self._handshake_timeout = check_int("handshake_timeout", value, 1, INT32_MAX)
+
+    @property
+    def max_connections(self) -> int:
+        """**[ours]** Established control connections the listener keeps at
+        once, ``[1, 65535]``, default 1024; a handshake beyond that is
+        refused. Key ``aiokvcache.maxConnections``."""
+        if self._max_connections is None:
+            return DEFAULT_MAX_CONNECTIONS
+        return self._max_connections
+
+    @max_connections.setter
+    def max_connections(self, value: int) -> None:
+        self._max_connections = check_int("max_connections", value, 1, UINT16_MAX)
+
+    @property
     def direct_copy(self) -> bool:
         """**[ours]** Move bytes to and from same-host peers with one memcpy
         into their mapped shared memory (default on); off, every byte goes
@@ -445,6 +483,8 @@ class EngineOptions:
     auth_token: bytes | None = field(default=None, repr=False)
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     direct_copy: bool = True
+    handshake_timeout_ms: int = DEFAULT_HANDSHAKE_TIMEOUT_MS
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     unknown_keys: tuple[str, ...] = ()
 
     @property
@@ -507,4 +547,6 @@ _FIELD_PARSERS: dict[str, Callable[[str], dict[str, Any]]] = {
     KEY_AUTH_TOKEN: lambda t: {"auth_token": _parse_auth_token(t)},
     KEY_MAX_INFLIGHT_BYTES: lambda t: {"max_inflight_bytes": _parse_uint(t, 1, INT64_MAX)},
     KEY_DIRECT_COPY: lambda t: {"direct_copy": _parse_flag(t)},
+    KEY_HANDSHAKE_TIMEOUT: lambda t: {"handshake_timeout_ms": _parse_uint(t, 1, INT32_MAX)},
+    KEY_MAX_CONNECTIONS: lambda t: {"max_connections": _parse_uint(t, 1, UINT16_MAX)},
 }

@@ -22,10 +22,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import secrets
 import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
+from .._bridge import OP_GET, OP_PUT
 from .._loader import native
 from . import control
 from .catalog import forget_link, install_remote, metadata, retire_remote
@@ -48,6 +52,12 @@ _PEER_FINALIZING = "the peer finalized"
 # Native release waits run in a worker thread in slices of this many seconds,
 # so a close() in between is noticed.
 _RELEASE_SLICE_S = 1.0
+# A cut-off endpoint's close is polled at this interval; a warning after _CLOSE_WARN_S.
+_CLOSE_POLL_S = 0.02
+# The data-path probe of a new link: a few bytes put to the peer and read back.
+PROBE_BYTES = 64
+_NONCE_BYTES = 16
+_CLOSE_WARN_S = 10.0
 
 #: Errors that reached a service loop's exception handler (tests assert none).
 SERVICE_ERRORS: list[dict[str, Any]] = []
@@ -147,6 +157,8 @@ class PeerService:
     async def listen(self, host: str, port: int) -> None:
         """Start the control server (service loop)."""
         server = control.ControlServer(self._state.local, self)
+        server.handshake_timeout = self._state.options.handshake_timeout_ms / 1000
+        server.max_connections = self._state.options.max_connections
         try:
             await server.start(host, port)
         except LLMException as exc:
@@ -232,7 +244,15 @@ class PeerService:
     async def _try_link(
         self, cid: int, host: str, port: int, timeout: float
     ) -> tuple[LLMStatusCode, str]:
-        """One connection attempt: (status, reason); the link exists on SUCCESS."""
+        """One connection attempt: (status, reason); the link exists on SUCCESS.
+
+        A link is up only once its data path moved bytes both ways: we put a
+        nonce into the peer's memory and read it back over our endpoint, and
+        the peer does the same over its endpoint to us. Either half failing
+        drops the link and says which half it was.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
             conn = await control.connect(host, port, self._state.local, self, timeout)
         except LLMException as exc:
@@ -240,7 +260,77 @@ class PeerService:
         if conn.peer_cluster_id != cid:
             await conn.close("wrong cluster id")
             return LLMStatusCode.LLM_LINK_FAILED, f"it is cluster {conn.peer_cluster_id}"
+        with self._state.lock:
+            link = self._state.links.get(cid)
+        if link is None or link.conn is not conn:
+            return LLMStatusCode.LLM_LINK_FAILED, "the link went away during its set-up"
+        try:
+            left = max(deadline - loop.time(), 0.05)
+            problem = await self.probe(link, left)
+            if problem:
+                raise make_error(
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    f"data path from us to cluster {cid} does not work: {problem}",
+                )
+            left = max(deadline - loop.time(), 0.05)
+            back = await conn.request("probe_back", {"timeout": left}, timeout=left + 1.0)
+            if back.get("problem"):
+                raise make_error(
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    f"data path from cluster {cid} to us does not work: {back['problem']}",
+                )
+        except LLMException as exc:
+            self.drop_link(link, f"data path check failed: {exc.message}")
+            await conn.close("data path check failed")
+            return exc.status_code, exc.message
+        self._free_probe(link)  # both probes are over: the peer's ended before probe_back
         return LLMStatusCode.LLM_SUCCESS, ""
+
+    def _free_probe(self, link: Link) -> None:
+        """Release the link's probe buffer (it is needed only while linking)."""
+        if link.probe is not None:
+            with contextlib.suppress(native.NativeError):
+                self._state.engine.mem_release(link.probe[0])
+            link.probe = None
+
+    def _probe_buffer(self, link: Link) -> tuple[int, int]:
+        """The link's probe buffer (allocated once, released with the link)."""
+        if link.probe is None:
+            link.probe = self._state.engine.mem_alloc(PROBE_BYTES)
+        return link.probe
+
+    async def probe(self, link: Link, timeout: float) -> str:
+        """Move a nonce to the peer and back over our endpoint; '' or what failed."""
+        st = self._state
+        engine = st.engine
+        try:
+            info = await link.conn.request("probe_info", {}, timeout=timeout)
+            addr, length, packed = info["addr"], info["len"], info["rkey"]
+            if not (isinstance(addr, int) and isinstance(packed, bytes)) or length != PROBE_BYTES:
+                return "the peer sent a bad probe buffer"
+            rkey = engine.rkey_unpack(link.ep, packed, addr, length)
+        except (LLMException, KeyError, native.NativeError) as exc:
+            return f"no probe buffer from the peer ({exc})"
+        try:
+            _, local = self._probe_buffer(link)
+            view = native.buffer_from_address(local, PROBE_BYTES)
+            nonce = secrets.token_bytes(_NONCE_BYTES)
+            view[:_NONCE_BYTES] = nonce
+            view[_NONCE_BYTES : 2 * _NONCE_BYTES] = bytes(_NONCE_BYTES)
+            ms = max(1, int(timeout * 1000))
+            put = [[local, addr, _NONCE_BYTES, rkey]]
+            get = [[local + _NONCE_BYTES, addr, _NONCE_BYTES, rkey]]
+            for what, op, rows in (("put", OP_PUT, put), ("get", OP_GET, get)):
+                job = engine.submit(op, link.ep, np.array(rows, dtype=np.uint64), b"", ms)
+                loop = asyncio.get_running_loop()
+                if not await loop.run_in_executor(None, engine.wait_released, [job], timeout + 1):
+                    return f"the probe's {what} did not end in time"
+            if bytes(view[_NONCE_BYTES : 2 * _NONCE_BYTES]) != nonce:
+                return "the bytes did not make the round trip (a put or get failed)"
+            return ""
+        finally:
+            with contextlib.suppress(native.NativeError):
+                engine.rkey_release(rkey)
 
     async def unlink_all(
         self, cluster_ids: Sequence[int], timeout_ms: int, force: bool
@@ -274,6 +364,7 @@ class PeerService:
         forget_link(self._state, link)
         with contextlib.suppress(native.EngineClosedError):
             self._state.engine.disconnect(link.ep)
+        self._free_probe(link)
 
     def break_link(self, link: Link, reason: str) -> None:
         """Mark a link broken and fail its endpoint (every job on it ends)."""
@@ -373,6 +464,16 @@ class PeerService:
             log.info("aiokvcache: cluster %d is finalizing", link.cluster_id)
             self.break_link(link, _PEER_FINALIZING)
             return {}
+        if op == "probe_info":
+            region, addr = self._probe_buffer(link)
+            return {"addr": addr, "len": PROBE_BYTES, "rkey": st.engine.rkey_pack(region)}
+        if op == "probe_back":
+            tmo = body.get("timeout")
+            if not isinstance(tmo, float) or not 0 < tmo <= 600:
+                raise param_invalid("probe_back: timeout must be a float in (0, 600]")
+            problem = await self.probe(link, tmo)
+            self._free_probe(link)  # the initiator probed before it asked us
+            return {"problem": problem}
         if op == "invalidate":
             cid = body.get("cache_id")
             if not isinstance(cid, int):
@@ -598,16 +699,28 @@ class PeerService:
         self.spawn(self._release_later(rec, ids, owners))
 
     async def _release_later(self, rec: LocalCache, ids: list[int], owners: Any) -> None:
+        """Free a retired cache once nothing can write it any more.
+
+        Our own jobs on it are released first. Then every linked peer is
+        asked to invalidate it; a peer that does not confirm (frozen, cut
+        off, gone) is cut off instead — its link dropped and our endpoint to
+        it closed at the transport — and the memory waits for that close.
+        Reuse never follows from a timer alone.
+        """
         st = self._state
         try:
             await self._released(ids)
             if rec.remote_accessible:
                 with st.lock:
-                    links = [lk for lk in st.links.values() if not lk.broken]
-                await asyncio.gather(
-                    *(self._invalidate_at(lk, rec.cache_id) for lk in links),
-                    return_exceptions=True,
+                    links = list(st.links.values())
+                live = [lk for lk in links if not lk.broken]
+                confirmed = await asyncio.gather(
+                    *(self._invalidate_at(lk, rec.cache_id) for lk in live)
                 )
+                unconfirmed = [lk for lk, ok in zip(live, confirmed, strict=True) if not ok]
+                unconfirmed += [lk for lk in links if lk.broken]
+                for lk in unconfirmed:
+                    await self._cut_off(lk, f"it did not confirm that cache {rec.cache_id} is gone")
         finally:
             for rid, _, _ in rec.regions:
                 # A closed engine freed every region already.
@@ -615,13 +728,36 @@ class PeerService:
                     st.engine.mem_release(rid)
             del owners  # user buffers may go now
 
-    async def _invalidate_at(self, link: Link, cache_id: int) -> None:
+    async def _cut_off(self, link: Link, why: str) -> None:
+        """Drop ``link`` and wait until our endpoint to the peer is closed."""
+        if not link.broken:
+            log.warning("aiokvcache: cutting off cluster %d: %s", link.cluster_id, why)
+        self.drop_link(link, f"cut off: {why}")
+        self.spawn(link.conn.close(f"cut off: {why}"))
+        engine = self._state.engine
+        start = self._loop.time()
+        warned = False
+        while not engine.endpoint_closed(link.ep):
+            await asyncio.sleep(_CLOSE_POLL_S)
+            waited = self._loop.time() - start
+            if waited >= _CLOSE_WARN_S and not warned:
+                warned = True
+                log.warning(
+                    "aiokvcache: endpoint to cluster %d still closing after %.0f s; the "
+                    "retired memory waits for it",
+                    link.cluster_id,
+                    waited,
+                )
+
+    async def _invalidate_at(self, link: Link, cache_id: int) -> bool:
         try:
             await link.conn.request("invalidate", {"cache_id": cache_id}, timeout=RETIRE_TIMEOUT_S)
         except LLMException as exc:
             log.info(
                 "aiokvcache: cluster %d did not confirm invalidation: %s", link.cluster_id, exc
             )
+            return False
+        return True
 
     def overall(self, results: Sequence[LLMStatusCode]) -> LLMStatusCode:
         """The first non-success status of ``results``, else SUCCESS."""

@@ -91,6 +91,8 @@ class Link:
     broken: bool = False
     reason: str = ""
     remote: dict[int, RemoteCache] = field(default_factory=dict)  # by remote cache id
+    #: (region id, address) of the small buffer the link's data-path probes use.
+    probe: tuple[int, int] | None = None
 
 
 class Registry:
