@@ -34,6 +34,7 @@ __all__ = [
     "KEY_MAX_CONNECTIONS",
     "KEY_MAX_INFLIGHT_BYTES",
     "KEY_MEM_POOL_CONFIG",
+    "KEY_PEER_TIMEOUT",
     "KEY_SYNC_KV_TIMEOUT",
     "KEY_TRANSPORT",
     "TRANSPORTS",
@@ -55,6 +56,7 @@ KEY_MAX_INFLIGHT_BYTES = "aiokvcache.maxInflightBytes"
 KEY_DIRECT_COPY = "aiokvcache.directCopy"
 KEY_HANDSHAKE_TIMEOUT = "aiokvcache.handshakeTimeout"
 KEY_MAX_CONNECTIONS = "aiokvcache.maxConnections"
+KEY_PEER_TIMEOUT = "aiokvcache.peerTimeout"
 # Emitted by LLMConfig.device_id for code ported from LLM-DataDist; the
 # engine ignores them.
 _KEY_DEVICE_ID = "ge.exec.deviceId"
@@ -66,6 +68,7 @@ DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
 DEFAULT_HANDSHAKE_TIMEOUT_MS = 5000
 DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_PEER_TIMEOUT_MS = 5000
 LINK_RETRY_COUNT_MAX = 100
 # page_shift of a memory pool config, as LLM-DataDist checks it: [10, 31).
 _PAGE_SHIFT_MIN, _PAGE_SHIFT_MAX = 10, 30
@@ -153,6 +156,13 @@ def _parse_mem_pool(text: str) -> int:
     return size
 
 
+def _parse_peer_timeout(text: str) -> int:
+    v = _parse_uint(text, 0, INT32_MAX)
+    if 0 < v < 100:
+        raise _BadValue(f"must be 0 or >= 100 ms, got {v}")
+    return v
+
+
 def _parse_transport(text: str) -> str:
     if text not in TRANSPORTS:
         raise _BadValue(f"must be one of {', '.join(TRANSPORTS)}, got {text!r}")
@@ -206,6 +216,7 @@ class LLMConfig:
         self._direct_copy: bool | None = None
         self._handshake_timeout: int | None = None
         self._max_connections: int | None = None
+        self._peer_timeout: int | None = None
         self._device_id: int | tuple[int, ...] | None = None
         self._ge_options: dict[str, str] = {}
 
@@ -246,6 +257,8 @@ class LLMConfig:
             options[KEY_HANDSHAKE_TIMEOUT] = str(self._handshake_timeout)
         if self._max_connections is not None:
             options[KEY_MAX_CONNECTIONS] = str(self._max_connections)
+        if self._peer_timeout is not None:
+            options[KEY_PEER_TIMEOUT] = str(self._peer_timeout)
         return options
 
     @property
@@ -414,6 +427,24 @@ class LLMConfig:
         self._max_connections = check_int("max_connections", value, 1, UINT16_MAX)
 
     @property
+    def peer_timeout(self) -> int:
+        """**[ours]** Milliseconds a linked peer's control plane may stay silent
+        before the link is declared broken, ``0`` (never) or ``[100, 2**31-1]``,
+        default 5000. Each side pings the other every quarter of it, so a
+        frozen host or a cut cable is noticed without waiting for TCP. Key
+        ``aiokvcache.peerTimeout``."""
+        if self._peer_timeout is None:
+            return DEFAULT_PEER_TIMEOUT_MS
+        return self._peer_timeout
+
+    @peer_timeout.setter
+    def peer_timeout(self, value: int) -> None:
+        v = check_int("peer_timeout", value, 0, INT32_MAX)
+        if 0 < v < 100:
+            raise ValueError(f"peer_timeout must be 0 or >= 100 ms, got {v}")
+        self._peer_timeout = v
+
+    @property
     def direct_copy(self) -> bool:
         """**[ours]** Move bytes to and from same-host peers with one memcpy
         into their mapped shared memory (default on); off, every byte goes
@@ -485,6 +516,7 @@ class EngineOptions:
     direct_copy: bool = True
     handshake_timeout_ms: int = DEFAULT_HANDSHAKE_TIMEOUT_MS
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    peer_timeout_ms: int = DEFAULT_PEER_TIMEOUT_MS
     unknown_keys: tuple[str, ...] = ()
 
     @property
@@ -549,4 +581,5 @@ _FIELD_PARSERS: dict[str, Callable[[str], dict[str, Any]]] = {
     KEY_DIRECT_COPY: lambda t: {"direct_copy": _parse_flag(t)},
     KEY_HANDSHAKE_TIMEOUT: lambda t: {"handshake_timeout_ms": _parse_uint(t, 1, INT32_MAX)},
     KEY_MAX_CONNECTIONS: lambda t: {"max_connections": _parse_uint(t, 1, UINT16_MAX)},
+    KEY_PEER_TIMEOUT: lambda t: {"peer_timeout_ms": _parse_peer_timeout(t)},
 }

@@ -58,6 +58,8 @@ _CLOSE_POLL_S = 0.02
 PROBE_BYTES = 64
 _NONCE_BYTES = 16
 _CLOSE_WARN_S = 10.0
+# Pause before asking again a peer that still holds a link we dropped.
+_RELINK_PAUSE_S = 0.05
 
 #: Errors that reached a service loop's exception handler (tests assert none).
 SERVICE_ERRORS: list[dict[str, Any]] = []
@@ -194,6 +196,12 @@ class PeerService:
         assert cid is not None
         with st.lock:
             existing = st.links.get(cid)
+        if existing is not None and not existing.broken and not await self._alive(existing):
+            # Our side had not noticed yet (a cut cable, a frozen host).
+            self.break_link(existing, "no answer to a liveness check")
+            self.spawn(existing.conn.close("no answer to a liveness check"))
+        with st.lock:
+            existing = st.links.get(cid)
             if existing is not None and not existing.broken:
                 return LLMStatusCode.LLM_ALREADY_LINK
             if cid in st.linking:
@@ -219,6 +227,14 @@ class PeerService:
                     if left <= 0:
                         break
                     status, reason = await self._try_link(cid, host, port, left)
+                    while status == LLMStatusCode.LLM_ALREADY_LINK and not self._linked(cid):
+                        # The peer still holds the link we dropped: its close is
+                        # on the way (or its heartbeat will notice). Ask again.
+                        left = deadline - loop.time() - _RELINK_PAUSE_S
+                        if left <= 0:
+                            break
+                        await asyncio.sleep(_RELINK_PAUSE_S)
+                        status, reason = await self._try_link(cid, host, port, left)
                     if status in (
                         LLMStatusCode.LLM_SUCCESS,
                         LLMStatusCode.LLM_ALREADY_LINK,
@@ -240,6 +256,21 @@ class PeerService:
         finally:
             with st.lock:
                 st.linking.discard(cid)
+
+    def _linked(self, cid: int) -> bool:
+        """True while we hold a live link to ``cid``."""
+        with self._state.lock:
+            link = self._state.links.get(cid)
+        return link is not None and not link.broken
+
+    async def _alive(self, link: Link) -> bool:
+        """One quick ping: does the linked peer still answer?"""
+        timeout = min(1.0, (self._state.options.peer_timeout_ms or 1000) / 1000)
+        try:
+            await link.conn.request("ping", {}, timeout=timeout)
+        except LLMException:
+            return False
+        return True
 
     async def _try_link(
         self, cid: int, host: str, port: int, timeout: float
@@ -443,9 +474,42 @@ class PeerService:
                 LLMStatusCode.LLM_LINK_FAILED,
                 f"cannot reach cluster {cid}'s transfer engine: {exc}",
             ) from exc
+        link = Link(cid, conn, ep)
         with st.lock:
-            st.links[cid] = Link(cid, conn, ep)
+            st.links[cid] = link
+        if st.options.peer_timeout_ms:
+            self._loop.create_task(self._heartbeat(link), name=f"aiokvcache.heartbeat.{cid}")
         log.info("aiokvcache: cluster %d linked with cluster %d", st.cluster_id, cid)
+
+    async def _heartbeat(self, link: Link) -> None:
+        """Ping the peer every quarter of peer_timeout; silence breaks the link.
+
+        A frozen host or a cut cable closes no socket: without this, only a
+        transfer's own deadline would notice, and a re-link would be told
+        ALREADY_LINK. The peer answers from its service thread, so a peer
+        whose event loop is busy still answers.
+        """
+        timeout = self._state.options.peer_timeout_ms / 1000
+        while True:
+            await asyncio.sleep(timeout / 4)
+            with self._state.lock:
+                current = self._state.links.get(link.cluster_id) is link and not link.broken
+            if not current or link.conn.closed:
+                return
+            try:
+                await link.conn.request("ping", {}, timeout=timeout)
+            except LLMException as exc:
+                if link.conn.closed or link.broken:
+                    return
+                log.warning(
+                    "aiokvcache: cluster %d did not answer for %.1f s: link broken (%s)",
+                    link.cluster_id,
+                    timeout,
+                    exc.message,
+                )
+                self.break_link(link, f"peer silent for {timeout:.1f} s")
+                await link.conn.close(f"peer silent for {timeout:.1f} s")
+                return
 
     async def handle_request(
         self, conn: control.ControlConnection, op: str, body: dict[str, Any]
@@ -463,6 +527,8 @@ class PeerService:
             # transport errors that follow read as a shutdown, not a failure.
             log.info("aiokvcache: cluster %d is finalizing", link.cluster_id)
             self.break_link(link, _PEER_FINALIZING)
+            return {}
+        if op == "ping":
             return {}
         if op == "probe_info":
             region, addr = self._probe_buffer(link)
