@@ -32,6 +32,7 @@ from aiokvcache.testing import (
     fill,
     make_pair,
     options,
+    pair,
     same,
     snapshot,
 )
@@ -679,3 +680,17 @@ async def test_link_tries_every_address(pair: Pair, transport: str) -> None:
         assert per == [S.LLM_SUCCESS] and rc == S.LLM_SUCCESS
     finally:
         await third.finalize()
+
+
+async def test_data_plane_on_a_named_interface() -> None:
+    # The loopback interface, named: UCX listens, advertises and connects only there.
+    async with pair("tcp", net_devices="lo") as pr:
+        desc = kv_desc(layers=2, batch=1)
+        dst = pr.d.allocate_cache(desc)
+        src = pr.p.allocate_cache(desc)
+        fill(src, 3)
+        await pr.p.push_cache(CacheKeyByIdAndIndex(2, dst.cache_id), src, timeout=10)
+        assert same(snapshot(src), dst)
+        for dd in (pr.prompt, pr.decoder):
+            lanes = [w for w in dd._engine.info().split() if w.startswith("tcp/")]
+            assert lanes and set(lanes) == {"tcp/lo"}, lanes

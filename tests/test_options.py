@@ -400,3 +400,19 @@ def test_engine_options_rejects(key: str, text: str) -> None:
 def test_engine_options_type_errors(options: Any) -> None:
     with pytest.raises(TypeError):
         EngineOptions.from_options(options)
+
+
+def test_net_devices_option() -> None:
+    from aiokvcache.options import KEY_NET_DEVICES, EngineOptions, LLMConfig
+
+    cfg = LLMConfig()
+    assert cfg.net_devices == "all"
+    cfg.net_devices = "eth1,eth2"
+    assert cfg.generate_options()[KEY_NET_DEVICES] == "eth1,eth2"
+    assert EngineOptions.from_options({KEY_NET_DEVICES: "lo"}).net_devices == "lo"
+    with pytest.raises(ValueError, match="net_devices"):
+        cfg.net_devices = "eth 1"
+    with pytest.raises(TypeError, match="net_devices"):
+        cfg.net_devices = 3  # type: ignore[assignment]
+    with pytest.raises(LLMException, match=KEY_NET_DEVICES):
+        EngineOptions.from_options({KEY_NET_DEVICES: "a;b"})

@@ -34,6 +34,7 @@ __all__ = [
     "KEY_MAX_CONNECTIONS",
     "KEY_MAX_INFLIGHT_BYTES",
     "KEY_MEM_POOL_CONFIG",
+    "KEY_NET_DEVICES",
     "KEY_PEER_TIMEOUT",
     "KEY_SYNC_KV_TIMEOUT",
     "KEY_TRANSPORT",
@@ -57,6 +58,7 @@ KEY_DIRECT_COPY = "aiokvcache.directCopy"
 KEY_HANDSHAKE_TIMEOUT = "aiokvcache.handshakeTimeout"
 KEY_MAX_CONNECTIONS = "aiokvcache.maxConnections"
 KEY_PEER_TIMEOUT = "aiokvcache.peerTimeout"
+KEY_NET_DEVICES = "aiokvcache.netDevices"
 # Emitted by LLMConfig.device_id for code ported from LLM-DataDist; the
 # engine ignores them.
 _KEY_DEVICE_ID = "ge.exec.deviceId"
@@ -163,6 +165,16 @@ def _parse_peer_timeout(text: str) -> int:
     return v
 
 
+_NET_DEVICE = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
+
+
+def _parse_net_devices(text: str) -> str:
+    names = text.split(",")
+    if text != "all" and not all(_NET_DEVICE.fullmatch(n) for n in names):
+        raise _BadValue(f"must be 'all' or a comma list of interface names, got {text!r}")
+    return text
+
+
 def _parse_transport(text: str) -> str:
     if text not in TRANSPORTS:
         raise _BadValue(f"must be one of {', '.join(TRANSPORTS)}, got {text!r}")
@@ -217,6 +229,7 @@ class LLMConfig:
         self._handshake_timeout: int | None = None
         self._max_connections: int | None = None
         self._peer_timeout: int | None = None
+        self._net_devices: str | None = None
         self._device_id: int | tuple[int, ...] | None = None
         self._ge_options: dict[str, str] = {}
 
@@ -259,6 +272,8 @@ class LLMConfig:
             options[KEY_MAX_CONNECTIONS] = str(self._max_connections)
         if self._peer_timeout is not None:
             options[KEY_PEER_TIMEOUT] = str(self._peer_timeout)
+        if self._net_devices is not None:
+            options[KEY_NET_DEVICES] = self._net_devices
         return options
 
     @property
@@ -445,6 +460,21 @@ class LLMConfig:
         self._peer_timeout = v
 
     @property
+    def net_devices(self) -> str:
+        """**[ours]** The network interfaces the data plane may use and
+        advertise, as UCX's ``NET_DEVICES``: ``"all"`` (default) or a comma
+        list such as ``"eth1"`` or ``"eth1,eth2"``. On a multi-homed host
+        (a management NIC beside the data NIC), name the data NIC: UCX then
+        listens, advertises and connects only there. Key
+        ``aiokvcache.netDevices``."""
+        return "all" if self._net_devices is None else self._net_devices
+
+    @net_devices.setter
+    def net_devices(self, value: str) -> None:
+        check_isinstance("net_devices", value, str)
+        self._net_devices = _setter_value("net_devices", _parse_net_devices, value)
+
+    @property
     def direct_copy(self) -> bool:
         """**[ours]** Move bytes to and from same-host peers with one memcpy
         into their mapped shared memory (default on); off, every byte goes
@@ -517,6 +547,7 @@ class EngineOptions:
     handshake_timeout_ms: int = DEFAULT_HANDSHAKE_TIMEOUT_MS
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     peer_timeout_ms: int = DEFAULT_PEER_TIMEOUT_MS
+    net_devices: str = "all"
     unknown_keys: tuple[str, ...] = ()
 
     @property
@@ -582,4 +613,5 @@ _FIELD_PARSERS: dict[str, Callable[[str], dict[str, Any]]] = {
     KEY_HANDSHAKE_TIMEOUT: lambda t: {"handshake_timeout_ms": _parse_uint(t, 1, INT32_MAX)},
     KEY_MAX_CONNECTIONS: lambda t: {"max_connections": _parse_uint(t, 1, UINT16_MAX)},
     KEY_PEER_TIMEOUT: lambda t: {"peer_timeout_ms": _parse_peer_timeout(t)},
+    KEY_NET_DEVICES: lambda t: {"net_devices": _parse_net_devices(t)},
 }

@@ -46,6 +46,7 @@ class Runtime:
                 opts.transport,
                 max_inflight_bytes=opts.max_inflight_bytes,
                 direct_copy=opts.direct_copy,
+                ucx_options={} if opts.net_devices == "all" else {"NET_DEVICES": opts.net_devices},
             )
         except (native.NativeError, ValueError) as exc:
             code = (
