@@ -85,6 +85,10 @@ class Engine {
   int event_fd() const { return cq_.fd(); }
   std::string worker_address() const { return worker_address_; }
   std::string info();
+  // The UCX configuration the context was created from, as ucp_config_print
+  // writes it (defaults, ours, the caller's ucx_options); transport options
+  // UCP hands on to UCT come last as NAME=value lines.
+  std::string ucx_config() const { return config_text_; }
 
   // Memory regions and remote keys (registry.cpp).
   std::pair<uint64_t, uint64_t> mem_alloc(uint64_t len);  // -> (region id, address)
@@ -173,6 +177,7 @@ class Engine {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::string worker_address_;
+  std::string config_text_;
   int worker_efd_ = -1;
   int cmd_efd_ = -1;
   int epfd_ = -1;

@@ -564,3 +564,20 @@ async def test_close_with_a_frozen_peer_is_bounded() -> None:
         a.bridge.close()
         os.kill(peer.proc.pid, signal.SIGCONT)
         peer.close()
+
+
+def test_tcp_source_address_is_not_bound_by_default() -> None:
+    # UCX binds a TCP endpoint to the default route's interface: unreachable
+    # from a multi-homed host's other networks. The caller can still ask.
+    eng = native.Engine("tcp")
+    try:
+        assert "TCP_EP_BIND_SRC_ADDR=n" in eng.ucx_config().splitlines()
+        assert "TCP_CONN_NB=y" in eng.ucx_config().splitlines()
+    finally:
+        eng.close()
+    eng = native.Engine("tcp", ucx_options={"TCP_EP_BIND_SRC_ADDR": "y"})
+    try:
+        assert "TCP_EP_BIND_SRC_ADDR=y" in eng.ucx_config().splitlines()
+        assert "TCP_EP_BIND_SRC_ADDR=n" not in eng.ucx_config().splitlines()
+    finally:
+        eng.close()
