@@ -566,6 +566,40 @@ async def test_close_with_a_frozen_peer_is_bounded() -> None:
         peer.close()
 
 
+# ------------------------------------------------ hostile metadata, deadlines
+
+
+@pytest.mark.parametrize("direct_copy", [True, False], ids=["direct-copy", "ucx-lanes"])
+def test_over_claimed_shared_memory_key_is_refused(direct_copy: bool) -> None:
+    # ucp_rkey_ptr maps any address by offset: a peer claiming more than its
+    # segment would have had us copy past it, into our own address space
+    # (UCX's shm lanes copy through the same mapping, hence both modes).
+    a = native.Engine("shm", direct_copy=direct_copy)
+    b = native.Engine("shm")
+    try:
+        region, addr = b.mem_alloc(MiB)
+        _, canary_addr = b.mem_alloc(MiB)
+        canary = np.frombuffer(native.buffer_from_address(canary_addr, MiB), np.uint8)
+        canary[:] = 0xA5
+        packed = b.rkey_pack(region)
+        ep = a.connect(b.worker_address, False)
+        for base, length in ((addr, 64 * MiB), (addr, MiB + 4096), (addr - 4096, MiB)):
+            with pytest.raises(native.InvalidArgumentError, match="does not cover"):
+                a.rkey_unpack(ep, packed, base, length)
+        rkey = a.rkey_unpack(ep, packed, addr, MiB)  # the truth is accepted
+        assert a.rkey_unpack(ep, packed, addr + 4096, MiB - 4096)  # and any part of it
+        src = pattern(MiB, 51)
+        job = a.submit(native.OP_PUT, ep, segs((src.ctypes.data, addr, MiB, rkey)))
+        assert a.wait_released([job], 60)
+        assert [e[2] for e in a.drain() if e[0] == native.KIND_JOB] == [native.ST_OK]
+        assert sha(np.frombuffer(native.buffer_from_address(addr, MiB), np.uint8)) == sha(src)
+        assert a.stats()["bytes_direct"] == (MiB if direct_copy else 0)
+        assert (canary == 0xA5).all()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_tcp_source_address_is_not_bound_by_default() -> None:
     # UCX binds a TCP endpoint to the default route's interface: unreachable
     # from a multi-homed host's other networks. The caller can still ask.

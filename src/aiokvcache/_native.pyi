@@ -78,9 +78,15 @@ class Engine:
         The address is checked before UCX sees it (length, header, a bounded
         walk of its device list); InvalidArgumentError when it does not hold.
         """
+    def rkey_unpack(self, ep_id: int, packed: bytes, base: int, length: int) -> int:
+        """A key for the peer's region [base, base + length).
+
+        A key UCX maps into this process (same-host shared memory) must cover
+        the whole claimed range inside the mapping it created, or
+        InvalidArgumentError.
+        """
     def disconnect(self, ep_id: int) -> None: ...
     def fail_endpoint(self, ep_id: int) -> None: ...
-    def rkey_unpack(self, ep_id: int, packed: bytes, base: int, length: int) -> int: ...
     def rkey_release(self, rkey_id: int) -> None: ...
     def submit(
         self, op: int, ep_id: int, segments: Any, payload: bytes = b"", timeout_ms: int = 0
