@@ -61,6 +61,12 @@ struct Job {
   std::string payload;         // sent to the peer after a put has landed
   std::chrono::steady_clock::time_point deadline{};
   bool has_deadline = false;
+  // How long a cancel may wait for in-flight operations before the endpoint
+  // is declared dead, and how long after a forced close the job is released
+  // anyway. kCancelGrace / kFailGrace, or scaled to the job's deadline span
+  // (see grace_for_deadline in engine_internal.hpp).
+  std::chrono::steady_clock::duration cancel_grace{};
+  std::chrono::steady_clock::duration fail_grace{};
   DeadlineMap::iterator dl_it;
   std::vector<RemoteKey*> keys;  // distinct keys this job uses (counted in users)
   bool in_active = false;        // queued for posting

@@ -44,9 +44,15 @@ uint64_t Engine::submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, st
   j->ep_id = ep_id;
   j->raw = std::move(segs);
   j->payload = std::move(payload);
+  j->cancel_grace = kCancelGrace;
+  j->fail_grace = kFailGrace;
   if (timeout_ms > 0) {
     j->has_deadline = true;
-    j->deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    // Past a few centuries now() + timeout would overflow the clock.
+    auto span = std::chrono::milliseconds(std::min<uint64_t>(timeout_ms, uint64_t{1} << 40));
+    j->deadline = std::chrono::steady_clock::now() + span;
+    j->cancel_grace = scaled_grace(span, 0.25, kCancelGraceMin, kCancelGrace);
+    j->fail_grace = scaled_grace(span, 0.1, kFailGraceMin, kFailGrace);
   }
   uint64_t id = j->id;
   live_jobs_.fetch_add(1);
@@ -513,16 +519,16 @@ void Engine::cancel_job(Job* j, Status why) {
 
 void Engine::check_stuck() {
   if (cancelling_ == 0 && !any_forced_) return;
-  // Timers of seconds: a look every 50 ms is plenty, and keeps this scan
-  // off the hot path.
+  // Only while something is cancelling or was forced, and at most every
+  // kStuckCheckEvery: the scan stays off the hot path.
   auto now = std::chrono::steady_clock::now();
   if (now < next_stuck_check_) return;
-  next_stuck_check_ = now + std::chrono::milliseconds(50);
+  next_stuck_check_ = now + kStuckCheckEvery;
   std::vector<Endpoint*> stuck;
   for (auto& kv : jobs_) {
     Job* j = kv.second.get();
     if (j->cancel && j->inflight_ops > 0 && j->ep != nullptr && !j->ep->broken &&
-        now - j->cancelled_at > kCancelGrace) {
+        now - j->cancelled_at > j->cancel_grace) {
       stuck.push_back(j->ep);
     }
   }
@@ -539,7 +545,7 @@ void Engine::check_stuck() {
   for (auto& kv : jobs_) {
     Job* j = kv.second.get();
     if (j->inflight_ops > 0 && j->ep != nullptr && j->ep->forced &&
-        now - j->ep->forced_at > kFailGrace) {
+        now - j->ep->forced_at > j->fail_grace) {
       gone.push_back(j);
     }
   }

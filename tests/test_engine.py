@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import random
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -598,6 +599,50 @@ def test_over_claimed_shared_memory_key_is_refused(direct_copy: bool) -> None:
     finally:
         a.close()
         b.close()
+
+
+@contextlib.contextmanager
+def stopped(peer: Peer) -> Iterator[None]:
+    """SIGSTOP the peer for the block; SIGCONT it however the block ends."""
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+
+
+# The engine's documented bound for a job with a deadline span T stuck behind
+# a frozen peer: T + cancel grace (T/4, clamped to [50 ms, 2 s]) + forced-close
+# grace (T/10, clamped to [20 ms, 1 s]) + two looks of the stuck check (10 ms).
+def deadline_bound(t: float) -> float:
+    return t + min(max(t / 4, 0.05), 2.0) + min(max(t / 10, 0.02), 1.0) + 0.02
+
+
+async def test_deadline_bounds_a_put_to_a_frozen_peer() -> None:
+    peer = engine_peer("tcp", 64 * MiB)
+    a = slow_side("tcp")
+    try:
+        ep = a.engine.connect(bytes.fromhex(peer.hello["worker"]), False)
+        rkey = a.engine.rkey_unpack(
+            ep, bytes.fromhex(peer.hello["rkey"]), peer.hello["addr"], peer.hello["size"]
+        )
+        lk = Link(a, Side(None, a.bridge, 0, peer.hello["addr"], peer.hello["size"]), ep, rkey)
+        await run_jobs(a.bridge, [put(lk, pattern(4096, 52))])  # wired up
+        src = pattern(64 * MiB, 53)
+        with stopped(peer):
+            await asyncio.sleep(0.05)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(LLMTimeoutError):
+                await run_jobs(a.bridge, [put(lk, src, timeout_ms=500)])
+            took = loop.time() - t0
+            # Noisy machines: a second of slack, still well under the 3.5 s
+            # that fixed graces gave.
+            assert took < deadline_bound(0.5) + 1.0, took
+            assert a.engine.stats()["live_jobs"] == 0
+    finally:
+        a.bridge.close()
+        peer.close()
 
 
 def test_tcp_source_address_is_not_bound_by_default() -> None:
