@@ -152,6 +152,7 @@ uint64_t Engine::connect(const std::string& address, bool peer_errors) {
     auto ep = std::make_unique<Endpoint>();
     ep->id = next_ep_++;
     ep->owner = this;
+    ep->err_handling = peer_errors;
     ucp_ep_params_t p{};
     p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -221,26 +222,26 @@ void Engine::endpoint_failed(Endpoint* ep, ucs_status_t st) {
 void Engine::close_endpoint(Endpoint* ep, bool force) {
   if (ep->close_posted || ep->handle == nullptr) return;
   ep->close_posted = true;
+  auto now = std::chrono::steady_clock::now();
+  ep->close_by = now + kCancelGrace;
   if (force) {
     any_forced_ = true;
     ep->forced = true;
-    ep->forced_at = std::chrono::steady_clock::now();
+    ep->forced_at = now;
   }
-  // Keys must go before their endpoint; jobs using them are done by now
-  // (or, when forced, will complete with an error as the close purges them).
-  if (ep->jobs == 0) {
-    for (RemoteKey* rk : std::vector<RemoteKey*>(ep->rkeys)) {
-      if (rk->handle != nullptr) {
-        ucp_rkey_destroy(rk->handle);
-        rk->handle = nullptr;
-      }
-    }
-  }
+  // Keys go before their endpoint, once no request uses them. Those that
+  // requests still name go as those requests complete (op_done) or, for a
+  // forced close, right after it purged them (below).
+  destroy_idle_keys(ep);
+  // UCX accepts FORCE only on endpoints with peer-failure handling; on the
+  // others it refuses it and closes nothing. There the close flushes: the
+  // endpoint goes once what it holds completes or fails.
+  bool hard = force && ep->err_handling;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.cb.send = &Engine::on_data_done;
   p.user_data = this;
-  p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  p.flags = hard ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t r = ucp_ep_close_nbx(ep->handle, &p);
   if (r == nullptr || UCS_PTR_IS_ERR(r)) {
     ep->handle = nullptr;
@@ -252,6 +253,11 @@ void Engine::close_endpoint(Endpoint* ep, bool force) {
     ctx->ep = ep;
     ctx->len = 0;
   }
+  // A forced close purges inside ucp_ep_close_nbx (callbacks included) and
+  // may destroy the endpoint before returning: keys the purged requests
+  // named can only go now. UCX has no way to end an endpoint's requests
+  // without closing it, so this is the one order that cannot be kept.
+  if (hard) destroy_idle_keys(ep);
 }
 
 void Engine::reap_endpoints() {
@@ -271,15 +277,19 @@ void Engine::reap_endpoints() {
       bool forced = ep->broken && now >= ep->force_after;
       if (ep->jobs == 0 || forced) close_endpoint(ep, ep->broken);
     }
-    if (ep->close_posted && ep->close_done && ep->jobs == 0) {
-      for (RemoteKey* rk : std::vector<RemoteKey*>(ep->rkeys)) {
-        if (rk->handle != nullptr) {
-          ucp_rkey_destroy(rk->handle);
-          rk->handle = nullptr;
-        }
-      }
+    bool done = ep->close_posted && ep->close_done;
+    // A disconnect whose close a frozen peer never lets complete (its flush
+    // waits for the peer) must not keep the record forever. No job uses the
+    // endpoint any more, and UCX offers no second, forced close of an
+    // endpoint already closing: the record retires, and the close request,
+    // whose callback names it, keeps it allocated until the worker goes.
+    bool stuck = ep->closing && ep->close_posted && !ep->close_done && ep->jobs == 0 && now >= ep->close_by;
+    if ((done || stuck) && ep->jobs == 0) {
+      destroy_idle_keys(ep);  // normally none left: see close_endpoint()
       if (ep->closing) {
         for (RemoteKey* rk : ep->rkeys) rkeys_.erase(rk->id);
+        ep->rkeys.clear();
+        if (!done) ep_graveyard_.push_back(std::move(it->second));
         it = eps_.erase(it);
         n_eps_ = eps_.size();
         continue;

@@ -201,6 +201,7 @@ void Engine::close() {
   // Only now: requests that outlived shutdown pointed at these.
   jobs_.clear();
   graveyard_.clear();
+  ep_graveyard_.clear();
   active_.clear();
   touched_.clear();
   flush_eps_.clear();
@@ -270,8 +271,9 @@ void Engine::shutdown_all() {
     bool ep_gone = eit == eps_.end() || eit->second->close_done || eit->second->handle == nullptr;
     // A key whose endpoint still has operations outstanding is leaked: UCX
     // wants keys destroyed only after their operations.
-    if (rk->handle != nullptr && (clean || ep_gone)) ucp_rkey_destroy(rk->handle);
+    if (clean || ep_gone) release_key_handle(rk);  // a pinned key stays: see RemoteKey
     rk->handle = nullptr;
+    rk->mapped = nullptr;
   }
   n_eps_ = 0;
 }

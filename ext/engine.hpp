@@ -54,6 +54,12 @@ struct Endpoint {
   int32_t ucs_status = 0;
   int jobs = 0;
   std::vector<RemoteKey*> rkeys;
+  // Created with UCX peer-failure handling: only then does UCX accept a
+  // forced close (without it ucp_ep_close_nbx refuses FORCE outright).
+  bool err_handling = false;
+  // A posted close still pending then (a frozen peer never completes its
+  // flush) retires the record: see reap_endpoints().
+  std::chrono::steady_clock::time_point close_by{};
 };
 
 struct EngineStats {
@@ -143,6 +149,9 @@ class Engine {
 
   // Regions and remote keys (registry.cpp).
   void destroy_rkey(RemoteKey* rk);
+  void release_key_handle(RemoteKey* rk);
+  bool key_busy(const RemoteKey* rk) const;
+  void destroy_idle_keys(Endpoint* ep);
 
   // Endpoints (endpoints.cpp).
   void close_endpoint(Endpoint* ep, bool force);
@@ -207,6 +216,9 @@ class Engine {
   uint64_t inflight_bytes_ = 0;
   // Endpoints (endpoints.cpp).
   std::unordered_map<uint64_t, std::unique_ptr<Endpoint>> eps_;
+  // Retired while UCX still held their close request (its callback names
+  // them): freed after the worker.
+  std::vector<std::unique_ptr<Endpoint>> ep_graveyard_;
   std::vector<Endpoint*> failed_eps_;  // reported by the error callback
   bool any_forced_ = false;  // some endpoint was force-closed: look for stuck jobs
   // Regions and remote keys (registry.cpp).

@@ -36,6 +36,10 @@ struct RemoteKey {
   uint64_t len = 0;
   bool released = false;  // Python let go; destroyed once no job uses it
   int users = 0;
+  // Named by a request UCX still holds for an abandoned job: destroying the
+  // handle would free memory that request points at, so it lives as long as
+  // the worker.
+  bool pinned = false;
 };
 
 struct Segment {

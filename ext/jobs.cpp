@@ -453,6 +453,12 @@ void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
   j->inflight_ops--;
   // An abandoned job was reported long ago; its window share was returned.
   if (j->abandoned) return;
+  // A close waits for this endpoint's operations: keys they no longer use
+  // must go now, before that close can complete and destroy the endpoint.
+  if (ctx->kind == RequestCtx::kData && j->inflight_ops == 0 && j->ep->close_posted &&
+      !j->ep->close_done) {
+    destroy_idle_keys(j->ep);
+  }
   if (ctx->kind == RequestCtx::kData) {
     j->inflight_bytes -= ctx->len;
     inflight_bytes_ -= ctx->len;
@@ -567,8 +573,10 @@ void Engine::abandon(Job* j) {
   j->inflight_bytes = 0;
   j->ep->jobs--;
   if (j->cancel) cancelling_--;
-  // Its keys stay counted: a request may still name them. The Job itself
-  // stays allocated (graveyard_) until the worker is destroyed.
+  // Its keys stay counted and pinned: a request UCX still holds may name
+  // them. The Job itself stays allocated (graveyard_) until the worker is
+  // destroyed.
+  for (RemoteKey* rk : j->keys) rk->pinned = true;
   jobs_failed_.fetch_add(1);
   live_jobs_.fetch_sub(1);
   push_job_completion(Completion{EntryKind::kJob, j->id, j->status, j->ucs_status, j->bytes_done, {}});

@@ -175,11 +175,33 @@ void Engine::rkey_release(uint64_t rkey_id) {
 
 // ---------------------------------------------------------- progress thread
 
-void Engine::destroy_rkey(RemoteKey* rk) {
-  if (rk->handle != nullptr) {
-    ucp_rkey_destroy(rk->handle);
-    rk->handle = nullptr;
+void Engine::release_key_handle(RemoteKey* rk) {
+  if (rk->handle == nullptr || rk->pinned) return;
+  ucp_rkey_destroy(rk->handle);  // unmaps a mapped segment, too
+  rk->handle = nullptr;
+  rk->mapped = nullptr;
+}
+
+bool Engine::key_busy(const RemoteKey* rk) const {
+  if (rk->pinned) return true;
+  if (rk->users == 0) return false;
+  for (const auto& kv : jobs_) {
+    const Job* j = kv.second.get();
+    if (j->inflight_ops > 0 && std::find(j->keys.begin(), j->keys.end(), rk) != j->keys.end()) return true;
   }
+  return false;
+}
+
+void Engine::destroy_idle_keys(Endpoint* ep) {
+  // UCX: a key goes after the operations that use it are flushed, and before
+  // the endpoint it was unpacked on is destroyed.
+  for (RemoteKey* rk : ep->rkeys) {
+    if (rk->handle != nullptr && !key_busy(rk)) release_key_handle(rk);
+  }
+}
+
+void Engine::destroy_rkey(RemoteKey* rk) {
+  release_key_handle(rk);
   if (!rk->released) return;  // Python still holds the id; the record stays
   auto eit = eps_.find(rk->ep_id);
   if (eit != eps_.end()) {

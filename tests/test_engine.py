@@ -8,6 +8,7 @@ import hashlib
 import os
 import random
 import signal
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -642,6 +643,29 @@ async def test_deadline_bounds_a_put_to_a_frozen_peer() -> None:
             assert a.engine.stats()["live_jobs"] == 0
     finally:
         a.bridge.close()
+        peer.close()
+
+
+def test_disconnect_from_a_frozen_peer_retires_the_endpoint() -> None:
+    # Frozen before the connection was made: the close's flush can never
+    # complete, and UCX refuses a second, forced close of a closing endpoint.
+    peer = engine_peer("tcp", MiB)
+    a = native.Engine("tcp")
+    try:
+        with stopped(peer):
+            ep = a.connect(bytes.fromhex(peer.hello["worker"]), False)
+            a.rkey_unpack(ep, bytes.fromhex(peer.hello["rkey"]), peer.hello["addr"], MiB)
+            time.sleep(0.1)
+            assert a.stats()["endpoints"] == 1
+            t0 = time.monotonic()
+            a.disconnect(ep)
+            while a.stats()["endpoints"] and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            # Within kCancelGrace (2 s) of the close, with slack for the machine.
+            assert a.stats()["endpoints"] == 0
+            assert time.monotonic() - t0 < 2.0 + 1.5
+    finally:
+        a.close()
         peer.close()
 
 
