@@ -47,7 +47,9 @@ struct Endpoint {
   bool close_posted = false;
   bool close_done = false;
   bool flush_queued = false;       // in Engine::flush_eps_
-  bool forced = false;             // closed with UCP_EP_CLOSE_FLAG_FORCE
+  // Closed because it failed: with UCP_EP_CLOSE_FLAG_FORCE where UCX allows
+  // it (err_handling), else with the flushing close that stands in for it.
+  bool forced = false;
   std::chrono::steady_clock::time_point forced_at{};
   std::vector<Job*> flush_wait;    // puts waiting for the next shared flush
   std::chrono::steady_clock::time_point force_after{};  // forced close once passed

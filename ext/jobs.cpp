@@ -543,10 +543,12 @@ void Engine::check_stuck() {
     endpoint_failed(ep, UCS_ERR_ENDPOINT_TIMEOUT);
     close_endpoint(ep, true);  // purges the requests the peer never answered
   }
-  // Without UCX peer-failure mode a forced close may not complete what was
-  // outstanding (a peer host that vanished answers nothing). Such jobs are
-  // reported released once their endpoint has been closed for a while: it
-  // sends and receives nothing more, so their buffers are no longer used.
+  // A forced close of a peer-failure endpoint purges what it held, so jobs
+  // on it end at once; on other endpoints UCX refuses to force and the
+  // flushing close waits for the frozen peer. Deadlines must still mean
+  // something: such jobs are reported released after their forced-close
+  // grace, although UCX still holds their requests and would move their
+  // bytes if the peer thawed (docs/design.md, "Cancellation and quiescence").
   std::vector<Job*> gone;
   for (auto& kv : jobs_) {
     Job* j = kv.second.get();
