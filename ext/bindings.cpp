@@ -158,6 +158,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("worker_address", [](const PyEngine& e) { return py::bytes(e.worker_address()); })
       .def_property_readonly("closed", &Engine::closed)
       .def("info", &Engine::info, py::call_guard<py::gil_scoped_release>())
+      .def("ucx_config", &Engine::ucx_config)
       .def("mem_alloc", &Engine::mem_alloc, py::arg("length"), py::call_guard<py::gil_scoped_release>())
       .def("mem_register", &Engine::mem_register, py::arg("address"), py::arg("length"),
            py::call_guard<py::gil_scoped_release>())

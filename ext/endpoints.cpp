@@ -1,23 +1,164 @@
 // Endpoints to peers: connecting, and every way one ends (disconnect, a
 // local or UCX-reported failure, a forced close).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "engine_internal.hpp"
 
 namespace akv {
 
+namespace {
+
+// A worker address crosses the control plane, so a peer (or a corrupted
+// frame) chooses its bytes. ucp_ep_create takes no length: UCX parses the
+// address without bounds, asserts (aborting the process) on a header version
+// it does not know, and walks off the end of a truncated or re-lengthed one.
+// So the address is walked here first, with bounds, in the layout this UCX
+// produces (src/ucp/wireup/address.c, non-unified mode, v1 and v2), and the
+// walk is calibrated on our own address: if it cannot walk that exactly, only
+// the header is checked.
+constexpr size_t kMaxWorkerAddress = 64 * 1024;
+constexpr uint8_t kAddrVersionMask = 0x0f;  // low nibble of byte 0
+constexpr uint8_t kAddrV1 = 0;              // v1: header flags in the high nibble
+constexpr uint8_t kAddrKnownFlags = 0x0f;   // DEBUG_INFO | WORKER_UUID | CLIENT_ID | AM_ONLY
+constexpr uint8_t kFlagDebugInfo = 0x01, kFlagUuid = 0x02, kFlagClientId = 0x04;
+constexpr uint8_t kNullResource = 0xff;
+constexpr uint8_t kLast = 0x80, kHasEpOrPaths = 0x40, kSysDevice = 0x20, kMdEmpty = 0x80;
+// UCT reads device and interface addresses by their own structure, not by
+// the length the address gives: a copy padded with zeros keeps a short one
+// from reading past the buffer.
+constexpr size_t kAddressPad = 256;
+
+struct Reader {
+  const uint8_t* p;
+  size_t n, at = 0;
+  bool ok = true;
+  uint8_t u8() {
+    if (at >= n) {
+      ok = false;
+      return 0;
+    }
+    return p[at++];
+  }
+  void skip(size_t k) {
+    if (k > n - std::min(at, n)) {
+      ok = false;
+      at = n;
+    } else {
+      at += k;
+    }
+  }
+  uint8_t extended(uint8_t b, uint8_t mask, bool v2) {
+    uint8_t v = b & mask;
+    return (v2 && v == mask) ? u8() : v;
+  }
+};
+
+// Bytes after the device list, or npos when the walk fails. attr_extra: the
+// resource-index byte some pack flags add after each interface's attributes.
+size_t walk_devices(Reader r, bool v2, size_t attr_extra) {
+  const size_t attr_len = (v2 ? 8 : 16) + attr_extra;
+  if (r.at < r.n && r.p[r.at] == kNullResource) return r.n - r.at - 1;
+  for (int dev = 0; dev < 256 && r.ok; ++dev) {
+    uint8_t md = r.u8();
+    bool empty = (md & kMdEmpty) != 0;
+    uint8_t md_index = r.extended(md, 0x7f, v2);
+    uint8_t lenb = r.u8();
+    bool last_dev = (lenb & kLast) != 0;
+    uint8_t dev_len = r.extended(lenb, 0x1f, v2);
+    if ((lenb & kHasEpOrPaths) != 0) r.u8();  // number of paths
+    if ((lenb & kSysDevice) != 0) r.u8();     // system device
+    r.skip(dev_len);
+    // md indices name bits of 64-bit maps.
+    if (!empty && md_index >= 64) return std::string::npos;
+    bool last_tl = empty;
+    for (int tl = 0; !last_tl && tl < 256 && r.ok; ++tl) {
+      r.skip(2);  // transport name checksum
+      if (!v2 && r.ok && r.n - r.at >= 12) {
+        float f[3];
+        std::memcpy(f, r.p + r.at, sizeof(f));  // overhead, bandwidth, latency
+        for (float x : f) {
+          if (!std::isfinite(x)) return std::string::npos;
+        }
+      }
+      r.skip(attr_len);
+      uint8_t tlb = r.u8();
+      last_tl = (tlb & kLast) != 0;
+      bool has_ep = (tlb & kHasEpOrPaths) != 0;
+      r.skip(r.extended(tlb, 0x3f, v2));
+      for (int e = 0; has_ep && e < 64 && r.ok; ++e) {
+        r.skip(r.u8());
+        has_ep = (r.u8() & kLast) == 0;
+      }
+      if (has_ep) return std::string::npos;
+    }
+    if (!last_tl) return std::string::npos;
+    if (last_dev) return r.ok ? r.n - r.at : std::string::npos;
+  }
+  return std::string::npos;
+}
+
+// Where the device list starts, or npos.
+size_t header_end(const std::string& a) {
+  Reader r{reinterpret_cast<const uint8_t*>(a.data()), a.size()};
+  uint8_t h = r.u8();
+  bool v2 = (h & kAddrVersionMask) != kAddrV1;
+  uint8_t flags = v2 ? r.u8() : static_cast<uint8_t>(h >> 4);
+  if ((flags & ~kAddrKnownFlags) != 0) return std::string::npos;
+  if (!v2 || (flags & kFlagUuid) != 0) r.skip(8);
+  if ((flags & kFlagClientId) != 0) r.skip(8);
+  if ((flags & kFlagDebugInfo) != 0) r.skip(r.u8());
+  return r.ok && r.at < r.n ? r.at : std::string::npos;
+}
+
+void check_worker_address(const std::string& a, const std::string& ours) {
+  if (a.empty()) throw InvalidArgument("worker address is empty");
+  if (a.size() > kMaxWorkerAddress) throw InvalidArgument("worker address is too long");
+  uint8_t version = static_cast<uint8_t>(a[0]) & kAddrVersionMask;
+  if (ours.empty() || version != (static_cast<uint8_t>(ours[0]) & kAddrVersionMask)) {
+    throw InvalidArgument("worker address has a header version this UCX does not produce");
+  }
+  size_t at = header_end(a);
+  if (at == std::string::npos) throw InvalidArgument("worker address is truncated or has unknown header flags");
+  bool v2 = version != kAddrV1;
+  // Calibrate on our own address: the layout that walks it to its last byte.
+  size_t ours_at = header_end(ours);
+  for (size_t extra : {0, 1}) {
+    if (ours_at == std::string::npos) break;
+    Reader self{reinterpret_cast<const uint8_t*>(ours.data()), ours.size(), ours_at};
+    if (walk_devices(self, v2, extra) != 0) continue;
+    Reader peer{reinterpret_cast<const uint8_t*>(a.data()), a.size(), at};
+    // Exactly to the end, as UCX packs it: a length byte changed (say an
+    // interface address's length made 0, which UCT then reads as a null
+    // pointer) leaves the walk short of the end or past it.
+    if (walk_devices(peer, v2, extra) != 0) {
+      throw InvalidArgument("worker address is malformed (its device list does not parse)");
+    }
+    return;
+  }
+}
+
+}  // namespace
+
 // ---------------------------------------------------------------- API side
 
 uint64_t Engine::connect(const std::string& address, bool peer_errors) {
-  if (address.empty()) throw InvalidArgument("worker address is empty");
+  check_open();
+  check_worker_address(address, worker_address_);
   return call<uint64_t>([this, address, peer_errors]() {
     auto ep = std::make_unique<Endpoint>();
     ep->id = next_ep_++;
     ep->owner = this;
+    ep->err_handling = peer_errors;
     ucp_ep_params_t p{};
     p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    p.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    std::string padded = address;
+    padded.append(kAddressPad, '\0');
+    p.address = reinterpret_cast<const ucp_address_t*>(padded.data());
     p.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     p.err_handler.cb = &Engine::on_ep_error;
     p.err_handler.arg = ep.get();
@@ -55,10 +196,15 @@ void Engine::fail_endpoint(uint64_t ep_id) {
 bool Engine::endpoint_closed(uint64_t ep_id) {
   if (closed_.load()) return true;  // close() closed every endpoint
   return call<bool>([this, ep_id]() {
-    auto it = eps_.find(ep_id);
     // Closed = UCX reported the close done: nothing more goes out or comes in
-    // on it. A failed endpoint gets there by its forced close.
-    return it == eps_.end() || (it->second->close_posted && it->second->close_done);
+    // on it. A record retired while its close was stuck (a frozen peer) is
+    // not closed until that close completes, however long it takes.
+    auto it = eps_.find(ep_id);
+    if (it != eps_.end()) return it->second->close_posted && it->second->close_done;
+    for (const auto& ep : ep_graveyard_) {
+      if (ep->id == ep_id) return ep->close_done;
+    }
+    return true;
   });
 }
 
@@ -91,26 +237,26 @@ void Engine::endpoint_failed(Endpoint* ep, ucs_status_t st) {
 void Engine::close_endpoint(Endpoint* ep, bool force) {
   if (ep->close_posted || ep->handle == nullptr) return;
   ep->close_posted = true;
+  auto now = std::chrono::steady_clock::now();
+  ep->close_by = now + kCancelGrace;
   if (force) {
     any_forced_ = true;
     ep->forced = true;
-    ep->forced_at = std::chrono::steady_clock::now();
+    ep->forced_at = now;
   }
-  // Keys must go before their endpoint; jobs using them are done by now
-  // (or, when forced, will complete with an error as the close purges them).
-  if (ep->jobs == 0) {
-    for (RemoteKey* rk : std::vector<RemoteKey*>(ep->rkeys)) {
-      if (rk->handle != nullptr) {
-        ucp_rkey_destroy(rk->handle);
-        rk->handle = nullptr;
-      }
-    }
-  }
+  // Keys go before their endpoint, once no request uses them. Those that
+  // requests still name go as those requests complete (op_done) or, for a
+  // forced close, right after it purged them (below).
+  destroy_idle_keys(ep);
+  // UCX accepts FORCE only on endpoints with peer-failure handling; on the
+  // others it refuses it and closes nothing. There the close flushes: the
+  // endpoint goes once what it holds completes or fails.
+  bool hard = force && ep->err_handling;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
   p.cb.send = &Engine::on_data_done;
   p.user_data = this;
-  p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  p.flags = hard ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t r = ucp_ep_close_nbx(ep->handle, &p);
   if (r == nullptr || UCS_PTR_IS_ERR(r)) {
     ep->handle = nullptr;
@@ -122,6 +268,11 @@ void Engine::close_endpoint(Endpoint* ep, bool force) {
     ctx->ep = ep;
     ctx->len = 0;
   }
+  // A forced close purges inside ucp_ep_close_nbx (callbacks included) and
+  // may destroy the endpoint before returning: keys the purged requests
+  // named can only go now. UCX has no way to end an endpoint's requests
+  // without closing it, so this is the one order that cannot be kept.
+  if (hard) destroy_idle_keys(ep);
 }
 
 void Engine::reap_endpoints() {
@@ -141,15 +292,19 @@ void Engine::reap_endpoints() {
       bool forced = ep->broken && now >= ep->force_after;
       if (ep->jobs == 0 || forced) close_endpoint(ep, ep->broken);
     }
-    if (ep->close_posted && ep->close_done && ep->jobs == 0) {
-      for (RemoteKey* rk : std::vector<RemoteKey*>(ep->rkeys)) {
-        if (rk->handle != nullptr) {
-          ucp_rkey_destroy(rk->handle);
-          rk->handle = nullptr;
-        }
-      }
+    bool done = ep->close_posted && ep->close_done;
+    // A disconnect whose close a frozen peer never lets complete (its flush
+    // waits for the peer) must not keep the record forever. No job uses the
+    // endpoint any more, and UCX offers no second, forced close of an
+    // endpoint already closing: the record retires, and the close request,
+    // whose callback names it, keeps it allocated until the worker goes.
+    bool stuck = ep->closing && ep->close_posted && !ep->close_done && ep->jobs == 0 && now >= ep->close_by;
+    if ((done || stuck) && ep->jobs == 0) {
+      destroy_idle_keys(ep);  // normally none left: see close_endpoint()
       if (ep->closing) {
         for (RemoteKey* rk : ep->rkeys) rkeys_.erase(rk->id);
+        ep->rkeys.clear();
+        if (!done) ep_graveyard_.push_back(std::move(it->second));
         it = eps_.erase(it);
         n_eps_ = eps_.size();
         continue;

@@ -52,6 +52,18 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   // it every deadline and cancel. Non-blocking, a failed connect is an
   // endpoint error like any other. (Caller options below may override.)
   if (st == UCS_OK) st = ucp_config_modify(config, "TCP_CONN_NB", "y");
+  // UCX binds a TCP endpoint's source address to the interface of the
+  // default route: on a multi-homed host (a namespace reached over a veth
+  // while eth0 has the default route) the SYN then leaves with an address
+  // the peer cannot answer. Unbound, the kernel picks the route's own
+  // address. Only where this UCX knows the option (1.22 does; older ones
+  // answer INVALID_PARAM and keep their behaviour), and caller options below
+  // still win.
+  // The caller's choice (ucx_options or the environment) stands; UCX would
+  // otherwise keep both settings.
+  bool caller_binds = std::getenv("UCX_TCP_EP_BIND_SRC_ADDR") != nullptr;
+  for (const auto& kv : cfg_.ucx_options) caller_binds = caller_binds || kv.first == "TCP_EP_BIND_SRC_ADDR";
+  if (st == UCS_OK && !caller_binds) (void)ucp_config_modify(config, "TCP_EP_BIND_SRC_ADDR", "n");
   for (const auto& kv : cfg_.ucx_options) {
     if (st != UCS_OK) break;
     st = ucp_config_modify(config, kv.first.c_str(), kv.second.c_str());
@@ -60,6 +72,8 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
     ucp_config_release(config);
     throw InvalidArgument(std::string("bad UCX option: ") + ucs_status_string(st));
   }
+
+  config_text_ = capture([config](FILE* f) { ucp_config_print(config, f, "", UCS_CONFIG_PRINT_CONFIG); });
 
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_REQUEST_SIZE |
@@ -187,6 +201,7 @@ void Engine::close() {
   // Only now: requests that outlived shutdown pointed at these.
   jobs_.clear();
   graveyard_.clear();
+  ep_graveyard_.clear();
   active_.clear();
   touched_.clear();
   flush_eps_.clear();
@@ -256,8 +271,9 @@ void Engine::shutdown_all() {
     bool ep_gone = eit == eps_.end() || eit->second->close_done || eit->second->handle == nullptr;
     // A key whose endpoint still has operations outstanding is leaked: UCX
     // wants keys destroyed only after their operations.
-    if (rk->handle != nullptr && (clean || ep_gone)) ucp_rkey_destroy(rk->handle);
+    if (clean || ep_gone) release_key_handle(rk);  // a pinned key stays: see RemoteKey
     rk->handle = nullptr;
+    rk->mapped = nullptr;
   }
   n_eps_ = 0;
 }

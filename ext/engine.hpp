@@ -47,13 +47,21 @@ struct Endpoint {
   bool close_posted = false;
   bool close_done = false;
   bool flush_queued = false;       // in Engine::flush_eps_
-  bool forced = false;             // closed with UCP_EP_CLOSE_FLAG_FORCE
+  // Closed because it failed: with UCP_EP_CLOSE_FLAG_FORCE where UCX allows
+  // it (err_handling), else with the flushing close that stands in for it.
+  bool forced = false;
   std::chrono::steady_clock::time_point forced_at{};
   std::vector<Job*> flush_wait;    // puts waiting for the next shared flush
   std::chrono::steady_clock::time_point force_after{};  // forced close once passed
   int32_t ucs_status = 0;
   int jobs = 0;
   std::vector<RemoteKey*> rkeys;
+  // Created with UCX peer-failure handling: only then does UCX accept a
+  // forced close (without it ucp_ep_close_nbx refuses FORCE outright).
+  bool err_handling = false;
+  // A posted close still pending then (a frozen peer never completes its
+  // flush) retires the record: see reap_endpoints().
+  std::chrono::steady_clock::time_point close_by{};
 };
 
 struct EngineStats {
@@ -85,6 +93,10 @@ class Engine {
   int event_fd() const { return cq_.fd(); }
   std::string worker_address() const { return worker_address_; }
   std::string info();
+  // The UCX configuration the context was created from, as ucp_config_print
+  // writes it (defaults, ours, the caller's ucx_options); transport options
+  // UCP hands on to UCT come last as NAME=value lines.
+  std::string ucx_config() const { return config_text_; }
 
   // Memory regions and remote keys (registry.cpp).
   std::pair<uint64_t, uint64_t> mem_alloc(uint64_t len);  // -> (region id, address)
@@ -141,6 +153,9 @@ class Engine {
 
   // Regions and remote keys (registry.cpp).
   void destroy_rkey(RemoteKey* rk);
+  void release_key_handle(RemoteKey* rk);
+  bool key_busy(const RemoteKey* rk) const;
+  void destroy_idle_keys(Endpoint* ep);
 
   // Endpoints (endpoints.cpp).
   void close_endpoint(Endpoint* ep, bool force);
@@ -175,6 +190,7 @@ class Engine {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   std::string worker_address_;
+  std::string config_text_;
   int worker_efd_ = -1;
   int cmd_efd_ = -1;
   int epfd_ = -1;
@@ -204,6 +220,9 @@ class Engine {
   uint64_t inflight_bytes_ = 0;
   // Endpoints (endpoints.cpp).
   std::unordered_map<uint64_t, std::unique_ptr<Endpoint>> eps_;
+  // Retired while UCX still held their close request (its callback names
+  // them): freed after the worker.
+  std::vector<std::unique_ptr<Endpoint>> ep_graveyard_;
   std::vector<Endpoint*> failed_eps_;  // reported by the error callback
   bool any_forced_ = false;  // some endpoint was force-closed: look for stuck jobs
   // Regions and remote keys (registry.cpp).

@@ -2,6 +2,7 @@
 // endpoints .cpp) share; nothing outside them includes it.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <future>
@@ -26,6 +27,25 @@ constexpr auto kFailGrace = std::chrono::seconds(1);
 // How long a cancelled job may wait for in-flight ops before its endpoint is
 // declared dead: a frozen peer must not make cancellation hang.
 constexpr auto kCancelGrace = std::chrono::seconds(2);
+// A job with a deadline gets graces in proportion to it, so that its
+// deadline bounds when it is reported and not 3 s past it: a quarter of its
+// span to drain a cancel, a tenth after a forced close, each clamped (see
+// docs/design.md, "Cancellation and quiescence"). The floors cover a
+// scheduling hiccup of the progress thread; the ceilings are the graces of
+// jobs without a deadline.
+constexpr auto kCancelGraceMin = std::chrono::milliseconds(50);
+constexpr auto kFailGraceMin = std::chrono::milliseconds(20);
+// How often the progress thread looks for stuck cancels and for jobs to
+// release after a forced close: part of the bound a deadline gives.
+constexpr auto kStuckCheckEvery = std::chrono::milliseconds(10);
+
+inline std::chrono::steady_clock::duration scaled_grace(std::chrono::milliseconds span, double share,
+                                                        std::chrono::steady_clock::duration lo,
+                                                        std::chrono::steady_clock::duration hi) {
+  auto d = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double, std::milli>(static_cast<double>(span.count()) * share));
+  return std::max(lo, std::min(hi, d));
+}
 
 template <typename T>
 T Engine::call(std::function<T()> fn) {

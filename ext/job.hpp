@@ -36,6 +36,10 @@ struct RemoteKey {
   uint64_t len = 0;
   bool released = false;  // Python let go; destroyed once no job uses it
   int users = 0;
+  // Named by a request UCX still holds for an abandoned job: destroying the
+  // handle would free memory that request points at, so it lives as long as
+  // the worker.
+  bool pinned = false;
 };
 
 struct Segment {
@@ -61,6 +65,12 @@ struct Job {
   std::string payload;         // sent to the peer after a put has landed
   std::chrono::steady_clock::time_point deadline{};
   bool has_deadline = false;
+  // How long a cancel may wait for in-flight operations before the endpoint
+  // is declared dead, and how long after a forced close the job is released
+  // anyway. kCancelGrace / kFailGrace, or scaled to the job's deadline span
+  // (see grace_for_deadline in engine_internal.hpp).
+  std::chrono::steady_clock::duration cancel_grace{};
+  std::chrono::steady_clock::duration fail_grace{};
   DeadlineMap::iterator dl_it;
   std::vector<RemoteKey*> keys;  // distinct keys this job uses (counted in users)
   bool in_active = false;        // queued for posting

@@ -44,9 +44,15 @@ uint64_t Engine::submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, st
   j->ep_id = ep_id;
   j->raw = std::move(segs);
   j->payload = std::move(payload);
+  j->cancel_grace = kCancelGrace;
+  j->fail_grace = kFailGrace;
   if (timeout_ms > 0) {
     j->has_deadline = true;
-    j->deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    // Past a few centuries now() + timeout would overflow the clock.
+    auto span = std::chrono::milliseconds(std::min<uint64_t>(timeout_ms, uint64_t{1} << 40));
+    j->deadline = std::chrono::steady_clock::now() + span;
+    j->cancel_grace = scaled_grace(span, 0.25, kCancelGraceMin, kCancelGrace);
+    j->fail_grace = scaled_grace(span, 0.1, kFailGraceMin, kFailGrace);
   }
   uint64_t id = j->id;
   live_jobs_.fetch_add(1);
@@ -447,6 +453,12 @@ void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
   j->inflight_ops--;
   // An abandoned job was reported long ago; its window share was returned.
   if (j->abandoned) return;
+  // A close waits for this endpoint's operations: keys they no longer use
+  // must go now, before that close can complete and destroy the endpoint.
+  if (ctx->kind == RequestCtx::kData && j->inflight_ops == 0 && j->ep->close_posted &&
+      !j->ep->close_done) {
+    destroy_idle_keys(j->ep);
+  }
   if (ctx->kind == RequestCtx::kData) {
     j->inflight_bytes -= ctx->len;
     inflight_bytes_ -= ctx->len;
@@ -513,16 +525,16 @@ void Engine::cancel_job(Job* j, Status why) {
 
 void Engine::check_stuck() {
   if (cancelling_ == 0 && !any_forced_) return;
-  // Timers of seconds: a look every 50 ms is plenty, and keeps this scan
-  // off the hot path.
+  // Only while something is cancelling or was forced, and at most every
+  // kStuckCheckEvery: the scan stays off the hot path.
   auto now = std::chrono::steady_clock::now();
   if (now < next_stuck_check_) return;
-  next_stuck_check_ = now + std::chrono::milliseconds(50);
+  next_stuck_check_ = now + kStuckCheckEvery;
   std::vector<Endpoint*> stuck;
   for (auto& kv : jobs_) {
     Job* j = kv.second.get();
     if (j->cancel && j->inflight_ops > 0 && j->ep != nullptr && !j->ep->broken &&
-        now - j->cancelled_at > kCancelGrace) {
+        now - j->cancelled_at > j->cancel_grace) {
       stuck.push_back(j->ep);
     }
   }
@@ -531,15 +543,17 @@ void Engine::check_stuck() {
     endpoint_failed(ep, UCS_ERR_ENDPOINT_TIMEOUT);
     close_endpoint(ep, true);  // purges the requests the peer never answered
   }
-  // Without UCX peer-failure mode a forced close may not complete what was
-  // outstanding (a peer host that vanished answers nothing). Such jobs are
-  // reported released once their endpoint has been closed for a while: it
-  // sends and receives nothing more, so their buffers are no longer used.
+  // A forced close of a peer-failure endpoint purges what it held, so jobs
+  // on it end at once; on other endpoints UCX refuses to force and the
+  // flushing close waits for the frozen peer. Deadlines must still mean
+  // something: such jobs are reported released after their forced-close
+  // grace, although UCX still holds their requests and would move their
+  // bytes if the peer thawed (docs/design.md, "Cancellation and quiescence").
   std::vector<Job*> gone;
   for (auto& kv : jobs_) {
     Job* j = kv.second.get();
     if (j->inflight_ops > 0 && j->ep != nullptr && j->ep->forced &&
-        now - j->ep->forced_at > kFailGrace) {
+        now - j->ep->forced_at > j->fail_grace) {
       gone.push_back(j);
     }
   }
@@ -561,8 +575,10 @@ void Engine::abandon(Job* j) {
   j->inflight_bytes = 0;
   j->ep->jobs--;
   if (j->cancel) cancelling_--;
-  // Its keys stay counted: a request may still name them. The Job itself
-  // stays allocated (graveyard_) until the worker is destroyed.
+  // Its keys stay counted and pinned: a request UCX still holds may name
+  // them. The Job itself stays allocated (graveyard_) until the worker is
+  // destroyed.
+  for (RemoteKey* rk : j->keys) rk->pinned = true;
   jobs_failed_.fetch_add(1);
   live_jobs_.fetch_sub(1);
   push_job_completion(Completion{EntryKind::kJob, j->id, j->status, j->ucs_status, j->bytes_done, {}});

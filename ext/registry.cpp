@@ -1,9 +1,88 @@
 // Memory regions of this process and remote keys to peers' regions.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <tuple>
 
 #include "engine_internal.hpp"
 
 namespace akv {
+namespace {
+
+// One line of /proc/self/maps.
+struct Vma {
+  uint64_t start, end, offset, inode;
+  bool readable, writable, shared;
+  bool operator<(const Vma& o) const {
+    return std::tie(start, end, offset, inode) < std::tie(o.start, o.end, o.offset, o.inode);
+  }
+  bool operator==(const Vma& o) const {
+    return start == o.start && end == o.end && offset == o.offset && inode == o.inode;
+  }
+};
+
+std::vector<Vma> read_maps() {
+  std::vector<Vma> out;
+  FILE* f = std::fopen("/proc/self/maps", "re");
+  if (f == nullptr) return out;
+  char line[4096];
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    Vma v{};
+    char perms[8] = {};
+    unsigned dev_major, dev_minor;
+    if (std::sscanf(line, "%" SCNx64 "-%" SCNx64 " %7s %" SCNx64 " %x:%x %" SCNu64, &v.start, &v.end, perms,
+                    &v.offset, &dev_major, &dev_minor, &v.inode) != 7) {
+      continue;
+    }
+    v.readable = perms[0] == 'r';
+    v.writable = perms[1] == 'w';
+    v.shared = perms[3] == 's';
+    out.push_back(v);
+  }
+  std::fclose(f);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// ucp_rkey_ptr only adds an offset: it never checks that the address is in
+// the peer's segment, and UCX's shared-memory lanes write through the same
+// unchecked mapping. So a claimed [base, base + len) is accepted only when
+// its image [p, p + len) lies inside one shared, read-write mapping that
+// appeared while this key was unpacked (UCX maps the peer's segment afresh
+// for every key, so nothing of ours, nor another peer's segment, qualifies),
+// and, where the backing file can be seen, inside that file: past its end a
+// touch is SIGBUS. `before` is the sorted map from just before the unpack.
+bool mapping_covers(const std::vector<Vma>& before, const uint8_t* p, uint64_t len) {
+  uint64_t lo = reinterpret_cast<uint64_t>(p);
+  if (len == 0 || lo + len < lo) return false;
+  for (const Vma& v : read_maps()) {
+    if (lo < v.start || lo >= v.end) continue;
+    if (!v.shared || !v.readable || !v.writable || v.inode == 0) return false;
+    if (len > v.end - lo) return false;
+    if (std::binary_search(before.begin(), before.end(), v)) return false;
+    // We run as root, which /proc/self/map_files needs; without it the file
+    // size cannot be checked, and the mapping's extent is all we prove.
+    char path[96];
+    std::snprintf(path, sizeof(path), "/proc/self/map_files/%" PRIx64 "-%" PRIx64, v.start, v.end);
+    int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+      struct stat sb {};
+      bool ok = ::fstat(fd, &sb) == 0;
+      ::close(fd);
+      if (!ok) return false;
+      uint64_t file_end = v.offset + (lo + len - v.start);
+      if (S_ISREG(sb.st_mode) && file_end > static_cast<uint64_t>(sb.st_size)) return false;
+    }
+    return true;
+  }
+  return false;
+}
+
+}  // namespace
 
 // ---------------------------------------------------------------- API side
 
@@ -57,19 +136,22 @@ uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t
     if (ep->broken || ep->closing || ep->handle == nullptr) {
       throw Error("endpoint is broken or closing");
     }
+    if (base + len < base) throw InvalidArgument("remote region wraps around the address space");
     auto rk = std::make_unique<RemoteKey>();
+    std::vector<Vma> before = read_maps();
     ucs_status_t st = ucp_ep_rkey_unpack(ep->handle, packed.data(), &rk->handle);
     if (st != UCS_OK) throw UcxFailure("ucp_ep_rkey_unpack", st);
-    // Same-host shared memory can be mapped here: then a transfer is one
-    // memcpy on the progress thread, whatever lane UCX would have picked.
+    // A key that maps (same-host shared memory) is checked whether or not
+    // direct copy is on: UCX's own shm lanes copy through that mapping too.
     void* mapped = nullptr;
-    void* last = nullptr;
-    // Both ends of the advertised range must map, contiguously: a peer that
-    // claims more than it registered must not make us copy past its segment.
-    if (cfg_.direct_copy && len > 0 && ucp_rkey_ptr(rk->handle, base, &mapped) == UCS_OK &&
-        ucp_rkey_ptr(rk->handle, base + len - 1, &last) == UCS_OK &&
-        static_cast<uint8_t*>(last) == static_cast<uint8_t*>(mapped) + (len - 1)) {
-      rk->mapped = static_cast<uint8_t*>(mapped);
+    if (len > 0 && ucp_rkey_ptr(rk->handle, base, &mapped) == UCS_OK) {
+      if (!mapping_covers(before, static_cast<uint8_t*>(mapped), len)) {
+        ucp_rkey_destroy(rk->handle);
+        throw InvalidArgument("remote key does not cover the claimed region (base, length)");
+      }
+      // Then a transfer is one memcpy on the progress thread, whatever lane
+      // UCX would have picked.
+      if (cfg_.direct_copy) rk->mapped = static_cast<uint8_t*>(mapped);
     }
     rk->id = next_rkey_++;
     rk->ep_id = ep_id;
@@ -93,11 +175,33 @@ void Engine::rkey_release(uint64_t rkey_id) {
 
 // ---------------------------------------------------------- progress thread
 
-void Engine::destroy_rkey(RemoteKey* rk) {
-  if (rk->handle != nullptr) {
-    ucp_rkey_destroy(rk->handle);
-    rk->handle = nullptr;
+void Engine::release_key_handle(RemoteKey* rk) {
+  if (rk->handle == nullptr || rk->pinned) return;
+  ucp_rkey_destroy(rk->handle);  // unmaps a mapped segment, too
+  rk->handle = nullptr;
+  rk->mapped = nullptr;
+}
+
+bool Engine::key_busy(const RemoteKey* rk) const {
+  if (rk->pinned) return true;
+  if (rk->users == 0) return false;
+  for (const auto& kv : jobs_) {
+    const Job* j = kv.second.get();
+    if (j->inflight_ops > 0 && std::find(j->keys.begin(), j->keys.end(), rk) != j->keys.end()) return true;
   }
+  return false;
+}
+
+void Engine::destroy_idle_keys(Endpoint* ep) {
+  // UCX: a key goes after the operations that use it are flushed, and before
+  // the endpoint it was unpacked on is destroyed.
+  for (RemoteKey* rk : ep->rkeys) {
+    if (rk->handle != nullptr && !key_busy(rk)) release_key_handle(rk);
+  }
+}
+
+void Engine::destroy_rkey(RemoteKey* rk) {
+  release_key_handle(rk);
   if (!rk->released) return;  // Python still holds the id; the record stays
   auto eit = eps_.find(rk->ep_id);
   if (eit != eps_.end()) {

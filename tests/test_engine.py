@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import random
 import signal
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -564,3 +566,121 @@ async def test_close_with_a_frozen_peer_is_bounded() -> None:
         a.bridge.close()
         os.kill(peer.proc.pid, signal.SIGCONT)
         peer.close()
+
+
+# ------------------------------------------------ hostile metadata, deadlines
+
+
+@pytest.mark.parametrize("direct_copy", [True, False], ids=["direct-copy", "ucx-lanes"])
+def test_over_claimed_shared_memory_key_is_refused(direct_copy: bool) -> None:
+    # ucp_rkey_ptr maps any address by offset: a peer claiming more than its
+    # segment would have had us copy past it, into our own address space
+    # (UCX's shm lanes copy through the same mapping, hence both modes).
+    a = native.Engine("shm", direct_copy=direct_copy)
+    b = native.Engine("shm")
+    try:
+        region, addr = b.mem_alloc(MiB)
+        _, canary_addr = b.mem_alloc(MiB)
+        canary = np.frombuffer(native.buffer_from_address(canary_addr, MiB), np.uint8)
+        canary[:] = 0xA5
+        packed = b.rkey_pack(region)
+        ep = a.connect(b.worker_address, False)
+        for base, length in ((addr, 64 * MiB), (addr, MiB + 4096), (addr - 4096, MiB)):
+            with pytest.raises(native.InvalidArgumentError, match="does not cover"):
+                a.rkey_unpack(ep, packed, base, length)
+        rkey = a.rkey_unpack(ep, packed, addr, MiB)  # the truth is accepted
+        assert a.rkey_unpack(ep, packed, addr + 4096, MiB - 4096)  # and any part of it
+        src = pattern(MiB, 51)
+        job = a.submit(native.OP_PUT, ep, segs((src.ctypes.data, addr, MiB, rkey)))
+        assert a.wait_released([job], 60)
+        assert [e[2] for e in a.drain() if e[0] == native.KIND_JOB] == [native.ST_OK]
+        assert sha(np.frombuffer(native.buffer_from_address(addr, MiB), np.uint8)) == sha(src)
+        assert a.stats()["bytes_direct"] == (MiB if direct_copy else 0)
+        assert (canary == 0xA5).all()
+    finally:
+        a.close()
+        b.close()
+
+
+@contextlib.contextmanager
+def stopped(peer: Peer) -> Iterator[None]:
+    """SIGSTOP the peer for the block; SIGCONT it however the block ends."""
+    os.kill(peer.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(peer.proc.pid, signal.SIGCONT)
+
+
+# The engine's documented bound for a job with a deadline span T stuck behind
+# a frozen peer: T + cancel grace (T/4, clamped to [50 ms, 2 s]) + forced-close
+# grace (T/10, clamped to [20 ms, 1 s]) + two looks of the stuck check (10 ms).
+def deadline_bound(t: float) -> float:
+    return t + min(max(t / 4, 0.05), 2.0) + min(max(t / 10, 0.02), 1.0) + 0.02
+
+
+async def test_deadline_bounds_a_put_to_a_frozen_peer() -> None:
+    peer = engine_peer("tcp", 64 * MiB)
+    a = slow_side("tcp")
+    try:
+        ep = a.engine.connect(bytes.fromhex(peer.hello["worker"]), False)
+        rkey = a.engine.rkey_unpack(
+            ep, bytes.fromhex(peer.hello["rkey"]), peer.hello["addr"], peer.hello["size"]
+        )
+        lk = Link(a, Side(None, a.bridge, 0, peer.hello["addr"], peer.hello["size"]), ep, rkey)
+        await run_jobs(a.bridge, [put(lk, pattern(4096, 52))])  # wired up
+        src = pattern(64 * MiB, 53)
+        with stopped(peer):
+            await asyncio.sleep(0.05)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(LLMTimeoutError):
+                await run_jobs(a.bridge, [put(lk, src, timeout_ms=500)])
+            took = loop.time() - t0
+            # Noisy machines: a second of slack, still well under the 3.5 s
+            # that fixed graces gave.
+            assert took < deadline_bound(0.5) + 1.0, took
+            assert a.engine.stats()["live_jobs"] == 0
+    finally:
+        a.bridge.close()
+        peer.close()
+
+
+def test_disconnect_from_a_frozen_peer_retires_the_endpoint() -> None:
+    # Frozen before the connection was made: the close's flush can never
+    # complete, and UCX refuses a second, forced close of a closing endpoint.
+    peer = engine_peer("tcp", MiB)
+    a = native.Engine("tcp")
+    try:
+        with stopped(peer):
+            ep = a.connect(bytes.fromhex(peer.hello["worker"]), False)
+            a.rkey_unpack(ep, bytes.fromhex(peer.hello["rkey"]), peer.hello["addr"], MiB)
+            time.sleep(0.1)
+            assert a.stats()["endpoints"] == 1
+            t0 = time.monotonic()
+            a.disconnect(ep)
+            while a.stats()["endpoints"] and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            # Within kCancelGrace (2 s) of the close, with slack for the machine.
+            assert a.stats()["endpoints"] == 0
+            assert time.monotonic() - t0 < 2.0 + 1.5
+    finally:
+        a.close()
+        peer.close()
+
+
+def test_tcp_source_address_is_not_bound_by_default() -> None:
+    # UCX binds a TCP endpoint to the default route's interface: unreachable
+    # from a multi-homed host's other networks. The caller can still ask.
+    eng = native.Engine("tcp")
+    try:
+        assert "TCP_EP_BIND_SRC_ADDR=n" in eng.ucx_config().splitlines()
+        assert "TCP_CONN_NB=y" in eng.ucx_config().splitlines()
+    finally:
+        eng.close()
+    eng = native.Engine("tcp", ucx_options={"TCP_EP_BIND_SRC_ADDR": "y"})
+    try:
+        assert "TCP_EP_BIND_SRC_ADDR=y" in eng.ucx_config().splitlines()
+        assert "TCP_EP_BIND_SRC_ADDR=n" not in eng.ucx_config().splitlines()
+    finally:
+        eng.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -332,3 +333,82 @@ def test_wait_released_lets_signals_through(slow_pair: Pair) -> None:
         signal.signal(signal.SIGUSR1, previous)
     p.a.cancel_many(jobs)
     assert p.a.wait_released(jobs, 60)
+
+
+# ------------------------------------------------------------ worker addresses
+
+# Runs in a child: a mutant that still reached UCX's assertions would abort
+# the whole process, which only a child can survive to report.
+ADDRESS_FUZZ = r"""
+import json, random, sys
+from aiokvcache._loader import native
+
+a, b = native.Engine("tcp"), native.Engine("tcp")
+real = b.worker_address
+rng = random.Random(int(sys.argv[1]))
+count = int(sys.argv[2])
+
+def mutant(i):
+    m = bytearray(real)
+    kind = i % 6
+    if kind == 0:  # a few random byte flips anywhere
+        for _ in range(rng.randint(1, 4)):
+            m[rng.randrange(len(m))] ^= 1 << rng.randrange(8)
+    elif kind == 1:  # flips in the header and first device bytes
+        m[rng.randrange(min(16, len(m)))] ^= rng.randint(1, 255)
+    elif kind == 2:  # truncated
+        m = m[: rng.randrange(1, len(m))]
+    elif kind == 3:  # extended with garbage
+        m += bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+    elif kind == 4:  # zeroed header
+        for j in range(rng.randint(1, 4)):
+            m[j] = 0
+    else:  # every header version and flag nibble
+        m[0] = rng.randrange(256)
+        if rng.random() < 0.5 and len(m) > 1:
+            m[1] = rng.randrange(256)
+    return bytes(m)
+
+seen = {"connected": 0, "invalid": 0, "native": 0}
+for i in range(count):
+    try:
+        ep = a.connect(mutant(i), False)
+    except native.InvalidArgumentError:
+        seen["invalid"] += 1
+    except native.NativeError:
+        seen["native"] += 1
+    else:
+        seen["connected"] += 1
+        a.disconnect(ep)
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_malformed_worker_addresses_never_abort() -> None:
+    # TCP only: a mutated shared-memory address names another process's
+    # segment (pid, fd), which on a shared machine can be a stranger's.
+    n = 200
+    out = subprocess.run(
+        [sys.executable, "-c", ADDRESS_FUZZ, "8", str(n)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sum(seen.values()) == n
+    assert seen["invalid"] > 0
+
+
+def test_worker_address_checks(engine: Any) -> None:
+    real = engine.worker_address
+    with pytest.raises(native.InvalidArgumentError, match="too long"):
+        engine.connect(real + b"\0" * (64 * 1024))
+    for version in range(16):
+        if version == real[0] & 0x0F:
+            continue
+        with pytest.raises(native.InvalidArgumentError, match="header version"):
+            engine.connect(bytes([(real[0] & 0xF0) | version]) + real[1:])
+    with pytest.raises(native.InvalidArgumentError, match="truncated"):
+        engine.connect(real[:3])
