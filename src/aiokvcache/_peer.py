@@ -354,7 +354,7 @@ async def _node(args: argparse.Namespace) -> None:
             int(req["cluster_id"]), int(req["cache_id"]), int(req.get("index", 0))
         )
         return dd.cache_manager.push_cache(
-            key, caches[src or str(req["src"])], timeout=float(req.get("timeout", 5))
+            key, caches[src or str(req["src"])], timeout=float(req.get("call_timeout", 5))
         )
 
     async def push_loop(req: dict[str, Any], done: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -435,9 +435,9 @@ async def _node(args: argparse.Namespace) -> None:
             key = CacheKeyByIdAndIndex(
                 int(req["cluster_id"]), int(req["cache_id"]), int(req.get("index", 0))
             )
-            return await _timed_status(
-                cm.pull_cache(key, caches[str(req["dst"])], timeout=float(req.get("timeout", 5)))
-            )
+            dst = caches[str(req["dst"])]
+            timeout = float(req.get("call_timeout", 5))
+            return await _timed_status(cm.pull_cache(key, dst, timeout=timeout))
         if op == "loop":
             name = str(req["loop"])
             progress[name] = []
@@ -448,7 +448,7 @@ async def _node(args: argparse.Namespace) -> None:
             return {"running": not loops[name].done(), **summary(progress[name])}
         if op == "loop_join":
             name = str(req["loop"])
-            async with asyncio.timeout(float(req.get("timeout", 60))):
+            async with asyncio.timeout(float(req.get("wait", 60))):
                 done = await loops.pop(name)
             return summary(done)
         if op == "reinit":

@@ -43,8 +43,36 @@ Across processes:
       "addr", "size", "rkey", "pid"}``; ops ``hash`` (``offset``,
       ``length``), ``fill`` (``seed``), ``notes`` (``count``).
 
+  ``prefill TRANSPORT`` / ``decoder TRANSPORT``
+      an :class:`~aiokvcache.LLMDataDist` driven op by op (prompt role,
+      cluster 1 / decoder role, cluster 2 by default; ``--cluster-id``,
+      ``--listen IP:PORT`` (the decoder's default 127.0.0.1:0),
+      ``--auth-token``, ``--sync-kv-timeout MS``); ``hello = {"address",
+      "pid", "cluster_id", "rss_kb"}``. Caches are named by the caller:
+      ``alloc`` (``name``, ``tensors``, ``bytes``, ``seed``: uint8 tensors
+      of ``[1, bytes]``; answers ``cache_id``, ``addrs``, ``sha``),
+      ``fill``, ``hash``, ``free``; links: ``link`` / ``unlink``
+      (``address``, ``cluster_id``, ``timeout_ms``; answer ``status``,
+      ``per``, ``seconds``); transfers: ``push`` / ``pull`` (``cluster_id``,
+      ``cache_id``, ``src`` / ``dst``, ``call_timeout``: the call's ``timeout=``,
+      seconds, default 5) answer ``status`` (an
+      ``LLMStatusCode`` name, ``"LLM_SUCCESS"`` included: a failed transfer
+      is a result, not an error), ``start`` and ``end`` (``time.monotonic()``,
+      the same clock as the caller's on one machine), ``seconds`` and
+      ``message``; ``loop`` (``loop``, ``count``, ``seconds``, ``srcs``,
+      ``stop_on_error``) pushes back to back in the background,
+      ``loop_status`` / ``loop_join`` (``wait`` seconds) report on it; ``reinit`` replaces the
+      LLMDataDist by a fresh one; ``rss``, ``stats``.
+
   Every mode exits on ``{"op": "exit"}`` or end of input, ignores SIGINT
   (its parent decides when it ends) and takes ``--lifetime SECONDS``.
+  :class:`AsyncPeer` runs it inside a network namespace with ``netns=``.
+
+Across hosts (network namespaces, root only): :class:`NetCluster` makes N
+hosts cabled to one bridge, :meth:`NetCluster.peer` starts the peer program
+inside one, :meth:`NetCluster.cut` / :meth:`~NetCluster.restore` take a
+host's cable down and up; :meth:`AsyncPeer.signal` stops, continues or kills
+a host's process; :func:`read_memory` reads a (stopped) process's memory.
 """
 
 from __future__ import annotations
@@ -775,10 +803,15 @@ class NetCluster:
     or kill a host's process.
     """
 
-    def __init__(self, hosts: int) -> None:
+    def __init__(self, hosts: int, *, uplink: bool = False) -> None:
         global _clusters_made
         if not 1 <= hosts <= 200:
             raise ValueError("1 to 200 hosts")
+        #: Give every host a second interface, ``up0`` (198.19.<i>.1/24, one
+        #: end of a veth pair whose other end is up in the same host: it
+        #: reaches nothing) holding the default route, as on a multi-homed
+        #: host whose default route is not the cluster network.
+        self.uplink = uplink
         with _ip_lock:
             _clusters_made += 1
             n = _clusters_made
@@ -819,6 +852,14 @@ class NetCluster:
                 _ip("-n", br, "link", "set", h.cable, "master", "br0", "up")
                 _ip("-n", h.netns, "addr", "add", f"{h.ip}/24", "dev", "eth0")
                 _ip("-n", h.netns, "link", "set", "eth0", "up")
+                if self.uplink:
+                    i = self.hosts.index(h) + 1
+                    ns = h.netns
+                    _ip("-n", ns, "link", "add", "up0", "type", "veth", "peer", "name", "up0x")
+                    _ip("-n", ns, "addr", "add", f"198.19.{i}.1/24", "dev", "up0")
+                    _ip("-n", ns, "link", "set", "up0x", "up")
+                    _ip("-n", ns, "link", "set", "up0", "up")
+                    _ip("-n", ns, "route", "add", "default", "via", f"198.19.{i}.254")
         except BaseException:
             self.close()
             raise

@@ -27,12 +27,13 @@ TENSOR_BYTES = 4 << 20  # 32 MiB a push: tens of ms over a veth
 PUSH_TIMEOUT = 3.0  # seconds, the push's timeout=
 # After timeout=, a cancel waits for what is in flight; a frozen peer's
 # endpoint is force-closed 2 s later and its jobs released 1 s after that
-# (docs/design.md: 3 s). Measured here: 5.0 s, every run; bound with slack.
-GRACE = 6.0
+# (docs/design.md): 3 s, plus slack for a loaded machine.
+GRACE = 4.0
 DEAD_PEER_BOUND = 2.0  # a killed process's sockets close at once
+CYCLES_BUDGET_S = 45.0  # the 100 cycles take ~4 s; give up (and fail) past this
 RELINK_BOUND = 10.0  # after a cable is back, a link + push works within this
 
-MakeCluster = Callable[[int], NetCluster]
+MakeCluster = Callable[..., NetCluster]
 
 
 def measured(what: str, **values: Any) -> None:
@@ -76,7 +77,11 @@ async def link(p: AsyncPeer, d: AsyncPeer, timeout_ms: int = 3000) -> dict[str, 
 
 async def push(p: AsyncPeer, d: AsyncPeer, cache_id: int, src: str = "src") -> dict[str, Any]:
     return await p.call(
-        "push", cluster_id=d.hello["cluster_id"], cache_id=cache_id, src=src, timeout=PUSH_TIMEOUT
+        "push",
+        cluster_id=d.hello["cluster_id"],
+        cache_id=cache_id,
+        src=src,
+        call_timeout=PUSH_TIMEOUT,
     )
 
 
@@ -89,7 +94,7 @@ async def start_loop(
         loop=name,
         cluster_id=d.hello["cluster_id"],
         cache_id=cache_id,
-        timeout=PUSH_TIMEOUT,
+        call_timeout=PUSH_TIMEOUT,
         **kw,
     )
 
@@ -114,17 +119,37 @@ def first_error(summary: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------- a. fresh links
 
 
-async def test_fresh_link_and_push_cycles(make_cluster: MakeCluster) -> None:
-    """100 x (fresh LLMDataDist, link, push, bytes checked) between two hosts."""
+MULTI_HOMED = pytest.mark.xfail(
+    reason="known: with the default route on another interface, UCX's TCP wire-up "
+    "uses the peer's unreachable interface ('tcp_cm.c:758 UCX ERROR tcp_ep ...: "
+    "connection establishment for socket fd N was unsuccessful'; every push "
+    "LLM_TIMEOUT, landed: none). UCX_TCP_EP_BIND_SRC_ADDR=n does not help here; "
+    "UCX_NET_DEVICES=eth0 does. No engine default for it on this branch.",
+    strict=False,
+)
+
+
+@pytest.mark.parametrize(
+    "uplink",
+    [False, pytest.param(True, marks=MULTI_HOMED)],
+    ids=["one-nic", "default-route-elsewhere"],
+)
+async def test_fresh_link_and_push_cycles(make_cluster: MakeCluster, uplink: bool) -> None:
+    """100 x (fresh LLMDataDist, link, push, bytes checked) between two hosts;
+    also with the hosts' default route on another interface (multi-homed)."""
     cycles = 100
-    cluster = make_cluster(2)
+    cluster = make_cluster(2, uplink=uplink)
     h1, h2 = cluster.hosts
     async with started(decoder(cluster, h2, 2)) as d, started(prefill(cluster, h1)) as p:
         dst = await d.call("alloc", name="dst", tensors=4, bytes=64 << 10)
         t0 = time.monotonic()
         failures: list[str] = []
         worst_link = worst_push = 0.0
+        done = 0
         for i in range(cycles):
+            if time.monotonic() > t0 + CYCLES_BUDGET_S or len(failures) >= 5:
+                failures.append(f"stopped after {done} good cycles of {i}")
+                break
             await p.call("reinit")  # a fresh LLMDataDist: new engine, no links
             src = await p.call("alloc", name="src", tensors=4, bytes=64 << 10, seed=i)
             ln = await link(p, d)
@@ -139,10 +164,13 @@ async def test_fresh_link_and_push_cycles(make_cluster: MakeCluster) -> None:
             worst_push = max(worst_push, res["seconds"])
             if (await d.call("hash", name="dst"))["sha"] != src["sha"]:
                 failures.append(f"cycle {i}: wrong bytes")
+                continue
+            done += 1
         took = time.monotonic() - t0
     measured(
-        "fresh cycles",
+        f"fresh cycles uplink={uplink}",
         cycles=cycles,
+        good=done,
         failures=len(failures),
         total_s=took,
         worst_link_s=worst_link,
@@ -183,7 +211,7 @@ async def test_link_cut_mid_push(make_cluster: MakeCluster, down_s: float) -> No
         await start_loop(p, "a", a, dst_a["cache_id"])
         await until_pushing(p, "a")
         t_cut = cluster.cut(ha)
-        err = first_error(await p.call("loop_join", loop="a", timeout=30))
+        err = first_error(await p.call("loop_join", loop="a", wait=30, timeout=40))
         to_error = err["end"] - t_cut
         measured(
             "cable cut",
@@ -247,7 +275,7 @@ async def test_decoder_killed_mid_push(make_cluster: MakeCluster) -> None:
         await start_loop(p, "a", a, dst_a["cache_id"])
         await until_pushing(p, "a")
         t_kill = a.signal(signal.SIGKILL)
-        err = first_error(await p.call("loop_join", loop="a", timeout=30))
+        err = first_error(await p.call("loop_join", loop="a", wait=30, timeout=40))
         to_error = err["end"] - t_kill
         measured(
             "SIGKILL",
@@ -307,7 +335,7 @@ async def test_decoder_stopped_mid_push(make_cluster: MakeCluster) -> None:
         await until_pushing(p, "a", 3)
         t_stop = a.signal(signal.SIGSTOP)
         try:
-            err = first_error(await p.call("loop_join", loop="a", timeout=30))
+            err = first_error(await p.call("loop_join", loop="a", wait=30, timeout=40))
             # Still stopped: what the destination holds when the call raised,
             # and what waits in the kernel's TCP queues on either side.
             at_raise = _cache_bytes(a.pid, dst)
@@ -412,7 +440,7 @@ async def test_two_by_two_one_decoder_killed(make_cluster: MakeCluster) -> None:
             await until_pushing(ps[pn], dn)
         t_kill = d2.signal(signal.SIGKILL)
         results = {
-            (pn, dn): await ps[pn].call("loop_join", loop=dn, timeout=40) for pn, dn in dst
+            (pn, dn): await ps[pn].call("loop_join", loop=dn, wait=40, timeout=50) for pn, dn in dst
         }
         for pn in ps:
             victim = first_error(results[pn, "d2"])
