@@ -63,6 +63,7 @@ def test_hosts_reach_each_other_and_cuts_cut(make_cluster: MakeCluster) -> None:
             listener.stdout.close()
 
 
+@pytest.mark.usefixtures("make_cluster")  # for its skip where namespaces cannot be made
 def test_close_removes_everything_even_after_a_failure() -> None:
     cluster = NetCluster(2)
     with pytest.raises(RuntimeError), cluster:
