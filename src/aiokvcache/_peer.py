@@ -27,14 +27,19 @@ import numpy as np
 
 from . import (
     BlocksCacheKey,
+    Cache,
     CacheDesc,
     CacheKey,
+    CacheKeyByIdAndIndex,
     DataType,
+    LLMClusterInfo,
     LLMDataDist,
+    LLMException,
     LLMRole,
     Placement,
     bench,
 )
+from .options import KEY_LISTEN_IP_INFO
 from .testing import DECODER_ID, options
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -277,6 +282,200 @@ async def _engine(args: argparse.Namespace) -> None:
         eng.close()
 
 
+# ------------------------------------------------------------------ prefill / decoder
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _node_options(args: argparse.Namespace) -> dict[str, str]:
+    extra: dict[str, Any] = {"sync_kv_timeout": args.sync_kv_timeout}
+    if args.auth_token:
+        extra["auth_token"] = args.auth_token
+    cfg = options(args.transport, **extra)
+    if args.listen:
+        cfg[KEY_LISTEN_IP_INFO] = args.listen
+    return cfg
+
+
+def _link_info(req: dict[str, Any]) -> LLMClusterInfo:
+    host, port = str(req["address"]).rsplit(":", 1)
+    info = LLMClusterInfo()
+    info.remote_cluster_id = int(req["cluster_id"])
+    info.append_remote_ip_info(host, int(port))
+    return info
+
+
+async def _timed_status(aw: Awaitable[Any]) -> dict[str, Any]:
+    """Run ``aw``: its status name, start and end (``time.monotonic()``)."""
+    start = time.monotonic()
+    try:
+        await aw
+        status, error = "LLM_SUCCESS", None
+    except LLMException as exc:
+        status, error = exc.status_code.name, str(exc)
+    except Exception as exc:
+        status, error = "EXCEPTION", f"{type(exc).__name__}: {exc}"
+    end = time.monotonic()
+    out: dict[str, Any] = {"status": status, "start": start, "end": end, "seconds": end - start}
+    if error is not None:
+        out["message"] = error[:500]
+    return out
+
+
+async def _node(args: argparse.Namespace) -> None:
+    """An LLMDataDist driven op by op: ``prefill`` and ``decoder`` modes."""
+    role = LLMRole.PROMPT if args.mode == "prefill" else LLMRole.DECODER
+    cfg = _node_options(args)
+    dd = LLMDataDist(role, args.cluster_id)
+    await dd.init(cfg)
+    caches: dict[str, Cache] = {}
+    loops: dict[str, asyncio.Task[list[dict[str, Any]]]] = {}
+    progress: dict[str, list[dict[str, Any]]] = {}
+    _say(
+        {
+            "address": dd.listen_address,
+            "pid": os.getpid(),
+            "cluster_id": args.cluster_id,
+            "rss_kb": _rss_kb(),
+        }
+    )
+
+    def cache_sha(cache: Cache) -> str:
+        return _sha(b"".join(t.tobytes() for t in cache.tensors))
+
+    def push_of(req: dict[str, Any], src: str | None = None) -> Awaitable[None]:
+        key = CacheKeyByIdAndIndex(
+            int(req["cluster_id"]), int(req["cache_id"]), int(req.get("index", 0))
+        )
+        return dd.cache_manager.push_cache(
+            key, caches[src or str(req["src"])], timeout=float(req.get("call_timeout", 5))
+        )
+
+    async def push_loop(req: dict[str, Any], done: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # Pushes back to back, from "srcs" in turn (or "src"), for "count"
+        # pushes or "seconds", stopping at the first error if "stop_on_error".
+        deadline = time.monotonic() + float(req.get("seconds", 60))
+        count = int(req.get("count", 1 << 30))
+        stop_on_error = bool(req.get("stop_on_error", True))
+        srcs = [str(x) for x in req.get("srcs", [req.get("src")])]
+        while len(done) < count and time.monotonic() < deadline:
+            src = srcs[len(done) % len(srcs)]
+            res = await _timed_status(push_of(req, src))
+            res["src"] = src
+            done.append(res)
+            if res["status"] != "LLM_SUCCESS" and stop_on_error:
+                break
+        return done
+
+    def summary(done: list[dict[str, Any]]) -> dict[str, Any]:
+        failed = [r for r in done if r["status"] != "LLM_SUCCESS"]
+        return {
+            "done": len(done),
+            "ok": len(done) - len(failed),
+            "failed": failed[:5],
+            "last": done[-1] if done else None,
+            "last_ok_src": next((r["src"] for r in reversed(done) if r not in failed), None),
+            "max_seconds": max((r["seconds"] for r in done), default=0.0),
+        }
+
+    async def handle(req: dict[str, Any]) -> dict[str, Any]:
+        nonlocal dd
+        op = req["op"]
+        cm = dd.cache_manager
+        if op == "alloc":
+            desc = CacheDesc(
+                int(req["tensors"]), [1, int(req["bytes"])], DataType.DT_UINT8, Placement.HOST
+            )
+            cache = cm.allocate_cache(desc)
+            if req.get("seed") is not None:
+                rng = np.random.default_rng(int(req["seed"]))
+                for t in cache.tensors:
+                    t[...] = rng.integers(0, 256, t.shape, dtype=np.uint8)
+            caches[str(req["name"])] = cache
+            return {
+                "cache_id": cache.cache_id,
+                "addrs": cache.tensor_addrs,
+                "tensor_bytes": int(req["bytes"]),
+                "sha": cache_sha(cache),
+            }
+        if op == "fill":
+            cache = caches[str(req["name"])]
+            rng = np.random.default_rng(int(req["seed"]))
+            for t in cache.tensors:
+                t[...] = rng.integers(0, 256, t.shape, dtype=np.uint8)
+            return {"sha": cache_sha(cache)}
+        if op == "hash":
+            return {"sha": cache_sha(caches[str(req["name"])])}
+        if op == "free":
+            cm.deallocate_cache(caches.pop(str(req["name"])))
+            return {"freed": True}
+        if op in ("link", "unlink"):
+            info = _link_info(req)
+            start = time.monotonic()
+            if op == "link":
+                rc, per = await dd.link_clusters([info], timeout=int(req.get("timeout_ms", 3000)))
+            else:
+                rc, per = await dd.unlink_clusters(
+                    [info], timeout=int(req.get("timeout_ms", 3000)), force=bool(req.get("force"))
+                )
+            return {
+                "status": rc.name,
+                "per": [s.name for s in per],
+                "seconds": time.monotonic() - start,
+            }
+        if op == "push":
+            return await _timed_status(push_of(req))
+        if op == "pull":
+            key = CacheKeyByIdAndIndex(
+                int(req["cluster_id"]), int(req["cache_id"]), int(req.get("index", 0))
+            )
+            dst = caches[str(req["dst"])]
+            timeout = float(req.get("call_timeout", 5))
+            return await _timed_status(cm.pull_cache(key, dst, timeout=timeout))
+        if op == "loop":
+            name = str(req["loop"])
+            progress[name] = []
+            loops[name] = asyncio.create_task(push_loop(req, progress[name]))
+            return {"started": name}
+        if op == "loop_status":
+            name = str(req["loop"])
+            return {"running": not loops[name].done(), **summary(progress[name])}
+        if op == "loop_join":
+            name = str(req["loop"])
+            async with asyncio.timeout(float(req.get("wait", 60))):
+                done = await loops.pop(name)
+            return summary(done)
+        if op == "reinit":
+            # A fresh LLMDataDist (new engine, new links); caches are gone.
+            start = time.monotonic()
+            for task in loops.values():
+                task.cancel()
+            loops.clear()
+            caches.clear()
+            await dd.finalize()
+            dd = LLMDataDist(role, args.cluster_id)
+            await dd.init(cfg)
+            return {"seconds": time.monotonic() - start, "address": dd.listen_address}
+        if op == "rss":
+            return {"rss_kb": _rss_kb()}
+        if op == "stats":
+            return {k: int(v) for k, v in cm.stats().items()}
+        return _unknown(req)
+
+    try:
+        await _serve(handle)
+    finally:
+        for task in loops.values():
+            task.cancel()
+        await dd.finalize()
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -306,6 +505,20 @@ def _parser() -> argparse.ArgumentParser:
     eng.add_argument("transport", choices=bench.TRANSPORTS)
     eng.add_argument("size", type=int)
     eng.add_argument("--ucx-options", default="{}", help="UCX options, a JSON object")
+    for mode, cid, what in (
+        ("prefill", 1, "a prompt LLMDataDist that links, pushes and pulls on request"),
+        ("decoder", 2, "a listening decoder LLMDataDist driven op by op"),
+    ):
+        node = sub.add_parser(mode, parents=[common], help=what)
+        node.add_argument("transport", choices=bench.TRANSPORTS)
+        node.add_argument("--cluster-id", type=int, default=cid)
+        node.add_argument(
+            "--listen",
+            default="127.0.0.1:0" if mode == "decoder" else None,
+            help="control-plane listen address ip:port",
+        )
+        node.add_argument("--auth-token", default=None)
+        node.add_argument("--sync-kv-timeout", type=int, default=60_000, help="ms per layer")
     return p
 
 
@@ -314,6 +527,8 @@ MODES: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, None]]] = {
     "blocks": _blocks,
     "blocked": _blocked,
     "engine": _engine,
+    "prefill": _node,
+    "decoder": _node,
 }
 
 
