@@ -125,8 +125,11 @@ async def handshake_then_garbage(host: str, port: int) -> None:
                 kind, _, reply = await control._read_frame(reader)
                 assert kind is control._Kind.HELLO_REPLY, kind
                 ids = control._transcript(hello, reply)
-                mac = control._mac(local.auth_token, b"aiokvcache-c", reply["nonce"], nonce, ids)
-                writer.write(control._pack_frame(control._Kind.AUTH, 0, {"mac": mac}))
+                mine = control._identity(local)
+                mac = control._mac(
+                    local.auth_token, b"aiokvcache-c", reply["nonce"], nonce, ids, mine
+                )
+                writer.write(control._pack_frame(control._Kind.AUTH, 0, {"mac": mac, **mine}))
                 kind, _, _ = await control._read_frame(reader)
                 assert kind is control._Kind.AUTH_OK, kind
                 garbage = [
@@ -190,12 +193,6 @@ ATTACKS: dict[str, Attack] = {
 }
 
 KNOWN = {
-    "slowloris": pytest.mark.xfail(
-        reason="known: idle connections fill the 128 pending-handshake slots "
-        "(control.MAX_PENDING_HANDSHAKES); a legitimate link is dropped until they "
-        "time out (HANDSHAKE_TIMEOUT); fix under way in the control plane",
-        strict=False,
-    ),
 }
 
 

@@ -297,6 +297,8 @@ def _node_options(args: argparse.Namespace) -> dict[str, str]:
     extra: dict[str, Any] = {"sync_kv_timeout": args.sync_kv_timeout}
     if args.auth_token:
         extra["auth_token"] = args.auth_token
+    if args.net_devices:
+        extra["net_devices"] = args.net_devices
     cfg = options(args.transport, **extra)
     if args.listen:
         cfg[KEY_LISTEN_IP_INFO] = args.listen
@@ -518,6 +520,7 @@ def _parser() -> argparse.ArgumentParser:
             help="control-plane listen address ip:port",
         )
         node.add_argument("--auth-token", default=None)
+        node.add_argument("--net-devices", default=None, help="the data plane's interfaces")
         node.add_argument("--sync-kv-timeout", type=int, default=60_000, help="ms per layer")
     return p
 

@@ -710,6 +710,10 @@ _ip_lock = threading.Lock()
 _clusters_made = 0
 
 
+#: Addresses the cluster's hosts use (198.18.0.0/15, the benchmarking range).
+_CLUSTER_NETS = ("198.18.0.0/15",)
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
     if check and proc.returncode != 0:
@@ -822,6 +826,7 @@ class NetCluster:
             for i in range(1, hosts + 1)
         ]
         self._made: list[str] = []
+        self._routes: list[str] = []  # root-namespace guard routes we added
 
     @property
     def namespaces(self) -> list[str]:
@@ -835,6 +840,12 @@ class NetCluster:
             if name in _netns_list():
                 _netns_delete(name)
         try:
+            # A safety belt: should anything in the root namespace ever aim at
+            # a cluster address, the kernel refuses it here instead of routing
+            # it off the machine through the default gateway.
+            for net in _CLUSTER_NETS:
+                if _ip("route", "add", "unreachable", net, check=False).returncode == 0:
+                    self._routes.append(net)
             br = self.bridge_ns
             _ip("netns", "add", br)
             self._made.append(br)
@@ -870,6 +881,9 @@ class NetCluster:
         for name in reversed(self._made):
             _netns_delete(name)
         self._made.clear()
+        for net in self._routes:
+            _ip("route", "del", "unreachable", net, check=False)
+        self._routes.clear()
 
     def __enter__(self) -> Self:
         return self.create()

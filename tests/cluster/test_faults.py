@@ -61,8 +61,11 @@ def decoder(cluster: NetCluster, host: NetHost, cluster_id: int, **kw: Any) -> A
     )
 
 
-def prefill(cluster: NetCluster, host: NetHost, cluster_id: int = 1) -> AsyncPeer:
-    return cluster.peer(host, "prefill", "tcp", f"--cluster-id={cluster_id}", lifetime=110)
+def prefill(
+    cluster: NetCluster, host: NetHost, cluster_id: int = 1, *, net_devices: str | None = None
+) -> AsyncPeer:
+    extra = [f"--net-devices={net_devices}"] if net_devices else []
+    return cluster.peer(host, "prefill", "tcp", f"--cluster-id={cluster_id}", *extra, lifetime=110)
 
 
 async def alloc(peer: AsyncPeer, name: str, seed: int | None = None) -> dict[str, Any]:
@@ -85,9 +88,7 @@ async def push(p: AsyncPeer, d: AsyncPeer, cache_id: int, src: str = "src") -> d
     )
 
 
-async def start_loop(
-    p: AsyncPeer, name: str, d: AsyncPeer, cache_id: int, **kw: Any
-) -> None:
+async def start_loop(p: AsyncPeer, name: str, d: AsyncPeer, cache_id: int, **kw: Any) -> None:
     kw.setdefault("src", "src")
     await p.call(
         "loop",
@@ -119,28 +120,27 @@ def first_error(summary: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------- a. fresh links
 
 
-MULTI_HOMED = pytest.mark.xfail(
-    reason="known: with the default route on another interface, UCX's TCP wire-up "
-    "uses the peer's unreachable interface ('tcp_cm.c:758 UCX ERROR tcp_ep ...: "
-    "connection establishment for socket fd N was unsuccessful'; every push "
-    "LLM_TIMEOUT, landed: none). UCX_TCP_EP_BIND_SRC_ADDR=n does not help here; "
-    "UCX_NET_DEVICES=eth0 does. No engine default for it on this branch.",
-    strict=False,
-)
-
-
 @pytest.mark.parametrize(
     "uplink",
-    [False, pytest.param(True, marks=MULTI_HOMED)],
+    [False, True],
     ids=["one-nic", "default-route-elsewhere"],
 )
 async def test_fresh_link_and_push_cycles(make_cluster: MakeCluster, uplink: bool) -> None:
     """100 x (fresh LLMDataDist, link, push, bytes checked) between two hosts;
-    also with the hosts' default route on another interface (multi-homed)."""
+    also with the hosts' default route on another interface (multi-homed).
+
+    Multi-homed, the decoder needs no setting: it listens on its cluster
+    address, so its data plane uses that interface. The prefill listens
+    nowhere and names its data NIC (``net_devices``), as documented.
+    """
     cycles = 100
     cluster = make_cluster(2, uplink=uplink)
     h1, h2 = cluster.hosts
-    async with started(decoder(cluster, h2, 2)) as d, started(prefill(cluster, h1)) as p:
+    nic = "eth0" if uplink else None
+    async with (
+        started(decoder(cluster, h2, 2)) as d,
+        started(prefill(cluster, h1, net_devices=nic)) as p,
+    ):
         dst = await d.call("alloc", name="dst", tensors=4, bytes=64 << 10)
         t0 = time.monotonic()
         failures: list[str] = []
@@ -461,4 +461,3 @@ async def test_two_by_two_one_decoder_killed(make_cluster: MakeCluster) -> None:
             assert not healthy["failed"], healthy["failed"]
             assert healthy["last"]["end"] > t_kill, "the healthy loop ended before the kill"
             assert (await d1.call("hash", name=pn))["sha"] == src[pn]["sha"]
-

@@ -49,7 +49,9 @@ def test_hosts_reach_each_other_and_cuts_cut(make_cluster: MakeCluster) -> None:
         cluster.cut(h2)
         assert cluster.run(h1, *probe).stdout.strip() in ("TimeoutError", "OSError")
         cluster.restore(h2)
-        assert cluster.run(h1, *probe).stdout.strip() == "ok"
+        # The port needs a moment to carry traffic again after it comes up.
+        got = [cluster.run(h1, *probe).stdout.strip() for _ in range(5)]
+        assert "ok" in got, got
         # Nothing of the root namespace was touched (checked without sending
         # anything from it: its default route leads off this machine).
         root = subprocess.run(["ip", "-br", "addr"], capture_output=True, text=True).stdout

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import socket
+import struct
 
 from .._bridge import Bridge
 from .._loader import native
@@ -25,6 +28,43 @@ from .transfers import Transfers
 __all__ = ["Runtime"]
 
 log = logging.getLogger("aiokvcache")
+
+_SIOCGIFADDR = 0x8915  # linux/sockios.h
+
+
+def _interface_of(ip: str) -> str | None:
+    """The local interface that holds address ``ip`` (IPv4), or None."""
+    try:
+        packed = socket.inet_aton(ip)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _index, name in socket.if_nameindex():
+            req = struct.pack("256s", name.encode()[:15])
+            try:
+                got = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)
+            except OSError:
+                continue  # no IPv4 address on it
+            if got[20:24] == packed:
+                return name
+    return None
+
+
+def _ucx_options(opts: EngineOptions) -> dict[str, str]:
+    """UCX settings from the options: which interfaces the data plane uses.
+
+    ``net_devices`` when set; else, when the control plane listens on one
+    specific address, the interface holding it — a multi-homed host then
+    advertises and uses the interface its peers reach it on, not a
+    management NIC or a default route elsewhere; else every interface.
+    """
+    devices = opts.net_devices
+    if devices == "all" and opts.listen_host not in (None, "0.0.0.0", "::", ""):
+        assert opts.listen_host is not None
+        found = _interface_of(opts.listen_host)
+        if found is not None and found != "lo":
+            devices = found
+    return {} if devices == "all" else {"NET_DEVICES": devices}
 
 
 def _host_id() -> bytes:
@@ -46,7 +86,7 @@ class Runtime:
                 opts.transport,
                 max_inflight_bytes=opts.max_inflight_bytes,
                 direct_copy=opts.direct_copy,
-                ucx_options={} if opts.net_devices == "all" else {"NET_DEVICES": opts.net_devices},
+                ucx_options=_ucx_options(opts),
             )
         except (native.NativeError, ValueError) as exc:
             code = (
