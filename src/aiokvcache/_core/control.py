@@ -86,9 +86,9 @@ MAX_INFLIGHT_REQUESTS = 1024
 
 MAX_PENDING_HANDSHAKES = 128
 """Accepted sockets still in the handshake per server. When all are taken, a
-new socket evicts the oldest pending one: idle sockets cannot lock out a peer
-whose handshake takes milliseconds (a slowloris would have to open this many
-sockets within one legitimate handshake)."""
+new socket evicts the oldest pending one that has sent no HELLO yet (else
+the oldest): idle sockets — a slowloris, a connect/close storm — cannot lock
+out a peer, whose HELLO follows its connect at once."""
 
 MAX_CONNECTIONS = 1024
 """Established connections per server; a handshake beyond that is refused."""
@@ -869,8 +869,12 @@ async def _accept_handshake(
     local: LocalInfo,
     handler: Handler,
     timeout: float | None = None,
+    hello_seen: list[bool] | None = None,
 ) -> ControlConnection | None:
-    """Acceptor side; returns the started connection, or None after logging why not."""
+    """Acceptor side; returns the started connection, or None after logging why not.
+
+    ``hello_seen[0]`` becomes True once a well-formed HELLO arrived.
+    """
     peer = _fmt(_peer_address(writer))
     try:
         async with asyncio.timeout(HANDSHAKE_TIMEOUT if timeout is None else timeout):
@@ -878,6 +882,8 @@ async def _accept_handshake(
             if kind is not _Kind.HELLO:
                 raise ProtocolError(f"expected HELLO, got {kind.name}")
             _check_hello(kind, hello)
+            if hello_seen is not None:
+                hello_seen[0] = True
             if hello["version"] != PROTOCOL_VERSION:
                 raise _link_failed(f"unsupported protocol version {hello['version']}")
             mismatch = _auth_mismatch(local.auth_token is not None, hello["auth"])
@@ -1075,8 +1081,8 @@ class ControlServer:
         self._handler = handler
         self._server: asyncio.Server | None = None
         self._address: tuple[str, int] | None = None
-        # Pending handshakes, oldest first, with their sockets (for eviction).
-        self._handshakes: dict[asyncio.Task[Any], asyncio.StreamWriter] = {}
+        # Pending handshakes, oldest first: socket, and whether HELLO came.
+        self._handshakes: dict[asyncio.Task[Any], tuple[asyncio.StreamWriter, list[bool]]] = {}
         self.handshake_timeout = HANDSHAKE_TIMEOUT
         self.max_pending = MAX_PENDING_HANDSHAKES
         self.max_connections = MAX_CONNECTIONS
@@ -1127,8 +1133,9 @@ class ControlServer:
             _abort(writer)
             return
         while len(self._handshakes) >= self.max_pending:
-            oldest, sock = next(iter(self._handshakes.items()))
-            del self._handshakes[oldest]
+            idle = (t for t, (_, hello) in self._handshakes.items() if not hello[0])
+            oldest = next(idle, None) or next(iter(self._handshakes))
+            sock, _ = self._handshakes.pop(oldest)
             self.evicted += 1
             _log.warning(
                 "evicting the oldest pending handshake (%s) for %s: %d pending",
@@ -1140,10 +1147,11 @@ class ControlServer:
             oldest.cancel()
         task = asyncio.current_task()
         assert task is not None
-        self._handshakes[task] = writer
+        hello = [False]
+        self._handshakes[task] = (writer, hello)
         try:
             conn = await _accept_handshake(
-                reader, writer, self._local, self._handler, self.handshake_timeout
+                reader, writer, self._local, self._handler, self.handshake_timeout, hello
             )
         except asyncio.CancelledError:
             _abort(writer)  # server closing mid-handshake
