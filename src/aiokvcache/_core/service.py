@@ -19,6 +19,7 @@ follow :mod:`.state`'s locking rule.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -37,7 +38,7 @@ from .errors import LLMException, LLMStatusCode, make_error, param_invalid
 from .state import Link, LocalCache, State
 from .types import BlocksCacheKey, CacheKey, LLMClusterInfo
 
-__all__ = ["SERVICE_ERRORS", "PeerService"]
+__all__ = ["SERVICE_ERRORS", "SERVICE_ERROR_COUNT", "PeerService"]
 
 log = logging.getLogger("aiokvcache")
 
@@ -61,8 +62,10 @@ _CLOSE_WARN_S = 10.0
 # Pause before asking again a peer that still holds a link we dropped.
 _RELINK_PAUSE_S = 0.05
 
-#: Errors that reached a service loop's exception handler (tests assert none).
-SERVICE_ERRORS: list[dict[str, Any]] = []
+#: The latest errors that reached a service loop's exception handler, and
+#: how many there were in all (tests assert none; bounded for long runs).
+SERVICE_ERRORS: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
+SERVICE_ERROR_COUNT = [0]
 
 
 def _overall(results: Sequence[LLMStatusCode]) -> LLMStatusCode:
@@ -105,6 +108,7 @@ class PeerService:
     @staticmethod
     def _on_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         SERVICE_ERRORS.append(context)
+        SERVICE_ERROR_COUNT[0] += 1
         loop.default_exception_handler(context)
 
     @property
