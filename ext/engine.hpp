@@ -170,6 +170,7 @@ class Engine {
   void touch(Job* j);
   void process_touched();
   void advance(Job* j);
+  void detach(Job* j);
   void finish(Job* j);
   // The one way a job's completion reaches the queue: it also wakes
   // wait_released(), which must not return before the entry is drainable.

@@ -354,8 +354,8 @@ void Engine::advance(Job* j) {
   finish(j);
 }
 
-void Engine::finish(Job* j) {
-  j->phase = Phase::kDone;
+// Out of the posting queue and the deadline map: nothing schedules it again.
+void Engine::detach(Job* j) {
   if (j->in_active) {
     active_.erase(std::find(active_.begin(), active_.end(), j));
     j->in_active = false;
@@ -364,6 +364,11 @@ void Engine::finish(Job* j) {
     deadlines_.erase(j->dl_it);
     j->has_deadline = false;
   }
+}
+
+void Engine::finish(Job* j) {
+  j->phase = Phase::kDone;
+  detach(j);
   for (RemoteKey* rk : j->keys) {
     rk->users--;
     if (rk->released && rk->users == 0) destroy_rkey(rk);
@@ -563,14 +568,7 @@ void Engine::check_stuck() {
 void Engine::abandon(Job* j) {
   j->abandoned = true;
   j->fail(Status::kLINK_FAILED, j->ep->ucs_status);
-  if (j->in_active) {
-    active_.erase(std::find(active_.begin(), active_.end(), j));
-    j->in_active = false;
-  }
-  if (j->has_deadline) {
-    deadlines_.erase(j->dl_it);
-    j->has_deadline = false;
-  }
+  detach(j);
   inflight_bytes_ -= j->inflight_bytes;
   j->inflight_bytes = 0;
   j->ep->jobs--;
