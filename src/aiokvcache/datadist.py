@@ -14,6 +14,7 @@ from typing import Any
 from ._core.errors import LLMStatusCode, make_error, param_invalid
 from ._core.options import EngineOptions
 from ._core.runtime import Runtime
+from ._core.service import overall
 from ._core.types import LLMClusterInfo, LLMRole, check_int, check_isinstance, check_uint64
 from .cache_manager import CacheManager
 
@@ -173,7 +174,7 @@ class LLMDataDist:
         infos = _check_clusters(clusters)
         timeout_ms = check_int("timeout", timeout, 1, 2**31 - 1)
         results = await rt.service.call(rt.service.link_all(infos, timeout_ms))
-        return rt.service.overall(results), results
+        return overall(results), results
 
     async def unlink_clusters(
         self,
@@ -191,7 +192,7 @@ class LLMDataDist:
         check_isinstance("force", force, bool)
         ids = [c.remote_cluster_id for c in infos if c.remote_cluster_id is not None]
         results = await rt.service.call(rt.service.unlink_all(ids, timeout_ms, force))
-        return rt.service.overall(results), results
+        return overall(results), results
 
 
 def _check_clusters(clusters: Sequence[LLMClusterInfo]) -> list[LLMClusterInfo]:

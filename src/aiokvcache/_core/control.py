@@ -1110,6 +1110,11 @@ class ControlServer:
         self._address = (str(sockname[0]), int(sockname[1]))
         return self._address
 
+    def set_local(self, local: LocalInfo) -> None:
+        """Announce ``local`` (e.g. a new role) in later handshakes."""
+        _validate_local(local)
+        self._local = local
+
     @property
     def address(self) -> tuple[str, int]:
         """The bound (host, port); ``LLMException(LLM_PARAM_INVALID)`` before start()."""

@@ -22,6 +22,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import secrets
 import threading
@@ -38,7 +39,7 @@ from .errors import LLMException, LLMStatusCode, make_error, param_invalid
 from .state import Link, LocalCache, State
 from .types import BlocksCacheKey, CacheKey, LLMClusterInfo
 
-__all__ = ["SERVICE_ERRORS", "SERVICE_ERROR_COUNT", "PeerService"]
+__all__ = ["SERVICE_ERRORS", "SERVICE_ERROR_COUNT", "PeerService", "overall"]
 
 log = logging.getLogger("aiokvcache")
 
@@ -68,7 +69,8 @@ SERVICE_ERRORS: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
 SERVICE_ERROR_COUNT = [0]
 
 
-def _overall(results: Sequence[LLMStatusCode]) -> LLMStatusCode:
+def overall(results: Sequence[LLMStatusCode]) -> LLMStatusCode:
+    """The first non-success status of ``results``, else SUCCESS."""
     for r in results:
         if r != LLMStatusCode.LLM_SUCCESS:
             return r
@@ -175,16 +177,9 @@ class PeerService:
 
     def set_role(self, role: int) -> None:
         """Announce ``role`` in later handshakes."""
-        local = self._state.local
-        self._state.local = control.LocalInfo(
-            cluster_id=local.cluster_id,
-            role=role,
-            worker_address=local.worker_address,
-            auth_token=local.auth_token,
-            host_id=local.host_id,
-        )
+        self._state.local = dataclasses.replace(self._state.local, role=role)
         if self._server is not None:
-            self._server._local = self._state.local
+            self._server.set_local(self._state.local)
 
     # ----------------------------------------------------------------- links
 
@@ -828,7 +823,3 @@ class PeerService:
             )
             return False
         return True
-
-    def overall(self, results: Sequence[LLMStatusCode]) -> LLMStatusCode:
-        """The first non-success status of ``results``, else SUCCESS."""
-        return _overall(results)

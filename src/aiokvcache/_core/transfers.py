@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import numbers
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,8 @@ from .types import (
 )
 
 __all__ = ["Transfers"]
+
+T = TypeVar("T")
 
 
 def _views(desc: CacheDesc, addrs: list[int]) -> list[npt.NDArray[Any]]:
@@ -254,15 +256,15 @@ class Transfers:
             )
         seen: set[CacheKey] = set()
         with self.state.lock:
-            bound = dict(self.state.registry.keys)
-        for i, k in enumerate(keys):
-            if k.is_placeholder:
-                continue
-            if k in seen:
-                raise param_invalid(f"cache_keys[{i}] = {k!r} appears twice")
-            if k in bound:
-                raise param_invalid(f"cache_keys[{i}] = {k!r} is already bound to a cache")
-            seen.add(k)
+            bound = self.state.registry.keys
+            for i, k in enumerate(keys):
+                if k.is_placeholder:
+                    continue
+                if k in seen:
+                    raise param_invalid(f"cache_keys[{i}] = {k!r} appears twice")
+                if k in bound:
+                    raise param_invalid(f"cache_keys[{i}] = {k!r} is already bound to a cache")
+                seen.add(k)
         return keys
 
     def check_blocks_key(self, key: Any) -> BlocksCacheKey | None:
@@ -291,53 +293,51 @@ class Transfers:
 
     # ------------------------------------------------------------ lookups
 
+    async def _ask(self, coro: Coroutine[Any, Any, T], tmo: float | None, timed_out: str) -> T:
+        """``coro`` on the service loop, within the call's ``tmo``; LLMTimeoutError after."""
+        try:
+            async with asyncio.timeout(tmo):
+                return await self.service.call(coro)
+        except TimeoutError:
+            raise LLMTimeoutError(timed_out) from None
+
     async def remote_by_id(
-        self, link: Link, cache_id: int, tmo: float | None, what: str
+        self, link: Link, cache_id: int, tmo: float | None, what: str, role: str = "destination"
     ) -> RemoteCache:
         """The peer's cache ``cache_id``: the link's record, else fetched once."""
         with self.state.lock:
             rc = link.remote.get(cache_id)
         if rc is not None:
             return rc
-        try:
-            async with asyncio.timeout(tmo):
-                result: RemoteCache = await self.service.call(
-                    self.service.remote_by_id(link, cache_id)
-                )
-                return result
-        except TimeoutError:
-            raise LLMTimeoutError(f"{what} timed out looking up the destination cache") from None
+        fetched: RemoteCache = await self._ask(
+            self.service.remote_by_id(link, cache_id),
+            tmo,
+            f"{what} timed out looking up the {role} cache",
+        )
+        return fetched
 
     async def remote_slot(
         self, link: Link, key: CacheKey | CacheKeyByIdAndIndex, tmo: float | None, what: str
     ) -> tuple[RemoteCache, int]:
         """The remote cache and batch index a CacheKey / CacheKeyByIdAndIndex names."""
-        try:
-            async with asyncio.timeout(tmo):
-                if isinstance(key, CacheKey):
-                    rc, sb = await self.service.call(self.service.remote_by_key(link, key))
-                    return rc, sb
-                with self.state.lock:
-                    cached = link.remote.get(key.cache_id)
-                if cached is not None:
-                    return cached, key.batch_index
-                fetched: RemoteCache = await self.service.call(
-                    self.service.remote_by_id(link, key.cache_id)
-                )
-                return fetched, key.batch_index
-        except TimeoutError:
-            raise LLMTimeoutError(f"{what} timed out looking up the source cache") from None
+        if isinstance(key, CacheKey):
+            found: tuple[RemoteCache, int] = await self._ask(
+                self.service.remote_by_key(link, key),
+                tmo,
+                f"{what} timed out looking up the source cache",
+            )
+            return found
+        rc = await self.remote_by_id(link, key.cache_id, tmo, what, "source")
+        return rc, key.batch_index
 
     async def remote_blocks(
         self, link: Link, key: BlocksCacheKey, tmo: float | None, what: str
     ) -> RemoteCache:
         """The remote blocks cache bound to ``key`` (asked every time: keys rebind)."""
-        try:
-            async with asyncio.timeout(tmo):
-                result: RemoteCache = await self.service.call(self.service.remote_blocks(link, key))
-                return result
-        except TimeoutError:
-            raise LLMTimeoutError(f"{what} timed out looking up {key!r}") from None
+        found: RemoteCache = await self._ask(
+            self.service.remote_blocks(link, key), tmo, f"{what} timed out looking up {key!r}"
+        )
+        return found
 
     # ------------------------------------------------------------ slots
 
