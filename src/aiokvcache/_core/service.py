@@ -113,11 +113,6 @@ class PeerService:
         SERVICE_ERROR_COUNT[0] += 1
         loop.default_exception_handler(context)
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The service's own event loop."""
-        return self._loop
-
     def in_service(self) -> bool:
         """True when called on the service thread."""
         return threading.current_thread() is self._thread
