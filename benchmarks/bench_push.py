@@ -51,7 +51,12 @@ def memcpy_baseline(total: int, seconds: float) -> float:
 
 
 async def measure(
-    transport: str, layers: int, seconds: float, direct_copy: bool, children: Children
+    transport: str,
+    layers: int,
+    seconds: float,
+    direct_copy: bool,
+    children: Children,
+    unconfirmed: int | None = None,
 ) -> float:
     """Bytes/s of awaited push passes (one push_cache per layer, all in flight)."""
     # The decode side: the bench's decode peer, one cache of layers x (K, V) x 1 MiB.
@@ -59,7 +64,10 @@ async def measure(
     peer = children.peer("decode", *shape, f"--transport={transport}", startup_timeout=60)
     try:
         async with kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as dd:
-            await dd.init(options(transport, direct_copy=direct_copy, sync_kv_timeout=60_000))
+            extra = {} if unconfirmed is None else {"max_unconfirmed_bytes": unconfirmed}
+            await dd.init(
+                options(transport, direct_copy=direct_copy, sync_kv_timeout=60_000, **extra)
+            )
             ret, rets = await dd.link_clusters([cluster_info(peer.address, 2)], timeout=10_000)
             if ret != kv.LLMStatusCode.LLM_SUCCESS:
                 raise RuntimeError(f"link failed: {rets}")
@@ -98,6 +106,12 @@ def main() -> int:
     ap.add_argument("--transport", choices=["shm", "tcp", "both"], default="both")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    ap.add_argument(
+        "--max-unconfirmed",
+        type=int,
+        default=None,
+        help="the pusher's max_unconfirmed_bytes (default: the library's, 4 MiB; 0: no bound)",
+    )
     args = ap.parse_args()
     transports = ["shm", "tcp"] if args.transport == "both" else [args.transport]
     total = args.layers * 2 * MiB
@@ -116,7 +130,9 @@ def main() -> int:
                 [("direct copy", True), ("UCX lanes", False)] if tr == "shm" else [("", True)]
             )
             for label, direct in variants:
-                ours = asyncio.run(measure(tr, args.layers, args.seconds, direct, children))
+                ours = asyncio.run(
+                    measure(tr, args.layers, args.seconds, direct, children, args.max_unconfirmed)
+                )
                 ratio = ours / perf.bytes_per_s
                 name = f"{tr} {label}".strip()
                 rows.append(

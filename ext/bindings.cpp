@@ -141,19 +141,22 @@ PYBIND11_MODULE(_native, m) {
 
   py::class_<PyEngine>(m, "Engine")
       .def(py::init([](const std::string& transport, uint64_t max_inflight_bytes, uint64_t chunk_bytes,
-                       const std::map<std::string, std::string>& ucx_options, bool direct_copy) {
+                       const std::map<std::string, std::string>& ucx_options, bool direct_copy,
+                       uint64_t max_unconfirmed_bytes) {
              akv::EngineConfig cfg;
              cfg.transport = transport;
              cfg.max_inflight_bytes = max_inflight_bytes;
              cfg.chunk_bytes = chunk_bytes;
              cfg.direct_copy = direct_copy;
+             cfg.max_unconfirmed_bytes = max_unconfirmed_bytes;
              for (const auto& kv : ucx_options) cfg.ucx_options.emplace_back(kv.first, kv.second);
              py::gil_scoped_release nogil;
              return new PyEngine(std::move(cfg));
            }),
            py::arg("transport") = "auto", py::arg("max_inflight_bytes") = 64ull << 20,
            py::arg("chunk_bytes") = 1ull << 20,
-           py::arg("ucx_options") = std::map<std::string, std::string>{}, py::arg("direct_copy") = true)
+           py::arg("ucx_options") = std::map<std::string, std::string>{}, py::arg("direct_copy") = true,
+           py::arg("max_unconfirmed_bytes") = 4ull << 20)
       .def_property_readonly("event_fd", &Engine::event_fd)
       .def_property_readonly("worker_address", [](const PyEngine& e) { return py::bytes(e.worker_address()); })
       .def_property_readonly("closed", &Engine::closed)
@@ -290,6 +293,7 @@ PYBIND11_MODULE(_native, m) {
              d["regions"] = s.regions;
              d["inflight_bytes"] = s.inflight_bytes;
              d["bytes_direct"] = s.bytes_direct;
+             d["unconfirmed_bytes"] = s.unconfirmed_bytes;
              return d;
            })
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());

@@ -304,6 +304,7 @@ void Engine::reap_endpoints() {
       if (ep->closing) {
         for (RemoteKey* rk : ep->rkeys) rkeys_.erase(rk->id);
         ep->rkeys.clear();
+        confirm(ep, ep->unconfirmed);  // the record goes, and its count with it
         if (!done) ep_graveyard_.push_back(std::move(it->second));
         it = eps_.erase(it);
         n_eps_ = eps_.size();

@@ -163,7 +163,7 @@ EngineStats Engine::stats() const {
                      jobs_failed_.load(),    bytes_put_.load(),      bytes_get_.load(),
                      notes_sent_.load(),     notes_received_.load(), n_eps_.load(),
                      ep_errors_.load(),      n_regions_.load(),      inflight_snapshot_.load(),
-                     bytes_direct_.load()};
+                     bytes_direct_.load(),   unconfirmed_snapshot_.load()};
 }
 
 std::string Engine::info() {

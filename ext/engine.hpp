@@ -32,6 +32,11 @@ struct EngineConfig {
   std::string transport = "auto";  // auto | shm | tcp | rdma
   uint64_t max_inflight_bytes = 64ull << 20;
   uint64_t chunk_bytes = 1ull << 20;
+  // Per endpoint: bytes posted through UCX (not direct copies) that the peer
+  // has not confirmed yet — puts not covered by a completed flush, gets not
+  // completed. The bound on what a frozen peer can still apply after a job
+  // was released unproven (docs/design.md, "Late writes"). 0: no bound.
+  uint64_t max_unconfirmed_bytes = 4ull << 20;
   bool direct_copy = true;  // memcpy into same-host peers' mapped memory
   std::vector<std::pair<std::string, std::string>> ucx_options;  // extra UCX config
 };
@@ -52,6 +57,12 @@ struct Endpoint {
   bool forced = false;
   std::chrono::steady_clock::time_point forced_at{};
   std::vector<Job*> flush_wait;    // puts waiting for the next shared flush
+  // The confirmation window (EngineConfig::max_unconfirmed_bytes): bytes
+  // posted and not confirmed, put bytes posted since the last flush was
+  // posted, and whether a window flush is in flight.
+  uint64_t unconfirmed = 0;
+  uint64_t unflushed = 0;
+  bool window_flush = false;
   std::chrono::steady_clock::time_point force_after{};  // forced close once passed
   int32_t ucs_status = 0;
   int jobs = 0;
@@ -78,6 +89,7 @@ struct EngineStats {
   uint64_t regions;
   uint64_t inflight_bytes;
   uint64_t bytes_direct;  // moved by memcpy into mapped shared memory
+  uint64_t unconfirmed_bytes;  // sum of the endpoints' unconfirmed bytes
 };
 
 // Its definition is split by responsibility: engine.cpp (setup, stats,
@@ -177,6 +189,11 @@ class Engine {
   void push_job_completion(Completion&& c);
   bool post_flushes();
   void complete_flush(std::vector<Job*>* batch, ucs_status_t st);
+  // The confirmation window (jobs.cpp): a flush that confirms an endpoint's
+  // put bytes, and the per-endpoint and total counts.
+  void post_window_flush(Endpoint* ep);
+  void add_unconfirmed(Endpoint* ep, uint64_t n);
+  void confirm(Endpoint* ep, uint64_t n);
   void check_deadlines();
   void cancel_job(Job* j, Status why);
   void check_stuck();
@@ -244,6 +261,8 @@ class Engine {
   std::atomic<uint64_t> live_jobs_{0};
   std::atomic<uint64_t> jobs_submitted_{0}, jobs_completed_{0}, jobs_failed_{0};
   std::atomic<uint64_t> bytes_put_{0}, bytes_get_{0}, bytes_direct_{0};
+  uint64_t unconfirmed_ = 0;  // progress thread only; stats() reads the copy
+  std::atomic<uint64_t> unconfirmed_snapshot_{0};
   std::atomic<uint64_t> notes_sent_{0}, notes_received_{0};
   std::atomic<uint64_t> n_eps_{0}, ep_errors_{0}, n_regions_{0}, inflight_snapshot_{0};
 };

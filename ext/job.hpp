@@ -100,10 +100,10 @@ struct Job {
 
 // What a UCX request carries in its reserved area (ucp_params.request_size).
 struct RequestCtx {
-  enum Kind : uint8_t { kData, kFlush, kNotify, kClose } kind;
+  enum Kind : uint8_t { kData, kFlush, kWindow, kNotify, kClose } kind;
   Job* job;
   Endpoint* ep;
-  uint64_t len;
+  uint64_t len;  // kData: bytes; kFlush, kWindow: the put bytes it confirms
   std::vector<Job*>* batch;  // kFlush: the jobs this flush completes
 };
 

@@ -220,6 +220,15 @@ void Engine::post_job(Job* j) {
       }
       continue;
     }
+    // The confirmation window: a frozen peer can apply at most this many
+    // bytes of ours after we stopped (see EngineConfig).
+    Endpoint* ep = j->ep;
+    if (cfg_.max_unconfirmed_bytes > 0 && ep->unconfirmed > 0 &&
+        ep->unconfirmed + n > cfg_.max_unconfirmed_bytes) {
+      post_window_flush(ep);
+      window_full_ = true;
+      return;
+    }
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = &Engine::on_data_done;
@@ -233,6 +242,13 @@ void Engine::post_job(Job* j) {
       ucs_status_t st = UCS_PTR_STATUS(r);
       j->fail(j->ep->broken ? Status::kLINK_FAILED : status_from_ucs(st), st);
       return;
+    }
+    // A put is confirmed by a later flush, a get by its own completion.
+    if (j->op == Op::kPut) {
+      add_unconfirmed(ep, n);
+      ep->unflushed += n;
+    } else if (r != nullptr) {
+      add_unconfirmed(ep, n);
     }
     if (r == nullptr) {
       j->bytes_done += n;
@@ -252,7 +268,52 @@ void Engine::post_job(Job* j) {
       j->seg_idx++;
       j->seg_off = 0;
     }
+    // Half a window unflushed: confirm it while the other half streams.
+    if (cfg_.max_unconfirmed_bytes > 0 && ep->unflushed * 2 >= cfg_.max_unconfirmed_bytes) {
+      post_window_flush(ep);
+    }
   }
+}
+
+void Engine::add_unconfirmed(Endpoint* ep, uint64_t n) {
+  ep->unconfirmed += n;
+  unconfirmed_ += n;
+  unconfirmed_snapshot_.store(unconfirmed_, std::memory_order_relaxed);
+}
+
+void Engine::confirm(Endpoint* ep, uint64_t n) {
+  n = std::min(n, ep->unconfirmed);
+  ep->unconfirmed -= n;
+  unconfirmed_ -= n;
+  // Before the completions this confirmation lets through are queued.
+  unconfirmed_snapshot_.store(unconfirmed_, std::memory_order_relaxed);
+}
+
+void Engine::post_window_flush(Endpoint* ep) {
+  if (ep->window_flush || ep->unflushed == 0 || ep->broken || ep->handle == nullptr ||
+      ep->close_posted) {
+    return;
+  }
+  uint64_t covered = ep->unflushed;
+  ep->unflushed = 0;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = &Engine::on_data_done;
+  p.user_data = this;
+  ucs_status_ptr_t r = ucp_ep_flush_nbx(ep->handle, &p);
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) {
+    // Done at once, or failed: a failed endpoint's jobs fail on their own
+    // requests, and nothing posts to it again.
+    confirm(ep, covered);
+    return;
+  }
+  ep->window_flush = true;
+  auto* ctx = static_cast<RequestCtx*>(r);
+  ctx->kind = RequestCtx::kWindow;
+  ctx->job = nullptr;
+  ctx->ep = ep;
+  ctx->len = covered;
+  ctx->batch = nullptr;
 }
 
 bool Engine::post_all() {
@@ -406,7 +467,11 @@ bool Engine::post_flushes() {
     ep->flush_queued = false;
     auto* batch = new std::vector<Job*>();
     batch->swap(ep->flush_wait);
+    // This flush also confirms the put bytes posted since the last one.
+    uint64_t covered = ep->unflushed;
+    ep->unflushed = 0;
     if (ep->broken || ep->handle == nullptr) {
+      confirm(ep, covered);
       complete_flush(batch, UCS_ERR_CONNECTION_RESET);
       continue;
     }
@@ -416,15 +481,17 @@ bool Engine::post_flushes() {
     p.user_data = this;
     ucs_status_ptr_t r = ucp_ep_flush_nbx(ep->handle, &p);
     if (UCS_PTR_IS_ERR(r)) {
+      confirm(ep, covered);
       complete_flush(batch, UCS_PTR_STATUS(r));
     } else if (r == nullptr) {
+      confirm(ep, covered);
       complete_flush(batch, UCS_OK);
     } else {
       auto* ctx = static_cast<RequestCtx*>(r);
       ctx->kind = RequestCtx::kFlush;
       ctx->job = nullptr;
       ctx->ep = ep;
-      ctx->len = 0;
+      ctx->len = covered;
       ctx->batch = batch;
     }
   }
@@ -446,7 +513,14 @@ void Engine::complete_flush(std::vector<Job*>* batch, ucs_status_t st) {
 
 void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
   if (ctx->kind == RequestCtx::kFlush) {
+    confirm(ctx->ep, ctx->len);
     complete_flush(ctx->batch, st);
+    return;
+  }
+  if (ctx->kind == RequestCtx::kWindow) {
+    // Whatever its status: a failed endpoint posts nothing again.
+    ctx->ep->window_flush = false;
+    confirm(ctx->ep, ctx->len);
     return;
   }
   if (ctx->kind == RequestCtx::kClose) {
@@ -467,6 +541,7 @@ void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
   if (ctx->kind == RequestCtx::kData) {
     j->inflight_bytes -= ctx->len;
     inflight_bytes_ -= ctx->len;
+    if (j->op == Op::kGet) confirm(j->ep, ctx->len);
     if (st == UCS_OK) {
       j->bytes_done += ctx->len;
       (j->op == Op::kPut ? bytes_put_ : bytes_get_).fetch_add(ctx->len);

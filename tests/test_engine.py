@@ -21,7 +21,7 @@ from aiokvcache import _bridge
 from aiokvcache._core.runner import run_jobs
 from aiokvcache._loader import native
 from aiokvcache.errors import LLMException, LLMStatusCode, LLMTimeoutError
-from aiokvcache.testing import Peer
+from aiokvcache.testing import Peer, read_memory
 
 MiB = 1 << 20
 
@@ -641,6 +641,40 @@ async def test_deadline_bounds_a_put_to_a_frozen_peer() -> None:
             # that fixed graces gave.
             assert took < deadline_bound(0.5) + 1.0, took
             assert a.engine.stats()["live_jobs"] == 0
+    finally:
+        a.bridge.close()
+        peer.close()
+
+
+@pytest.mark.parametrize("window", [1 * MiB, 4 * MiB], ids=["1MiB", "4MiB"])
+async def test_a_frozen_peer_applies_at_most_one_window_after_the_raise(window: int) -> None:
+    # A TCP receiver applies what its kernel already holds when it thaws;
+    # we cannot take that back. The confirmation window bounds it: at most
+    # max_unconfirmed_bytes of a released job land after it was reported.
+    # Without the window this was 10-30 MB of 64 (docs/design.md).
+    size = 64 * MiB
+    peer = engine_peer("tcp", size)
+    a = make_side("tcp", max_unconfirmed_bytes=window)
+    try:
+        ep = a.engine.connect(bytes.fromhex(peer.hello["worker"]), False)
+        rkey = a.engine.rkey_unpack(
+            ep, bytes.fromhex(peer.hello["rkey"]), peer.hello["addr"], peer.hello["size"]
+        )
+        lk = Link(a, Side(None, a.bridge, 0, peer.hello["addr"], size), ep, rkey)
+        await run_jobs(a.bridge, [put(lk, pattern(4096, 60))])  # wired up
+        assert a.engine.stats()["unconfirmed_bytes"] == 0  # a finished put is confirmed
+        src = pattern(size, 61)
+        with stopped(peer):
+            # Frozen first: 64 MiB take ~15 ms here, too quick to catch.
+            await asyncio.sleep(0.05)
+            with pytest.raises(LLMException):
+                await run_jobs(a.bridge, [put(lk, src, timeout_ms=1000)])
+            at_raise = np.frombuffer(read_memory(peer.proc.pid, peer.hello["addr"], size), np.uint8)
+            assert a.engine.stats()["live_jobs"] == 0
+        await asyncio.sleep(1.0)  # thawed: it applies what it holds
+        after = np.frombuffer(read_memory(peer.proc.pid, peer.hello["addr"], size), np.uint8)
+        late = int(np.count_nonzero(at_raise != after))
+        assert late <= window, f"{late} bytes landed after the put raised (window {window})"
     finally:
         a.bridge.close()
         peer.close()

@@ -52,6 +52,7 @@ class Engine:
         chunk_bytes: int = ...,
         ucx_options: dict[str, str] = ...,
         direct_copy: bool = True,
+        max_unconfirmed_bytes: int = ...,
     ) -> None: ...
     @property
     def event_fd(self) -> int: ...

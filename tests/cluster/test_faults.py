@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aiokvcache.options import DEFAULT_MAX_UNCONFIRMED_BYTES
 from aiokvcache.testing import AsyncPeer, NetCluster, NetHost, read_memory
 
 PORT = 26000
@@ -315,20 +316,22 @@ def _cache_bytes(pid: int, info: dict[str, Any]) -> np.ndarray:
     )
 
 
-@pytest.mark.xfail(
-    reason="known hole over TCP: bytes already in a frozen peer's socket buffers are "
-    "applied when it thaws, after the push raised (docs/design.md)",
-    strict=False,
-)
 async def test_decoder_stopped_mid_push(make_cluster: MakeCluster) -> None:
     """A decode process SIGSTOPped mid-push: the push raises within timeout +
-    grace, and after SIGCONT nothing of it lands any more."""
+    grace, and after SIGCONT at most one confirmation window of it lands.
+
+    Over TCP the decoder's own kernel holds what it received and its UCX
+    applies that when it thaws; nothing on our side can take it back. The
+    engine keeps at most ``max_unconfirmed_bytes`` per link posted and not
+    confirmed by the peer (a flush it answered), which bounds those bytes,
+    and the source reads behind them (docs/design.md, "Late writes").
+    """
     cluster = make_cluster(2)
     hp, ha = cluster.hosts
+    window = max(DEFAULT_MAX_UNCONFIRMED_BYTES, 1 << 20)  # at least one chunk
     async with started(decoder(cluster, ha, 2)) as a, started(prefill(cluster, hp)) as p:
         dst = await alloc(a, "dst")
-        await alloc(p, "s0", seed=1)
-        await alloc(p, "s1", seed=2)
+        srcs = [await alloc(p, "s0", seed=1), await alloc(p, "s1", seed=2)]
         assert (await link(p, a))["per"] == ["LLM_SUCCESS"]
         # Alternate sources: every push rewrites every byte of dst.
         await start_loop(p, "a", a, dst["cache_id"], srcs=["s0", "s1"])
@@ -341,6 +344,11 @@ async def test_decoder_stopped_mid_push(make_cluster: MakeCluster) -> None:
             at_raise = _cache_bytes(a.pid, dst)
             a_recv_q, _ = _tcp_queues(cluster, ha)
             _, p_send_q = _tcp_queues(cluster, hp)
+            # New content in both sources: a source read after the raise
+            # would carry it into dst.
+            for i in range(len(srcs)):
+                await p.call("fill", name=f"s{i}", seed=90 + i)
+            fresh = [_cache_bytes(p.pid, s) for s in srcs]
         finally:
             t_cont = a.signal(signal.SIGCONT)
         to_error = err["end"] - t_stop
@@ -349,7 +357,11 @@ async def test_decoder_stopped_mid_push(make_cluster: MakeCluster) -> None:
         await asyncio.sleep(1.0)
         h2 = (await a.call("hash", name="dst"))["sha"]
         after = _cache_bytes(a.pid, dst)
-        changed = int(np.count_nonzero(at_raise != after))
+        moved = at_raise != after
+        changed = int(np.count_nonzero(moved))
+        # Bytes that changed to the sources' new content (1 in 256 of the
+        # others match it by chance).
+        read_late = max(int(np.count_nonzero(moved & (after == f))) for f in fresh)
         measured(
             "SIGSTOP",
             status=err["status"],
@@ -357,6 +369,8 @@ async def test_decoder_stopped_mid_push(make_cluster: MakeCluster) -> None:
             push_timeout_s=PUSH_TIMEOUT,
             stopped_for_s=t_cont - t_stop,
             bytes_changed_after_raise=changed,
+            source_bytes_read_after_raise_upper=read_late,
+            window_bytes=window,
             decoder_tcp_recv_queue_at_raise=a_recv_q,
             prefill_tcp_send_queue_at_raise=p_send_q,
             stable_after_cont=h1 == h2,
@@ -365,7 +379,8 @@ async def test_decoder_stopped_mid_push(make_cluster: MakeCluster) -> None:
         assert err["status"] in ("LLM_TIMEOUT", "LLM_LINK_FAILED"), err
         assert to_error <= PUSH_TIMEOUT + GRACE, err
         assert h1 == h2, "the destination still changed 1 s after SIGCONT"
-        assert changed == 0, f"{changed} bytes landed after the push raised"
+        assert changed <= window, f"{changed} bytes landed after the push raised (> {window})"
+        assert read_late <= window, f"{read_late} bytes of new source content landed"
 
 
 # ------------------------------------------------------------- e. restart

@@ -21,6 +21,7 @@ from .types import INT32_MAX, INT64_MAX, UINT16_MAX, UINT32_MAX, check_int, chec
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
+    "DEFAULT_MAX_UNCONFIRMED_BYTES",
     "DEFAULT_SYNC_KV_TIMEOUT_MS",
     "KEY_AUTH_TOKEN",
     "KEY_DIRECT_COPY",
@@ -33,6 +34,7 @@ __all__ = [
     "KEY_LISTEN_IP_INFO",
     "KEY_MAX_CONNECTIONS",
     "KEY_MAX_INFLIGHT_BYTES",
+    "KEY_MAX_UNCONFIRMED_BYTES",
     "KEY_MEM_POOL_CONFIG",
     "KEY_NET_DEVICES",
     "KEY_PEER_TIMEOUT",
@@ -54,6 +56,7 @@ KEY_LINK_RETRY_COUNT = "llm.LinkRetryCount"
 KEY_TRANSPORT = "aiokvcache.transport"
 KEY_AUTH_TOKEN = "aiokvcache.authToken"
 KEY_MAX_INFLIGHT_BYTES = "aiokvcache.maxInflightBytes"
+KEY_MAX_UNCONFIRMED_BYTES = "aiokvcache.maxUnconfirmedBytes"
 KEY_DIRECT_COPY = "aiokvcache.directCopy"
 KEY_HANDSHAKE_TIMEOUT = "aiokvcache.handshakeTimeout"
 KEY_MAX_CONNECTIONS = "aiokvcache.maxConnections"
@@ -68,6 +71,7 @@ _KEY_SESSION_DEVICE_ID = "ge.session_device_id"
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_UNCONFIRMED_BYTES = 4 * 1024 * 1024
 DEFAULT_HANDSHAKE_TIMEOUT_MS = 5000
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_PEER_TIMEOUT_MS = 5000
@@ -225,6 +229,7 @@ class LLMConfig:
         self._transport: str | None = None
         self._auth_token: str | None = None
         self._max_inflight_bytes: int | None = None
+        self._max_unconfirmed_bytes: int | None = None
         self._direct_copy: bool | None = None
         self._handshake_timeout: int | None = None
         self._max_connections: int | None = None
@@ -264,6 +269,8 @@ class LLMConfig:
             options[KEY_AUTH_TOKEN] = self._auth_token
         if self._max_inflight_bytes is not None:
             options[KEY_MAX_INFLIGHT_BYTES] = str(self._max_inflight_bytes)
+        if self._max_unconfirmed_bytes is not None:
+            options[KEY_MAX_UNCONFIRMED_BYTES] = str(self._max_unconfirmed_bytes)
         if self._direct_copy is not None:
             options[KEY_DIRECT_COPY] = "1" if self._direct_copy else "0"
         if self._handshake_timeout is not None:
@@ -416,6 +423,21 @@ class LLMConfig:
         self._max_inflight_bytes = check_int("max_inflight_bytes", value, 1, INT64_MAX)
 
     @property
+    def max_unconfirmed_bytes(self) -> int:
+        """**[ours]** Per link, the most bytes of transfers that the peer has
+        not yet confirmed, ``[0, 2**63-1]``, default 4 MiB; 0 means no bound.
+        It bounds what a frozen peer can still apply after a call raised
+        (``docs/design.md``, "Late writes").  Key
+        ``aiokvcache.maxUnconfirmedBytes``."""
+        if self._max_unconfirmed_bytes is None:
+            return DEFAULT_MAX_UNCONFIRMED_BYTES
+        return self._max_unconfirmed_bytes
+
+    @max_unconfirmed_bytes.setter
+    def max_unconfirmed_bytes(self, value: int) -> None:
+        self._max_unconfirmed_bytes = check_int("max_unconfirmed_bytes", value, 0, INT64_MAX)
+
+    @property
     def handshake_timeout(self) -> int:
         """**[ours]** Milliseconds an accepted control connection may take to
         finish its handshake, ``[1, 2**31-1]``, default 5000: a socket that
@@ -543,6 +565,7 @@ class EngineOptions:
     transport: str = "auto"
     auth_token: bytes | None = field(default=None, repr=False)
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+    max_unconfirmed_bytes: int = DEFAULT_MAX_UNCONFIRMED_BYTES
     direct_copy: bool = True
     handshake_timeout_ms: int = DEFAULT_HANDSHAKE_TIMEOUT_MS
     max_connections: int = DEFAULT_MAX_CONNECTIONS
@@ -609,6 +632,7 @@ _FIELD_PARSERS: dict[str, Callable[[str], dict[str, Any]]] = {
     KEY_TRANSPORT: lambda t: {"transport": _parse_transport(t)},
     KEY_AUTH_TOKEN: lambda t: {"auth_token": _parse_auth_token(t)},
     KEY_MAX_INFLIGHT_BYTES: lambda t: {"max_inflight_bytes": _parse_uint(t, 1, INT64_MAX)},
+    KEY_MAX_UNCONFIRMED_BYTES: lambda t: {"max_unconfirmed_bytes": _parse_uint(t, 0, INT64_MAX)},
     KEY_DIRECT_COPY: lambda t: {"direct_copy": _parse_flag(t)},
     KEY_HANDSHAKE_TIMEOUT: lambda t: {"handshake_timeout_ms": _parse_uint(t, 1, INT32_MAX)},
     KEY_MAX_CONNECTIONS: lambda t: {"max_connections": _parse_uint(t, 1, UINT16_MAX)},

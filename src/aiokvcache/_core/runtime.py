@@ -85,6 +85,7 @@ class Runtime:
             engine = native.Engine(
                 opts.transport,
                 max_inflight_bytes=opts.max_inflight_bytes,
+                max_unconfirmed_bytes=opts.max_unconfirmed_bytes,
                 direct_copy=opts.direct_copy,
                 ucx_options=_ucx_options(opts),
             )
