@@ -64,13 +64,20 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   bool caller_binds = std::getenv("UCX_TCP_EP_BIND_SRC_ADDR") != nullptr;
   for (const auto& kv : cfg_.ucx_options) caller_binds = caller_binds || kv.first == "TCP_EP_BIND_SRC_ADDR";
   if (st == UCS_OK && !caller_binds) (void)ucp_config_modify(config, "TCP_EP_BIND_SRC_ADDR", "n");
+  // A name starting with '?' is best effort: set where this UCX build has
+  // it (IB_* options without the IB transport module are unknown to UCX).
+  std::string bad;
   for (const auto& kv : cfg_.ucx_options) {
     if (st != UCS_OK) break;
-    st = ucp_config_modify(config, kv.first.c_str(), kv.second.c_str());
+    bool optional = !kv.first.empty() && kv.first[0] == '?';
+    std::string name = optional ? kv.first.substr(1) : kv.first;
+    st = ucp_config_modify(config, name.c_str(), kv.second.c_str());
+    if (st != UCS_OK && optional) st = UCS_OK;
+    if (st != UCS_OK) bad = name;
   }
   if (st != UCS_OK) {
     ucp_config_release(config);
-    throw InvalidArgument(std::string("bad UCX option: ") + ucs_status_string(st));
+    throw InvalidArgument("bad UCX option " + bad + ": " + ucs_status_string(st));
   }
 
   config_text_ = capture([config](FILE* f) { ucp_config_print(config, f, "", UCS_CONFIG_PRINT_CONFIG); });

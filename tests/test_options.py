@@ -253,7 +253,9 @@ def test_llm_config_porting_extras() -> None:
     opts = cfg.generate_options()
     assert opts["ge.exec.deviceId"] == "1;2" and opts["ge.session_device_id"] == "1"
     eo = EngineOptions.from_options(opts)
-    assert set(eo.unknown_keys) == {"ge.exec.deviceId", "ge.session_device_id", "ge.some"}
+    assert eo.unknown_keys == ("ge.some",)
+    # LLM-DataDist's keys are known: accepted, listed at init as without effect.
+    assert set(eo.no_effect_keys) == {"ge.exec.deviceId", "ge.session_device_id"}
     assert eo.sync_kv_timeout_ms == 9
 
 
@@ -303,8 +305,9 @@ def test_engine_options_unknown_keys_kept() -> None:
         "llm.SyncKvCacheWaitTime": "5",
         "llm.LocalCommRes": "{}",
     }
-    eo = EngineOptions.from_options(opts)
-    assert eo.unknown_keys == ("llm.Role", "llm.MemoryUtilization", "llm.LocalCommRes")
+    eo = EngineOptions.from_options({**opts, "llm.Typo": "1"})
+    assert eo.no_effect_keys == ("llm.Role", "llm.MemoryUtilization", "llm.LocalCommRes")
+    assert eo.unknown_keys == ("llm.Typo",)
     assert eo.sync_kv_timeout_ms == 5
 
 

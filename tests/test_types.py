@@ -93,12 +93,33 @@ def test_status_code_specials_and_alias() -> None:
     assert int(LLMStatusCode.LLM_SUCCESS) == 0
     assert int(LLMStatusCode.LLM_FAILED) == 0xFFFFFFFF
     assert int(LLMStatusCode.LLM_UNKNOWN_ERROR) == -1
-    alias = LLMStatusCode["LLM_SEQ_LENOVERLIMIT"]
-    assert alias is LLMStatusCode.LLM_SEQ_LEN_OVER_LIMIT
-    assert LLMStatusCode(0x5010B000 + 17).name == "LLM_SEQ_LEN_OVER_LIMIT"
-    # 24 distinct table codes + SUCCESS, FAILED, UNKNOWN_ERROR; the alias is not a member.
-    assert len(LLMStatusCode) == len(STATUS_TABLE) + 3
+    alias = LLMStatusCode["LLM_SEQ_LEN_OVER_LIMIT"]
+    assert alias is LLMStatusCode.LLM_SEQ_LENOVERLIMIT
+    # LLM-DataDist's Python spelling is the name; the C++ header's the alias.
+    assert LLMStatusCode(0x5010B000 + 17).name == "LLM_SEQ_LENOVERLIMIT"
+    assert int(LLMStatusCode.LLM_DEVICE_MEM_ERROR) == 507053
+    assert int(LLMStatusCode.LLM_SUSPECT_REMOTE_ERROR) == 507057
+    # 24 distinct table codes + SUCCESS, FAILED, UNKNOWN_ERROR and the two
+    # CANN runtime codes; the alias is not a member.
+    assert len(LLMStatusCode) == len(STATUS_TABLE) + 5
     assert isinstance(LLMStatusCode.LLM_TIMEOUT, int)
+
+
+def test_enums_print_like_llm_datadist() -> None:
+    # Its samples log f"init {role} success" and compare printed statuses.
+    assert str(LLMStatusCode.LLM_SUCCESS) == "LLMStatusCode.LLM_SUCCESS"
+    assert f"{LLMStatusCode.LLM_TIMEOUT}" == "LLMStatusCode.LLM_TIMEOUT"
+    assert f"{LLMStatusCode.LLM_TIMEOUT:x}" == "5010b01a"  # a numeric spec: the value
+    assert str(LLMRole.PROMPT) == "LLMRole.PROMPT" and f"{LLMRole.DECODER}" == "LLMRole.DECODER"
+    assert str(Placement.HOST) == "Placement.HOST"
+    assert str(DataType.DT_FLOAT) == "DataType.DT_FLOAT"
+    assert LLMRole.PROMPT == 1 and int(Placement.DEVICE) == 1  # still ints
+
+
+def test_dt_string_is_named_but_not_a_cache_type() -> None:
+    assert DataType.DT_STRING.value == 13
+    with pytest.raises(ValueError, match="data_type"):
+        CacheDesc(2, [4], DataType.DT_STRING)
 
 
 def test_llm_exception() -> None:
@@ -255,6 +276,7 @@ def test_data_type_values() -> None:
         "DT_UINT64": 10,
         "DT_DOUBLE": 11,
         "DT_BOOL": 12,
+        "DT_STRING": 13,
         "DT_BF16": 27,
     }
     assert {m.name: m.value for m in DataType} == expected

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from .cache_manager import CacheManager, Notification
 from .datadist import LLMDataDist
-from .errors import InternalError, LLMException, LLMStatusCode, LLMTimeoutError
+from .errors import InternalError, LLMException, LLMStatusCode, LLMTimeoutError, Status
 from .layerwise import CacheTask
-from .options import LLMConfig
+from .options import LLMConfig, LlmConfig
 from .types import (
     BlocksCacheKey,
     Cache,
@@ -48,8 +48,10 @@ __all__ = [
     "LLMStatusCode",
     "LLMTimeoutError",
     "LayerSynchronizer",
+    "LlmConfig",
     "Notification",
     "Placement",
+    "Status",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
     "__version__",

@@ -291,13 +291,17 @@ class CacheManager:
         src_batch_index: int = 0,
         offset: int = 0,
         size: int = -1,
+        req_id: int | None = None,
     ) -> None:
         """Copy a batch slot between two local caches, tensor by tensor.
 
         ``offset`` and ``size`` (bytes, -1 = to the end of the slot) select
-        a part of each tensor's slot.
+        a part of each tensor's slot.  ``req_id`` (an int in ``[0, 2**64-1]``
+        or None) only labels the copy in logs, as in LLM-DataDist.
         """
         self._check_ready()
+        if req_id is not None:
+            check_int("req_id", req_id, 0, 2**64 - 1)
         d = self._tr.local("dst", dst)
         s = self._tr.local("src", src)
         db = check_int("dst_batch_index", dst_batch_index, 0, 2**31 - 1)

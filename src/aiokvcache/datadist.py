@@ -95,10 +95,24 @@ class LLMDataDist:
             raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "init() after finalize()")
         if self._rt is not None:
             raise param_invalid("init() was already called")
-        opts = EngineOptions.from_options(options)
+        opts = EngineOptions.from_options(options).with_environment(options)
         if opts.unknown_keys:
-            log.info("aiokvcache: ignoring options %s", ", ".join(opts.unknown_keys))
+            log.warning(
+                "aiokvcache: unknown option keys, ignored: %s", ", ".join(opts.unknown_keys)
+            )
         self._rt = Runtime(self._cluster_id, int(self._role), opts)
+        # ge.session_device_id comes with ge.exec.deviceId (LLMConfig.device_id).
+        no_effect = [k for k in opts.no_effect_keys if k != "ge.session_device_id"]
+        ucx = self._rt.engine.ucx_config()
+        if opts.rdma_traffic_class is not None and "IB_TRAFFIC_CLASS" not in ucx:
+            no_effect.append("llm.RdmaTrafficClass")
+        if opts.rdma_service_level is not None and "IB_SL" not in ucx:
+            no_effect.append("llm.RdmaServiceLevel")
+        if no_effect:
+            log.info(
+                "aiokvcache: LLM-DataDist options accepted, with no effect on this engine: %s",
+                ", ".join(no_effect),
+            )
         self._cache_manager = CacheManager(self._rt, self._check_ready)
         if opts.listen_host is not None:
             try:
@@ -125,12 +139,31 @@ class LLMDataDist:
     async def switch_role(
         self, role: LLMRole, switch_options: dict[str, str] | None = None
     ) -> None:
-        """Change the role; with ``llm.listenIpInfo`` in ``switch_options``, start listening."""
+        """Change the role, and the listener with it, as LLM-DataDist does.
+
+        With ``llm.listenIpInfo`` in ``switch_options`` the instance listens
+        there (kept if it already listens there, moved if elsewhere);
+        without it, a listening instance stops listening (server to
+        client). Refused with ``LLM_EXIST_LINK`` while any cluster is
+        linked: unlink first.
+        """
         rt = self._runtime()
         new_role = _check_role(role)
+        if switch_options is not None and not isinstance(switch_options, dict):
+            raise TypeError(
+                f"switch_options must be a dict or None, got {type(switch_options).__name__}"
+            )
         opts = EngineOptions.from_options(switch_options) if switch_options else None
-        if opts is not None and opts.listen_host is not None and rt.service.listen_address is None:
-            await rt.listen(opts.listen_host, opts.listen_port or 0)
+        linked = sorted(self._links)
+        if linked:
+            raise make_error(
+                LLMStatusCode.LLM_EXIST_LINK,
+                f"cannot switch role while linked to cluster(s) {linked}: unlink them first",
+            )
+        spec = None
+        if opts is not None and opts.listen_host is not None:
+            spec = (opts.listen_host, opts.listen_port or 0)
+        await rt.service.call(rt.service.relisten(spec))
         self._role = new_role
         rt.service.set_role(int(new_role))
 
@@ -173,6 +206,8 @@ class LLMDataDist:
         rt = self._runtime()
         infos = _check_clusters(clusters)
         timeout_ms = check_int("timeout", timeout, 1, 2**31 - 1)
+        if not infos:
+            return LLMStatusCode.LLM_PARAM_INVALID, []  # as LLM-DataDist: none to link
         results = await rt.service.call(rt.service.link_all(infos, timeout_ms))
         return overall(results), results
 
@@ -184,12 +219,17 @@ class LLMDataDist:
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Unlink each cluster; returns ``(status, [status per cluster])``.
 
+        A cluster that is not linked is ``LLM_SUCCESS``. Without ``force``
+        the peer drops its side too; with it only ours goes (the peer's
+        link breaks and stays until it unlinks), so both sides may call it.
         Transfers in flight on an unlinked cluster fail with LINK_FAILED.
         """
         rt = self._runtime()
         infos = _check_clusters(clusters)
         timeout_ms = check_int("timeout", timeout, 1, 2**31 - 1)
         check_isinstance("force", force, bool)
+        if not infos:
+            return LLMStatusCode.LLM_PARAM_INVALID, []
         ids = [c.remote_cluster_id for c in infos if c.remote_cluster_id is not None]
         results = await rt.service.call(rt.service.unlink_all(ids, timeout_ms, force))
         return overall(results), results

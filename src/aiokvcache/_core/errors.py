@@ -19,11 +19,24 @@ __all__ = [
     "LLMException",
     "LLMStatusCode",
     "LLMTimeoutError",
+    "Status",
     "make_error",
     "param_invalid",
 ]
 
 _BASE = 0x5010B000
+
+
+def enum_str(self: enum.Enum) -> str:
+    """``"LLMStatusCode.LLM_SUCCESS"``: how LLM-DataDist's enums print."""
+    return f"{type(self).__name__}.{self.name}"
+
+
+def enum_format(self: enum.Enum, format_spec: str) -> str:
+    """f-strings print the name as ``str()`` does; a numeric spec formats the value."""
+    if format_spec and format_spec[-1] in "bcdoxXn":
+        return format(self.value, format_spec)
+    return format(enum_str(self), format_spec)
 
 
 class LLMStatusCode(enum.IntEnum):
@@ -48,9 +61,10 @@ class LLMStatusCode(enum.IntEnum):
     LLM_DEVICE_OUT_OF_MEMORY = _BASE + 14
     LLM_PREFIX_ALREADY_EXIST = _BASE + 15
     LLM_PREFIX_NOT_EXIST = _BASE + 16
-    LLM_SEQ_LEN_OVER_LIMIT = _BASE + 17
-    # LLM-DataDist's Python package spells it this way; an enum alias.
+    # LLM-DataDist's Python package has only this spelling (its name and
+    # str()); the C++ header's spelling is an alias.
     LLM_SEQ_LENOVERLIMIT = _BASE + 17
+    LLM_SEQ_LEN_OVER_LIMIT = _BASE + 17
     LLM_NO_FREE_BLOCK = _BASE + 18
     LLM_BLOCKS_OUT_OF_MEMORY = _BASE + 19
     LLM_EXIST_LINK = _BASE + 24
@@ -58,6 +72,12 @@ class LLMStatusCode(enum.IntEnum):
     LLM_TIMEOUT = _BASE + 26
     LLM_LINK_BUSY = _BASE + 27
     LLM_OUT_OF_MEMORY = _BASE + 28
+    # CANN runtime codes LLM-DataDist passes through (ACL_ERROR_RT_*).
+    LLM_DEVICE_MEM_ERROR = 507053
+    LLM_SUSPECT_REMOTE_ERROR = 507057
+
+    __str__ = enum_str
+    __format__ = enum_format
 
 
 def _coerce_status(code: int) -> LLMStatusCode:
@@ -93,6 +113,27 @@ class LLMException(RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.message, int(self.status_code)), self.__dict__)
+
+
+class Status:
+    """LLM-DataDist's result wrapper: a status code with ``is_ok()``."""
+
+    __slots__ = ("_status_code",)
+
+    def __init__(self, status: int) -> None:
+        self._status_code = _coerce_status(status)
+
+    @property
+    def status_code(self) -> LLMStatusCode:
+        """The code."""
+        return self._status_code
+
+    def is_ok(self) -> bool:
+        """Whether the code is ``LLM_SUCCESS``."""
+        return self._status_code == LLMStatusCode.LLM_SUCCESS
+
+    def __repr__(self) -> str:
+        return f"Status({self._status_code})"
 
 
 class LLMTimeoutError(LLMException, TimeoutError):

@@ -206,6 +206,12 @@ class _Prepare:
             else check_int("dst_block_memory_size", dst_block_memory_size, 0, 2**63 - 1)
         ) or None
         is_blocks = src.cache.is_blocks_cache
+        if is_blocks and self.src_ids is None and self.dst_ids is None:
+            # LLM-DataDist sends no block lists then, and its engine copies
+            # the source's first block (a blocks cache's one "batch slot")
+            # into the destination's first block: the same, said plainly.
+            self.src_ids = np.zeros(1, np.int64)
+            self.dst_ids = np.zeros(1, np.int64)
         if is_blocks:
             if self.src_ids is None:
                 raise param_invalid("src_cache is a blocks cache: src_block_indices is required")

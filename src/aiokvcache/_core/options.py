@@ -9,8 +9,10 @@ option dicts written for LLM-DataDist keep working.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",
     "DEFAULT_MAX_UNCONFIRMED_BYTES",
     "DEFAULT_SYNC_KV_TIMEOUT_MS",
+    "ENV_TRANSPORT",
     "KEY_AUTH_TOKEN",
     "KEY_DIRECT_COPY",
     "KEY_ENABLE_CACHE_MANAGER",
@@ -38,11 +41,15 @@ __all__ = [
     "KEY_MEM_POOL_CONFIG",
     "KEY_NET_DEVICES",
     "KEY_PEER_TIMEOUT",
+    "KEY_RDMA_SERVICE_LEVEL",
+    "KEY_RDMA_TRAFFIC_CLASS",
     "KEY_SYNC_KV_TIMEOUT",
     "KEY_TRANSPORT",
+    "NO_EFFECT_KEYS",
     "TRANSPORTS",
     "EngineOptions",
     "LLMConfig",
+    "LlmConfig",
 ]
 
 KEY_LISTEN_IP_INFO = "llm.listenIpInfo"
@@ -62,11 +69,47 @@ KEY_HANDSHAKE_TIMEOUT = "aiokvcache.handshakeTimeout"
 KEY_MAX_CONNECTIONS = "aiokvcache.maxConnections"
 KEY_PEER_TIMEOUT = "aiokvcache.peerTimeout"
 KEY_NET_DEVICES = "aiokvcache.netDevices"
-# Emitted by LLMConfig.device_id for code ported from LLM-DataDist; the
-# engine ignores them.
+KEY_RDMA_TRAFFIC_CLASS = "llm.RdmaTrafficClass"
+KEY_RDMA_SERVICE_LEVEL = "llm.RdmaServiceLevel"
+# Emitted by LLMConfig.device_id for code ported from LLM-DataDist.
 _KEY_DEVICE_ID = "ge.exec.deviceId"
 _KEY_SESSION_DEVICE_ID = "ge.session_device_id"
+# LLM-DataDist's options that mean nothing to this engine (NPU devices, its
+# HCCL resources and backends, offline mode, the v1 role switch): accepted,
+# checked for form where LLMConfig sets them, listed once at init.
+_KEY_DEPLOY_RES_PATH = "llm.deployResPath"
+_KEY_BUF_POOL_CFG = "llm.BufPoolCfg"
+_KEY_OUTPUT_MAX_SIZE = "llm.OutputMaxSize"
+_KEY_MEM_UTILIZATION = "llm.MemoryUtilization"
+_KEY_CLUSTER_INFO = "llm.ClusterInfo"
+_KEY_ENABLE_SWITCH_ROLE = "llm.EnableSwitchRole"
+_KEY_LOCAL_COMM_RES = "llm.LocalCommRes"
+_KEY_TRANSFER_BACKEND = "llm.TransferBackend"
+_KEY_GLOBAL_RESOURCE_CONFIG = "llm.GlobalResourceConfig"
+NO_EFFECT_KEYS = frozenset(
+    {
+        _KEY_DEVICE_ID,
+        _KEY_SESSION_DEVICE_ID,
+        _KEY_DEPLOY_RES_PATH,
+        _KEY_BUF_POOL_CFG,
+        _KEY_OUTPUT_MAX_SIZE,
+        _KEY_MEM_UTILIZATION,
+        _KEY_CLUSTER_INFO,
+        _KEY_ENABLE_SWITCH_ROLE,
+        _KEY_LOCAL_COMM_RES,
+        _KEY_TRANSFER_BACKEND,
+        _KEY_GLOBAL_RESOURCE_CONFIG,
+        # Set by LLM-DataDist's own Python layer from the others.
+        "llm.Role",
+        "llm.ListenIp",
+        "llm.ListenPort",
+        "ge.flowGraphMemMaxSize",
+    }
+)
 
+#: The environment variable that picks the transport when the options do not
+#: (``aiokvcache.transport``): ported LLM-DataDist code runs unchanged on any.
+ENV_TRANSPORT = "AIOKVCACHE_TRANSPORT"
 #: Data-plane transports ``transport`` may name.
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
@@ -215,7 +258,37 @@ class LLMConfig:
     is emitted.  A getter returns the value set, or when unset the value
     the engine will use.  Setters raise ``TypeError`` for a wrong type and
     ``ValueError`` for a bad value.
+
+    Every property LLM-DataDist's ``LLMConfig`` has is here with its option
+    key; those without an effect on this engine are listed once at init.
     """
+
+    # Fixed attributes: a misspelt or unknown property raises AttributeError
+    # instead of being dropped silently.
+    __slots__ = (
+        "_auth_token",
+        "_device_id",
+        "_direct_copy",
+        "_enable_cache_manager",
+        "_enable_remote_cache_accessible",
+        "_ge_options",
+        "_handshake_timeout",
+        "_host_mem_pool_cfg",
+        "_link_retry_count",
+        "_link_total_time",
+        "_listen_ip_info",
+        "_max_connections",
+        "_max_inflight_bytes",
+        "_max_unconfirmed_bytes",
+        "_mem_pool_cfg",
+        "_net_devices",
+        "_passthrough",
+        "_peer_timeout",
+        "_rdma_service_level",
+        "_rdma_traffic_class",
+        "_sync_kv_timeout",
+        "_transport",
+    )
 
     def __init__(self) -> None:
         self._listen_ip_info: str | None = None
@@ -237,6 +310,10 @@ class LLMConfig:
         self._net_devices: str | None = None
         self._device_id: int | tuple[int, ...] | None = None
         self._ge_options: dict[str, str] = {}
+        self._rdma_traffic_class: int | None = None
+        self._rdma_service_level: int | None = None
+        # LLM-DataDist's options without an effect here, by key, as emitted.
+        self._passthrough: dict[str, str] = {}
 
     def generate_options(self) -> dict[str, str]:
         """The option dict: one entry per property that was set."""
@@ -245,6 +322,11 @@ class LLMConfig:
             ids = self._device_id if isinstance(self._device_id, tuple) else (self._device_id,)
             options[_KEY_DEVICE_ID] = ";".join(str(i) for i in ids)
             options[_KEY_SESSION_DEVICE_ID] = str(ids[0])
+        options.update(self._passthrough)
+        if self._rdma_traffic_class is not None:
+            options[KEY_RDMA_TRAFFIC_CLASS] = str(self._rdma_traffic_class)
+        if self._rdma_service_level is not None:
+            options[KEY_RDMA_SERVICE_LEVEL] = str(self._rdma_service_level)
         if self._listen_ip_info is not None:
             options[KEY_LISTEN_IP_INFO] = self._listen_ip_info
         if self._sync_kv_timeout is not None:
@@ -535,6 +617,146 @@ class LLMConfig:
         _check_str_dict("ge_options", value)
         self._ge_options = dict(value)
 
+    @property
+    def options(self) -> dict[str, str]:
+        """What :meth:`generate_options` returns (read-only)."""
+        return self.generate_options()
+
+    @property
+    def rdma_traffic_class(self) -> int | None:
+        """RDMA traffic class, ``[0, 255]``: UCX's ``IB_TRAFFIC_CLASS`` for
+        this engine's rdma lanes (no effect without RDMA).  Key
+        ``llm.RdmaTrafficClass``; unset: UCX's default."""
+        return self._rdma_traffic_class
+
+    @rdma_traffic_class.setter
+    def rdma_traffic_class(self, value: int) -> None:
+        self._rdma_traffic_class = check_int("rdma_traffic_class", value, 0, 255)
+
+    @property
+    def rdma_service_level(self) -> int | None:
+        """RDMA service level, ``[0, 7]``: UCX's ``IB_SL`` for this engine's
+        rdma lanes (no effect without RDMA).  Key ``llm.RdmaServiceLevel``;
+        unset: UCX's default."""
+        return self._rdma_service_level
+
+    @rdma_service_level.setter
+    def rdma_service_level(self, value: int) -> None:
+        self._rdma_service_level = check_int("rdma_service_level", value, 0, 7)
+
+    def _set_passthrough(self, key: str, text: str) -> None:
+        self._passthrough[key] = text
+
+    def _get_passthrough(self, key: str, default: Any, parse: Callable[[str], Any]) -> Any:
+        text = self._passthrough.get(key)
+        return default if text is None else parse(text)
+
+    @property
+    def local_comm_res(self) -> str:
+        """**[no effect]** LLM-DataDist's HCCL resource description.  Key
+        ``llm.LocalCommRes`` (emitted even when ``""``, as there)."""
+        return str(self._get_passthrough(_KEY_LOCAL_COMM_RES, "", str))
+
+    @local_comm_res.setter
+    def local_comm_res(self, value: str) -> None:
+        self._set_passthrough(_KEY_LOCAL_COMM_RES, check_isinstance("local_comm_res", value, str))
+
+    @property
+    def transfer_backend(self) -> str:
+        """**[no effect]** LLM-DataDist's transfer backend (``"hixl"``); this
+        engine's is UCX (see ``transport``).  Key ``llm.TransferBackend``."""
+        return str(self._get_passthrough(_KEY_TRANSFER_BACKEND, "", str))
+
+    @transfer_backend.setter
+    def transfer_backend(self, value: str) -> None:
+        self._set_passthrough(
+            _KEY_TRANSFER_BACKEND, check_isinstance("transfer_backend", value, str)
+        )
+
+    @property
+    def global_resource_config(self) -> str:
+        """**[no effect]** JSON for LLM-DataDist's HIXL backend.  Key
+        ``llm.GlobalResourceConfig``."""
+        return str(self._get_passthrough(_KEY_GLOBAL_RESOURCE_CONFIG, "", str))
+
+    @global_resource_config.setter
+    def global_resource_config(self, value: str) -> None:
+        self._set_passthrough(
+            _KEY_GLOBAL_RESOURCE_CONFIG, check_isinstance("global_resource_config", value, str)
+        )
+
+    @property
+    def deploy_res_path(self) -> str:
+        """**[no effect]** Key ``llm.deployResPath``."""
+        return str(self._get_passthrough(_KEY_DEPLOY_RES_PATH, "", str))
+
+    @deploy_res_path.setter
+    def deploy_res_path(self, value: str) -> None:
+        self._set_passthrough(_KEY_DEPLOY_RES_PATH, check_isinstance("deploy_res_path", value, str))
+
+    @property
+    def buf_pool_cfg(self) -> str:
+        """**[no effect]** Key ``llm.BufPoolCfg``."""
+        return str(self._get_passthrough(_KEY_BUF_POOL_CFG, "", str))
+
+    @buf_pool_cfg.setter
+    def buf_pool_cfg(self, value: str) -> None:
+        self._set_passthrough(_KEY_BUF_POOL_CFG, check_isinstance("buf_pool_cfg", value, str))
+
+    @property
+    def cluster_info(self) -> str:
+        """**[no effect]** LLM-DataDist's offline cluster description (JSON).
+        Key ``llm.ClusterInfo``."""
+        return str(self._get_passthrough(_KEY_CLUSTER_INFO, "", str))
+
+    @cluster_info.setter
+    def cluster_info(self, value: str) -> None:
+        check_isinstance("cluster_info", value, str)
+        try:
+            json.loads(value)
+        except ValueError:
+            raise ValueError(f"cluster_info must be JSON, got {value!r}") from None
+        self._set_passthrough(_KEY_CLUSTER_INFO, value)
+
+    @property
+    def output_max_size(self) -> int | None:
+        """**[no effect]** Key ``llm.OutputMaxSize``."""
+        return self._get_passthrough(_KEY_OUTPUT_MAX_SIZE, None, int)  # type: ignore[no-any-return]
+
+    @output_max_size.setter
+    def output_max_size(self, value: int) -> None:
+        v = check_int("output_max_size", value, 0, INT64_MAX)
+        self._set_passthrough(_KEY_OUTPUT_MAX_SIZE, str(v))
+
+    @property
+    def mem_utilization(self) -> float:
+        """**[no effect]** Device memory share, ``[0, 1]``, default 0.95.
+        Key ``llm.MemoryUtilization``."""
+        return float(self._get_passthrough(_KEY_MEM_UTILIZATION, 0.95, float))
+
+    @mem_utilization.setter
+    def mem_utilization(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"mem_utilization must be a float, got {type(value).__name__}")
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"mem_utilization must be in [0, 1], got {value}")
+        self._set_passthrough(_KEY_MEM_UTILIZATION, str(float(value)))
+
+    @property
+    def enable_switch_role(self) -> bool:
+        """**[no effect]** LLM-DataDist's v1 switch; ``switch_role`` always
+        works here.  Key ``llm.EnableSwitchRole``."""
+        return bool(self._get_passthrough(_KEY_ENABLE_SWITCH_ROLE, False, lambda t: t == "1"))
+
+    @enable_switch_role.setter
+    def enable_switch_role(self, value: bool) -> None:
+        flag = _check_bool("enable_switch_role", value)
+        self._set_passthrough(_KEY_ENABLE_SWITCH_ROLE, "1" if flag else "0")
+
+
+#: LLM-DataDist's other name for :class:`LLMConfig`.
+LlmConfig = LLMConfig
+
 
 def _check_str_dict(name: str, value: Any) -> None:
     if not isinstance(value, Mapping):
@@ -571,7 +793,10 @@ class EngineOptions:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     peer_timeout_ms: int = DEFAULT_PEER_TIMEOUT_MS
     net_devices: str = "all"
+    rdma_traffic_class: int | None = None
+    rdma_service_level: int | None = None
     unknown_keys: tuple[str, ...] = ()
+    no_effect_keys: tuple[str, ...] = ()
 
     @property
     def listen_address(self) -> str | None:
@@ -595,7 +820,11 @@ class EngineOptions:
         _check_str_dict("options", options)
         fields: dict[str, Any] = {}
         unknown: list[str] = []
+        no_effect: list[str] = []
         for key, text in options.items():
+            if key in NO_EFFECT_KEYS:
+                no_effect.append(key)
+                continue
             parse = _FIELD_PARSERS.get(key)
             if parse is None:
                 unknown.append(key)
@@ -604,7 +833,19 @@ class EngineOptions:
                 fields.update(parse(text))
             except _BadValue as exc:
                 raise param_invalid(f"option {key} {exc}") from None
-        return cls(**fields, unknown_keys=tuple(unknown))
+        return cls(**fields, unknown_keys=tuple(unknown), no_effect_keys=tuple(no_effect))
+
+    def with_environment(self, options: Mapping[str, str] | None) -> EngineOptions:
+        """These options, with ``AIOKVCACHE_TRANSPORT`` as the transport when
+        ``options`` names none; a bad value raises ``LLM_PARAM_INVALID``."""
+        text = os.environ.get(ENV_TRANSPORT)
+        if text is None or (options is not None and KEY_TRANSPORT in options):
+            return self
+        try:
+            transport = _parse_transport(text)
+        except _BadValue as exc:
+            raise param_invalid(f"environment variable {ENV_TRANSPORT} {exc}") from None
+        return dataclasses.replace(self, transport=transport)
 
 
 def _listen_fields(text: str) -> dict[str, Any]:
@@ -638,4 +879,6 @@ _FIELD_PARSERS: dict[str, Callable[[str], dict[str, Any]]] = {
     KEY_MAX_CONNECTIONS: lambda t: {"max_connections": _parse_uint(t, 1, UINT16_MAX)},
     KEY_PEER_TIMEOUT: lambda t: {"peer_timeout_ms": _parse_peer_timeout(t)},
     KEY_NET_DEVICES: lambda t: {"net_devices": _parse_net_devices(t)},
+    KEY_RDMA_TRAFFIC_CLASS: lambda t: {"rdma_traffic_class": _parse_uint(t, 0, 255)},
+    KEY_RDMA_SERVICE_LEVEL: lambda t: {"rdma_service_level": _parse_uint(t, 0, 7)},
 }

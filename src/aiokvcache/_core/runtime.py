@@ -51,7 +51,8 @@ def _interface_of(ip: str) -> str | None:
 
 
 def _ucx_options(opts: EngineOptions) -> dict[str, str]:
-    """UCX settings from the options: which interfaces the data plane uses.
+    """UCX settings from the options: which interfaces the data plane uses,
+    and the RDMA traffic class and service level.
 
     ``net_devices`` when set; else, when the control plane listens on one
     specific address, the interface holding it — a multi-homed host then
@@ -64,7 +65,14 @@ def _ucx_options(opts: EngineOptions) -> dict[str, str]:
         found = _interface_of(opts.listen_host)
         if found is not None and found != "lo":
             devices = found
-    return {} if devices == "all" else {"NET_DEVICES": devices}
+    out = {} if devices == "all" else {"NET_DEVICES": devices}
+    # LLM-DataDist's RDMA QoS options, for UCX's IB transports where this
+    # build has them ('?': best effort, see Engine).
+    if opts.rdma_traffic_class is not None:
+        out["?IB_TRAFFIC_CLASS"] = str(opts.rdma_traffic_class)
+    if opts.rdma_service_level is not None:
+        out["?IB_SL"] = str(opts.rdma_service_level)
+    return out
 
 
 def _host_id() -> bytes:

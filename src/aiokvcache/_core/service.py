@@ -51,6 +51,9 @@ RETIRE_TIMEOUT_S = 5.0
 METADATA_TIMEOUT_S = 10.0
 MAX_ADDRS_PER_REQUEST = 4096
 _PEER_FINALIZING = "the peer finalized"
+# The close reason of a forced unlink: the peer keeps its (broken) link
+# until it unlinks too, as in LLM-DataDist.
+_FORCE_UNLINKED = "force-unlinked"
 # Native release waits run in a worker thread in slices of this many seconds,
 # so a close() in between is noticed.
 _RELEASE_SLICE_S = 1.0
@@ -70,8 +73,9 @@ SERVICE_ERROR_COUNT = [0]
 
 
 def overall(results: Sequence[LLMStatusCode]) -> LLMStatusCode:
-    """The first non-success status of ``results``, else SUCCESS."""
-    for r in results:
+    """The last non-success status of ``results``, else SUCCESS (as
+    LLM-DataDist's link manager reports it)."""
+    for r in reversed(results):
         if r != LLMStatusCode.LLM_SUCCESS:
             return r
     return LLMStatusCode.LLM_SUCCESS
@@ -85,6 +89,7 @@ class PeerService:
         self._loop = asyncio.new_event_loop()
         self._loop.set_exception_handler(self._on_loop_error)
         self._server: control.ControlServer | None = None
+        self._listen_spec: tuple[str, int] | None = None  # as asked, host not resolved
         self._tasks: set[asyncio.Task[Any]] = set()
         self._fetching: dict[tuple[int, int], asyncio.Future[Any]] = {}
         self._thread = threading.Thread(
@@ -165,10 +170,21 @@ class PeerService:
         try:
             await server.start(host, port)
         except LLMException as exc:
-            raise make_error(
-                LLMStatusCode.LLM_PARAM_INVALID, f"cannot listen on {host}:{port}: {exc.message}"
-            ) from exc
+            # Its message already names the address.
+            raise make_error(LLMStatusCode.LLM_PARAM_INVALID, exc.message) from exc
         self._server = server
+        self._listen_spec = (host, port)
+
+    async def relisten(self, spec: tuple[str, int] | None) -> None:
+        """switch_role's listener: stop it (``None``), keep it (the same
+        address), or move it to ``spec``, as LLM-DataDist's link manager does."""
+        if self._server is not None and spec == self._listen_spec:
+            return
+        if self._server is not None:
+            server, self._server, self._listen_spec = self._server, None, None
+            await server.close()
+        if spec is not None:
+            await self.listen(*spec)
 
     def set_role(self, role: int) -> None:
         """Announce ``role`` in later handshakes."""
@@ -360,18 +376,29 @@ class PeerService:
     async def unlink_all(
         self, cluster_ids: Sequence[int], timeout_ms: int, force: bool
     ) -> list[LLMStatusCode]:
-        """Unlink each cluster in turn; one status each."""
+        """Unlink each cluster in turn; one status each.
+
+        As in LLM-DataDist: a cluster with no link is SUCCESS; a plain
+        unlink tells the peer, which drops its side too; ``force`` tears
+        down our side only — the peer's link breaks (its transfers fail)
+        but stays until it unlinks, so both sides may force-unlink in any
+        order.
+        """
         results: list[LLMStatusCode] = []
         for cid in cluster_ids:
             with self._state.lock:
                 link = self._state.links.get(cid)
             if link is None:
-                results.append(LLMStatusCode.LLM_NOT_YET_LINK)
+                results.append(LLMStatusCode.LLM_SUCCESS)
                 continue
-            self.drop_link(link, "unlinked")
+            reason = _FORCE_UNLINKED if force else "unlinked"
+            self.drop_link(link, reason)
             try:
                 async with asyncio.timeout(timeout_ms / 1000):
-                    await link.conn.close("unlinked")
+                    if not force:
+                        with contextlib.suppress(LLMException):
+                            await link.conn.request("unlink", {}, timeout=timeout_ms / 1000)
+                    await link.conn.close(reason)
             except TimeoutError:
                 results.append(
                     LLMStatusCode.LLM_UNLINK_FAILED if not force else LLMStatusCode.LLM_SUCCESS
@@ -522,6 +549,11 @@ class PeerService:
             log.info("aiokvcache: cluster %d is finalizing", link.cluster_id)
             self.break_link(link, _PEER_FINALIZING)
             return {}
+        if op == "unlink":
+            # A plain unlink: our side goes before the peer's call returns,
+            # so it can rely on it (LLM-DataDist's disconnect waits so too).
+            self.drop_link(link, "unlinked by peer")
+            return {}
         if op == "ping":
             return {}
         if op == "probe_info":
@@ -623,7 +655,10 @@ class PeerService:
             return
         if st.finalized:
             level = logging.DEBUG
-        elif reason == "peer closed: finalized" or link.reason == _PEER_FINALIZING:
+        elif (
+            reason in ("peer closed: finalized", f"peer closed: {_FORCE_UNLINKED}")
+            or link.reason == _PEER_FINALIZING
+        ):
             level = logging.INFO
         else:
             level = logging.WARNING

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import LLMException, LLMStatusCode, param_invalid
+from .errors import LLMException, LLMStatusCode, enum_format, enum_str, param_invalid
 
 __all__ = [
     "INT32_MAX",
@@ -192,12 +192,17 @@ class DataType(enum.Enum):
     DT_UINT64 = 10
     DT_DOUBLE = 11
     DT_BOOL = 12
+    # LLM-DataDist has it; a cache cannot hold it (no fixed element size).
+    DT_STRING = 13
     DT_BF16 = 27
 
     @property
     def itemsize(self) -> int:
-        """Bytes per element."""
-        return _ITEMSIZE[self]
+        """Bytes per element; ``ValueError`` for ``DT_STRING``."""
+        size = _ITEMSIZE.get(self)
+        if size is None:
+            raise ValueError(f"{self} has no fixed element size")
+        return size
 
     def to_numpy(self) -> np.dtype[Any]:
         """The NumPy dtype that stores this type.
@@ -205,6 +210,8 @@ class DataType(enum.Enum):
         NumPy has no bfloat16, so ``DT_BF16`` is stored as ``uint16`` (same
         size, raw bits).
         """
+        if self not in _TO_NUMPY:
+            raise ValueError(f"{self} has no NumPy dtype")
         return np.dtype(_TO_NUMPY[self])
 
     @classmethod
@@ -301,6 +308,9 @@ class Placement(enum.IntEnum):
     HOST = 0
     DEVICE = 1
 
+    __str__ = enum_str
+    __format__ = enum_format
+
 
 class LLMRole(enum.IntEnum):
     """Role of an LLMDataDist instance."""
@@ -308,6 +318,9 @@ class LLMRole(enum.IntEnum):
     PROMPT = 1
     DECODER = 2
     MIX = 3
+
+    __str__ = enum_str
+    __format__ = enum_format
 
 
 def _check_enum(name: str, value: Any, enum_cls: type[enum.IntEnum]) -> Any:
@@ -364,6 +377,10 @@ class CacheDesc:
             check_int(f"shape[{i}]", dim, 0, INT64_MAX) for i, dim in enumerate(shape)
         )
         self._data_type: DataType = check_isinstance("data_type", data_type, DataType)
+        if data_type not in _ITEMSIZE:
+            raise ValueError(
+                f"data_type {data_type} is not supported: a cache holds fixed-size elements"
+            )
         self._placement: Placement = _check_enum("placement", placement, Placement)
         ndim = len(self._shape)
         self._batch_dim_index = check_int("batch_dim_index", batch_dim_index, 0, ndim - 1)
