@@ -241,6 +241,40 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("op"), py::arg("ep_id"), py::arg("segments"), py::arg("payload") = py::bytes(),
           py::arg("timeout_ms") = 0)
+      .def(
+          "submit_many",
+          [](PyEngine& e, const py::list& jobs) {
+            // (op, ep_id, segments, payload, timeout_ms) rows: one crossing.
+            std::vector<akv::JobSpec> specs;
+            specs.reserve(jobs.size());
+            for (size_t i = 0; i < jobs.size(); ++i) {
+              auto row = jobs[i].cast<py::tuple>();
+              if (row.size() != 5) throw akv::InvalidArgument("a job is (op, ep_id, segments, payload, timeout_ms)");
+              int op = row[0].cast<int>();
+              if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
+                throw akv::InvalidArgument("op must be OP_PUT or OP_GET");
+              }
+              specs.push_back(akv::JobSpec{static_cast<akv::Op>(op), row[1].cast<uint64_t>(),
+                                           segments_from(row[2].cast<py::buffer>()),
+                                           row[3].cast<std::string>(), row[4].cast<uint64_t>()});
+            }
+            // The GIL stays held: this never blocks (a short lock), and a
+            // release would let the service thread in for a context switch.
+            return e.submit_many(std::move(specs));
+          },
+          py::arg("jobs"))
+      .def(
+          "copy_inline",
+          [](PyEngine& e, int op, uint64_t ep, const py::list& tables, uint64_t max_bytes) {
+            if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
+              throw akv::InvalidArgument("op must be OP_PUT or OP_GET");
+            }
+            std::vector<std::vector<akv::SegmentIn>> jobs;
+            jobs.reserve(tables.size());
+            for (const auto& t : tables) jobs.push_back(segments_from(t.cast<py::buffer>()));
+            return e.copy_inline(static_cast<akv::Op>(op), ep, jobs, max_bytes);
+          },
+          py::arg("op"), py::arg("ep_id"), py::arg("tables"), py::arg("max_bytes"))
       .def("cancel", &Engine::cancel, py::arg("job_id"))
       .def(
           "cancel_many", [](PyEngine& e, const py::handle& ids) { e.cancel_many(job_ids_from(ids)); },
@@ -294,6 +328,7 @@ PYBIND11_MODULE(_native, m) {
              d["inflight_bytes"] = s.inflight_bytes;
              d["bytes_direct"] = s.bytes_direct;
              d["unconfirmed_bytes"] = s.unconfirmed_bytes;
+             d["inline_copies"] = s.inline_copies;
              return d;
            })
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());

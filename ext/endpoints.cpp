@@ -177,6 +177,7 @@ void Engine::disconnect(uint64_t ep_id) {
     if (it == eps_.end()) return;
     Endpoint* ep = it->second.get();
     ep->closing = true;
+    forget_inline_ep(ep_id);
     for (auto& kv : jobs_) {
       Job* j = kv.second.get();
       if (j->ep == ep) cancel_job(j, Status::kLINK_FAILED);
@@ -222,6 +223,7 @@ void Engine::on_ep_error(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
 
 void Engine::endpoint_failed(Endpoint* ep, ucs_status_t st) {
   ep->broken = true;
+  forget_inline_ep(ep->id);  // its transfers fail on the job path from now
   if (ep->ucs_status == 0) ep->ucs_status = st;
   ep_errors_.fetch_add(1);
   for (auto& kv : jobs_) {
@@ -236,6 +238,7 @@ void Engine::endpoint_failed(Endpoint* ep, ucs_status_t st) {
 
 void Engine::close_endpoint(Endpoint* ep, bool force) {
   if (ep->close_posted || ep->handle == nullptr) return;
+  forget_inline_ep(ep->id);
   ep->close_posted = true;
   auto now = std::chrono::steady_clock::now();
   ep->close_by = now + kCancelGrace;

@@ -170,7 +170,7 @@ EngineStats Engine::stats() const {
                      jobs_failed_.load(),    bytes_put_.load(),      bytes_get_.load(),
                      notes_sent_.load(),     notes_received_.load(), n_eps_.load(),
                      ep_errors_.load(),      n_regions_.load(),      inflight_snapshot_.load(),
-                     bytes_direct_.load(),   unconfirmed_snapshot_.load()};
+                     bytes_direct_.load(),   unconfirmed_snapshot_.load(), inline_copies_.load()};
 }
 
 std::string Engine::info() {
@@ -227,6 +227,11 @@ void Engine::close() {
 
 void Engine::shutdown_all() {
   run_commands();  // nothing can be queued after this: closed_ is set
+  {
+    // No copy_inline from here on (they also check closed_ first).
+    std::lock_guard<std::mutex> lk(inline_mu_);
+    inline_keys_.clear();
+  }
   for (auto& kv : jobs_) {
     cancel_job(kv.second.get(), Status::kENGINE_CLOSED);
   }

@@ -38,6 +38,10 @@ struct EngineConfig {
   // was released unproven (docs/design.md, "Late writes"). 0: no bound.
   uint64_t max_unconfirmed_bytes = 4ull << 20;
   bool direct_copy = true;  // memcpy into same-host peers' mapped memory
+  // How long the progress thread keeps polling after its last work before
+  // it sleeps: a caller that awaits each small transfer then finds it
+  // awake. Idle, it sleeps at once.
+  std::chrono::microseconds spin{50};
   std::vector<std::pair<std::string, std::string>> ucx_options;  // extra UCX config
 };
 
@@ -90,6 +94,7 @@ struct EngineStats {
   uint64_t inflight_bytes;
   uint64_t bytes_direct;  // moved by memcpy into mapped shared memory
   uint64_t unconfirmed_bytes;  // sum of the endpoints' unconfirmed bytes
+  uint64_t inline_copies;  // transfers copy_inline did on the caller's thread
 };
 
 // Its definition is split by responsibility: engine.cpp (setup, stats,
@@ -131,6 +136,15 @@ class Engine {
   // Jobs (jobs.cpp). Segments are (local, remote, len, rkey id) rows.
   uint64_t submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, std::string&& payload,
                   uint64_t timeout_ms);
+  // A group of jobs in one command (one crossing, at most one wake-up):
+  // all are checked first, and either all are submitted or none.
+  std::vector<uint64_t> submit_many(std::vector<JobSpec>&& specs);
+  // Small same-host transfers on the caller's thread: when every segment's
+  // key maps the peer's memory (direct copy) and the total is at most
+  // max_bytes, copy now and return true; else copy nothing, return false.
+  // The copy happens under the lock that unmapping takes.
+  bool copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<SegmentIn>>& jobs,
+                   uint64_t max_bytes);
   void cancel(uint64_t job_id);
   void cancel_many(std::vector<uint64_t> job_ids);  // one command for all
   // Blocks until none of job_ids is live (submitted, completion not yet
@@ -187,6 +201,7 @@ class Engine {
   // The one way a job's completion reaches the queue: it also wakes
   // wait_released(), which must not return before the entry is drainable.
   void push_job_completion(Completion&& c);
+  std::unique_ptr<Job> make_job(JobSpec&& spec);
   bool post_flushes();
   void complete_flush(std::vector<Job*>* batch, ucs_status_t st);
   // The confirmation window (jobs.cpp): a flush that confirms an endpoint's
@@ -217,6 +232,11 @@ class Engine {
   // Command queue and lifecycle (progress.cpp, engine.cpp).
   std::mutex cmd_mu_;
   std::vector<std::function<void()>> commands_;
+  // Set while the progress thread is about to sleep or sleeps: only then
+  // does a command write the eventfd (one write per sleep).
+  std::atomic<bool> sleeping_{false};
+  std::atomic<bool> cmd_pending_{false};  // commands_ non-empty, read without the lock
+  std::chrono::steady_clock::time_point spin_until_{};  // progress thread: poll until then
   std::mutex close_mu_;
   std::atomic<bool> closed_{false};
   std::atomic<bool> stop_{false};
@@ -245,6 +265,19 @@ class Engine {
   bool any_forced_ = false;  // some endpoint was force-closed: look for stuck jobs
   // Regions and remote keys (registry.cpp).
   std::unordered_map<uint64_t, std::unique_ptr<RemoteKey>> rkeys_;
+  // The mapped keys copy_inline may use (any thread, under inline_mu_): an
+  // entry goes before its mapping does, or when its endpoint fails.
+  struct InlineKey {
+    uint64_t ep_id;
+    uint8_t* mapped;
+    uint64_t base;
+    uint64_t len;
+  };
+  std::mutex inline_mu_;
+  std::unordered_map<uint64_t, InlineKey> inline_keys_;
+  void forget_inline(uint64_t rkey_id);
+  void forget_inline_ep(uint64_t ep_id);
+  std::atomic<uint64_t> inline_copies_{0};
   std::unordered_map<uint64_t, std::unique_ptr<Region>> regions_;
   // Lifecycle (engine.cpp).
   bool destroying_ = false;  // after shutdown: callbacks only free requests

@@ -25,6 +25,15 @@ struct SegmentIn {
   uint64_t rkey_id;
 };
 
+// One job of a submit_many() group, as the caller describes it.
+struct JobSpec {
+  Op op;
+  uint64_t ep_id;
+  std::vector<SegmentIn> segs;
+  std::string payload;
+  uint64_t timeout_ms;
+};
+
 struct RemoteKey {
   uint64_t id = 0;
   uint64_t ep_id = 0;

@@ -33,48 +33,71 @@ Status status_from_ucs(ucs_status_t st) {
 
 // ---------------------------------------------------------------- API side
 
-uint64_t Engine::submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, std::string&& payload,
-                        uint64_t timeout_ms) {
-  if (payload.size() > kMaxPayload) throw InvalidArgument("notification payload too large");
-  if (op == Op::kGet && !payload.empty()) throw InvalidArgument("get jobs carry no payload");
-  check_open();
+static void check_spec(const JobSpec& spec) {
+  if (spec.payload.size() > Engine::kMaxPayload) throw InvalidArgument("notification payload too large");
+  if (spec.op == Op::kGet && !spec.payload.empty()) throw InvalidArgument("get jobs carry no payload");
+}
+
+std::unique_ptr<Job> Engine::make_job(JobSpec&& spec) {
   auto j = std::make_unique<Job>();
   j->id = next_job_.fetch_add(1);
-  j->op = op;
-  j->ep_id = ep_id;
-  j->raw = std::move(segs);
-  j->payload = std::move(payload);
+  j->op = spec.op;
+  j->ep_id = spec.ep_id;
+  j->raw = std::move(spec.segs);
+  j->payload = std::move(spec.payload);
   j->cancel_grace = kCancelGrace;
   j->fail_grace = kFailGrace;
-  if (timeout_ms > 0) {
+  if (spec.timeout_ms > 0) {
     j->has_deadline = true;
     // Past a few centuries now() + timeout would overflow the clock.
-    auto span = std::chrono::milliseconds(std::min<uint64_t>(timeout_ms, uint64_t{1} << 40));
+    auto span = std::chrono::milliseconds(std::min<uint64_t>(spec.timeout_ms, uint64_t{1} << 40));
     j->deadline = std::chrono::steady_clock::now() + span;
     j->cancel_grace = scaled_grace(span, 0.25, kCancelGraceMin, kCancelGrace);
     j->fail_grace = scaled_grace(span, 0.1, kFailGraceMin, kFailGrace);
   }
-  uint64_t id = j->id;
-  live_jobs_.fetch_add(1);
-  jobs_submitted_.fetch_add(1);
+  return j;
+}
+
+uint64_t Engine::submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, std::string&& payload,
+                        uint64_t timeout_ms) {
+  std::vector<JobSpec> one;
+  one.push_back(JobSpec{op, ep_id, std::move(segs), std::move(payload), timeout_ms});
+  return submit_many(std::move(one)).front();
+}
+
+std::vector<uint64_t> Engine::submit_many(std::vector<JobSpec>&& specs) {
+  for (const auto& spec : specs) check_spec(spec);
+  check_open();
+  // Shared with the command, which admits them in order on the progress thread.
+  auto jobs = std::make_shared<std::vector<std::unique_ptr<Job>>>();
+  jobs->reserve(specs.size());
+  std::vector<uint64_t> ids;
+  ids.reserve(specs.size());
+  for (auto& spec : specs) {
+    jobs->push_back(make_job(std::move(spec)));
+    ids.push_back(jobs->back()->id);
+  }
+  if (ids.empty()) return ids;
+  live_jobs_.fetch_add(ids.size());
+  jobs_submitted_.fetch_add(ids.size());
   {
     std::lock_guard<std::mutex> lk(live_mu_);
-    live_ids_.insert(id);
+    live_ids_.insert(ids.begin(), ids.end());
   }
-  Job* raw = j.release();
   try {
-    post_command([this, raw]() { admit(std::unique_ptr<Job>(raw)); });
+    post_command([this, jobs]() {
+      for (auto& j : *jobs) admit(std::move(j));
+    });
   } catch (...) {
-    delete raw;
-    live_jobs_.fetch_sub(1);
+    live_jobs_.fetch_sub(ids.size());
     {
       std::lock_guard<std::mutex> lk(live_mu_);
-      live_ids_.erase(id);
+      for (uint64_t id : ids) live_ids_.erase(id);
     }
     live_cv_.notify_all();
     throw;
   }
-  return id;
+  return ids;
 }
 
 void Engine::cancel(uint64_t job_id) {

@@ -1,5 +1,6 @@
 // The progress thread's loop, and the command queue through which other
 // threads reach it.
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <unistd.h>
 
@@ -20,25 +21,28 @@ void Engine::wake() {
 }
 
 void Engine::post_command(std::function<void()> fn) {
-  bool signal;
   {
     std::lock_guard<std::mutex> lk(cmd_mu_);
     // Checked under the lock close() takes, so nothing is queued after the
     // progress thread's last look at the queue.
     if (closed_.load()) throw ClosedError();
-    signal = commands_.empty();
     commands_.push_back(std::move(fn));
+    cmd_pending_.store(true);
   }
-  if (signal) wake();
+  // A spinning thread sees cmd_pending_ on its next step; only a thread
+  // that is (about to be) asleep needs the eventfd: one write per sleep.
+  if (sleeping_.exchange(false)) wake();
 }
 
 // ---------------------------------------------------------- progress thread
 
 void Engine::run_commands() {
+  if (!cmd_pending_.load()) return;  // the common case, without the lock
   std::vector<std::function<void()>> cmds;
   {
     std::lock_guard<std::mutex> lk(cmd_mu_);
     cmds.swap(commands_);
+    cmd_pending_.store(false);
   }
   for (auto& c : cmds) c();
 }
@@ -73,26 +77,39 @@ bool Engine::step() {
 }
 
 void Engine::run() {
+  // Named for tools (top -H, benchmarks reading /proc/self/task/*/comm).
+  pthread_setname_np(pthread_self(), "akv-progress");
   while (!stop_.load()) {
     int idle = 0;
     while (!stop_.load()) {
       if (step()) {
         idle = 0;
+        spin_until_ = std::chrono::steady_clock::now() + cfg_.spin;
         continue;
       }
-      bool pending_cmds;
-      {
-        std::lock_guard<std::mutex> lk(cmd_mu_);
-        pending_cmds = !commands_.empty();
-      }
-      if (pending_cmds) continue;
-      if (jobs_.empty() || ++idle > kSpinPolls) break;
+      if (cmd_pending_.load()) continue;
+      // Spin a little after work (the next call of a caller awaiting each
+      // one comes soon, and a sleeping thread costs a wake-up); never when
+      // there is nothing to do.
+      if (jobs_.empty() && spin_until_ <= std::chrono::steady_clock::now()) break;
+      if (!jobs_.empty() && ++idle > kSpinPolls) break;
     }
     if (stop_.load()) break;
+    // Announce the sleep, then look once more: a command posted before the
+    // announcement is seen here, one posted after it writes the eventfd.
+    sleeping_.store(true);
+    if (cmd_pending_.load()) {
+      sleeping_.store(false);
+      continue;
+    }
     ucs_status_t st = ucp_worker_arm(worker_);
-    if (st == UCS_ERR_BUSY) continue;
+    if (st == UCS_ERR_BUSY) {
+      sleeping_.store(false);
+      continue;
+    }
     epoll_event evs[4];
     int n = ::epoll_wait(epfd_, evs, 4, wait_timeout_ms());
+    sleeping_.store(false);
     for (int i = 0; i < n; ++i) {
       if (evs[i].data.fd == cmd_efd_) {
         uint64_t v;

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <cstring>
+#include <iterator>
 #include <tuple>
 
 #include "engine_internal.hpp"
@@ -159,6 +161,10 @@ uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t
     rk->len = len;
     ep->rkeys.push_back(rk.get());
     uint64_t id = rk->id;
+    if (rk->mapped != nullptr) {
+      std::lock_guard<std::mutex> lk(inline_mu_);
+      inline_keys_[id] = InlineKey{ep_id, rk->mapped, base, len};
+    }
     rkeys_[id] = std::move(rk);
     return id;
   });
@@ -168,6 +174,7 @@ void Engine::rkey_release(uint64_t rkey_id) {
   call<void>([this, rkey_id]() {
     auto it = rkeys_.find(rkey_id);
     if (it == rkeys_.end()) return;
+    forget_inline(rkey_id);  // Python let go: no new copy through it
     it->second->released = true;
     if (it->second->users == 0) destroy_rkey(it->second.get());
   });
@@ -175,8 +182,59 @@ void Engine::rkey_release(uint64_t rkey_id) {
 
 // ---------------------------------------------------------- progress thread
 
+void Engine::forget_inline(uint64_t rkey_id) {
+  std::lock_guard<std::mutex> lk(inline_mu_);
+  inline_keys_.erase(rkey_id);
+}
+
+void Engine::forget_inline_ep(uint64_t ep_id) {
+  std::lock_guard<std::mutex> lk(inline_mu_);
+  for (auto it = inline_keys_.begin(); it != inline_keys_.end();) {
+    it = it->second.ep_id == ep_id ? inline_keys_.erase(it) : std::next(it);
+  }
+}
+
+bool Engine::copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<SegmentIn>>& jobs,
+                         uint64_t max_bytes) {
+  check_open();
+  std::lock_guard<std::mutex> lk(inline_mu_);
+  // Every segment first: all of it moves, or none.
+  uint64_t total = 0;
+  for (const auto& segs : jobs) {
+    for (const SegmentIn& s : segs) {
+      if (s.len == 0) continue;
+      auto it = inline_keys_.find(s.rkey_id);
+      if (it == inline_keys_.end() || it->second.ep_id != ep_id) return false;
+      const InlineKey& k = it->second;
+      if (s.remote < k.base || s.len > k.len || s.remote - k.base > k.len - s.len) return false;
+      total += s.len;
+      if (total > max_bytes) return false;
+    }
+  }
+  for (const auto& segs : jobs) {
+    for (const SegmentIn& s : segs) {
+      if (s.len == 0) continue;
+      const InlineKey& k = inline_keys_.find(s.rkey_id)->second;
+      uint8_t* peer = k.mapped + (s.remote - k.base);
+      auto* local = reinterpret_cast<uint8_t*>(s.local);
+      if (op == Op::kPut) {
+        std::memcpy(peer, local, s.len);
+      } else {
+        std::memcpy(local, peer, s.len);
+      }
+    }
+  }
+  // Visible before anything the caller does next (a notification, a reply).
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  bytes_direct_.fetch_add(total);
+  (op == Op::kPut ? bytes_put_ : bytes_get_).fetch_add(total);
+  inline_copies_.fetch_add(1);
+  return true;
+}
+
 void Engine::release_key_handle(RemoteKey* rk) {
   if (rk->handle == nullptr || rk->pinned) return;
+  forget_inline(rk->id);  // before the mapping goes
   ucp_rkey_destroy(rk->handle);  // unmaps a mapped segment, too
   rk->handle = nullptr;
   rk->mapped = nullptr;

@@ -242,51 +242,46 @@ class Bridge:
 
     # ----------------------------------------------------------- submission
 
-    def submit_group(self, jobs: Jobs, *, timeout: float | None = None) -> JobGroup:
+    def submit_group(
+        self, jobs: Jobs, *, timeout: float | None = None, checked: bool = False
+    ) -> JobGroup:
         """Submit (op, endpoint id, segments, payload, timeout_ms) jobs as one group.
 
         ``timeout`` (seconds, the whole group) becomes every job's native
         deadline (the earlier of it and the job's own): the engine then ends
         late jobs with TIMEOUT itself, and nobody arms an asyncio timer per
-        call.
+        call. The group goes to the engine in one call, all or nothing.
+        ``checked``: the caller built the jobs from a checked plan, so their
+        form is not checked again.
         """
         if timeout is not None:
             cap = max(1, math.ceil(timeout * 1000))
             jobs = [(op, ep, sg, pl, cap if t <= 0 else min(t, cap)) for op, ep, sg, pl, t in jobs]
-        # Everything the engine could refuse is checked before the first job
-        # goes in: a submission must not fail half-way with jobs already
-        # moving bytes that the caller believes stopped.
-        for i, (op, _ep, segs, payload, _t) in enumerate(jobs):
-            _check_job(i, op, segs, payload)
+        elif not isinstance(jobs, list):
+            jobs = list(jobs)
+        if not checked:
+            for i, (op, _ep, segs, payload, _t) in enumerate(jobs):
+                _check_job(i, op, segs, payload)
         if self._closed:
             raise native.EngineClosedError("the engine is closed")
+        loop = self._loop
         group = JobGroup(
             results=[None] * len(jobs),
-            pending=0,
-            first=self._loop.create_future(),
-            released=self._loop.create_future(),
+            pending=len(jobs),
+            first=loop.create_future(),
+            released=loop.create_future(),
         )
-        try:
-            for i, (op, ep, segs, payload, timeout_ms) in enumerate(jobs):
-                jid = self._engine.submit(op, ep, segs, payload, timeout_ms)
-                group.index[jid] = i
-                group.pending += 1
-                self._groups[jid] = group
-        except BaseException:
-            self._abandon(group)
-            raise
-        if group.pending == 0:
+        if not jobs:
             group.first.set_result(None)
             group.released.set_result(None)
+            return group
+        # One crossing; the engine checks every job before it takes any.
+        ids = self._engine.submit_many(jobs)
+        group.index = {jid: i for i, jid in enumerate(ids)}
+        groups = self._groups
+        for jid in ids:
+            groups[jid] = group
         return group
-
-    def _abandon(self, group: JobGroup) -> None:
-        # A submission failed half-way: cancel what went in. Its completions
-        # still resolve the group, which nobody awaits; mark them retrieved.
-        self.cancel_group(group)
-        if group.pending == 0:
-            group.first.cancel()
-            group.released.cancel()
 
     async def wait(self, group: JobGroup, *, timeout: float | None = None) -> list[JobResult]:
         """Await a group from :meth:`submit_group`; every job's result on success.

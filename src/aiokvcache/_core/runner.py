@@ -85,9 +85,9 @@ def failure(group: JobGroup, labels: Sequence[str] | None, *, timed_out: bool) -
     return exc
 
 
-def _submit(bridge: Bridge, jobs: Jobs, timeout: float | None) -> JobGroup:
+def _submit(bridge: Bridge, jobs: Jobs, timeout: float | None, checked: bool = False) -> JobGroup:
     try:
-        return bridge.submit_group(jobs, timeout=timeout)
+        return bridge.submit_group(jobs, timeout=timeout, checked=checked)
     except native.EngineClosedError as exc:
         raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized") from exc
 
@@ -137,8 +137,10 @@ class Runner:
         timeout: float | None,
         local: LocalCache,
         remotes: Iterable[RemoteCache],
+        checked: bool = False,
     ) -> JobGroup:
-        """Submit ``jobs`` and lease ``local`` and ``remotes`` for them.
+        """Submit ``jobs`` and lease ``local`` and ``remotes`` for them
+        (``checked``: built from a checked plan, see Bridge.submit_group).
 
         Refuses with KV_CACHE_NOT_EXIST when one of the caches was retired
         meanwhile: the check and the submit share one critical section, so a
@@ -157,7 +159,7 @@ class Runner:
                         LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                         f"the remote cache {rc.cache_id} was deallocated",
                     )
-            group = _submit(self._bridge, jobs, timeout)
+            group = _submit(self._bridge, jobs, timeout, checked)
             ids = group.job_ids
             local.jobs.update(ids)
             for rc in remotes:
@@ -188,9 +190,10 @@ class Runner:
         timeout: float | None,
         local: LocalCache,
         remote: RemoteCache,
+        checked: bool = False,
     ) -> None:
         """:meth:`start` then :meth:`finish`: the whole call's path."""
-        group = self.start(jobs, timeout, local, (remote,))
+        group = self.start(jobs, timeout, local, (remote,), checked)
         await self.finish(group, labels, local, (remote,))
 
     async def wait(self, group: JobGroup, labels: Sequence[str] | None) -> list[JobResult]:

@@ -75,6 +75,9 @@ class RemoteCache:
     is_blocks: bool = False
     jobs: set[int] = field(default_factory=set)  # live native jobs using it
     valid: bool = True
+    # Checked transfer plans between it and our caches (transfers.Plan),
+    # owner loop only; they go with the record.
+    plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
 
 @dataclass(eq=False)

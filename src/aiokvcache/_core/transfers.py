@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import numbers
 from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -98,6 +99,29 @@ async def _in_thread(fn: Any, *args: Any) -> None:
     finally:
         if work.done() and not work.cancelled():
             work.result()  # the copy's own error, if any, comes first
+
+
+#: Plans kept per remote cache record (then the record's plans start over).
+MAX_PLANS = 256
+
+
+#: A tagless transfer of at most this many bytes whose every segment maps
+#: the peer's memory (same host, direct copy) is copied on the caller's
+#: thread: no job, no thread crossing, done when the call returns.
+INLINE_COPY_MAX = 64 * 1024
+
+
+@dataclass(eq=False)
+class Plan:
+    """One slot transfer's checked segment tables: (rows, destination layer)
+    per layer job, the jobs' labels, and whether it copies inline (None:
+    not tried yet; a plan that could not once never can: its keys do not map)."""
+
+    local: LocalCache
+    layers: tuple[tuple[Any, int], ...]
+    labels: tuple[str, ...]
+    nbytes: int
+    inline: bool | None = None
 
 
 class Transfers:
@@ -360,8 +384,80 @@ class Transfers:
         """Move one batch slot between a local and a remote cache, a job per layer.
 
         ``op`` OP_PUT pushes local -> remote, OP_GET pulls remote -> local; the
-        layer ranges keep their source/destination meaning.
+        layer ranges keep their source/destination meaning. The segment
+        tables come from a plan built (and checked) once per shape.
         """
+        plan = self._slot_plan(
+            op, local, local_batch, remote, remote_batch, remote_batch_name, n,
+            src_range, dst_range, size,
+        )  # fmt: skip
+        per_job_ms = self.state.options.sync_kv_timeout_ms
+        ep = link.ep
+        if tag is None and plan.inline is not False and self._copy_inline(op, link, plan, remote):
+            return
+        if tag is None:
+            jobs = [(op, ep, rows, b"", per_job_ms) for rows, _ in plan.layers]
+        else:
+            cid, rid = self.state.cluster_id, remote.cache_id
+            jobs = [
+                (op, ep, rows, notify.payload(cid, tag, rid, remote_batch, dst), per_job_ms)
+                for rows, dst in plan.layers
+            ]
+        await self.runner.run(jobs, plan.labels, timeout, local, remote, checked=True)
+
+    def _copy_inline(self, op: int, link: Link, plan: Plan, remote: RemoteCache) -> bool:
+        """Copy a small same-host transfer now, under the lease lock (so no
+        retirement can free either side meanwhile); False: use jobs."""
+        if plan.nbytes > INLINE_COPY_MAX:
+            plan.inline = False
+            return False
+        st = self.state
+        local = plan.local
+        with st.lock:
+            if not local.valid or not remote.valid or link.broken:
+                return False  # the job path reports it
+            try:
+                done = bool(
+                    st.engine.copy_inline(
+                        op, link.ep, [rows for rows, _ in plan.layers], INLINE_COPY_MAX
+                    )
+                )
+            except native.EngineClosedError as exc:
+                raise make_error(
+                    LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized"
+                ) from exc
+        if plan.inline is None:
+            plan.inline = done
+        return done
+
+    def _slot_plan(
+        self,
+        op: int,
+        local: LocalCache,
+        local_batch: int,
+        remote: RemoteCache,
+        remote_batch: int,
+        remote_batch_name: str,
+        n: int,
+        src_range: range | None,
+        dst_range: range | None,
+        size: int,
+    ) -> Plan:
+        """The checked segment tables of one slot transfer, cached on ``remote``.
+
+        A plan depends only on the two caches (whose addresses and keys never
+        change), the batch indices, the layer ranges and the size; it goes
+        with the remote record (dropped on invalidation or unlink) and is
+        only built, never changed, so a hit skips every check it made.
+        """
+        key = (
+            op, local.cache_id, local_batch, remote_batch, n, size,
+            None if src_range is None else (src_range.start, src_range.stop),
+            None if dst_range is None else (dst_range.start, dst_range.stop),
+        )  # fmt: skip
+        plan: Plan | None = remote.plans.get(key)
+        if plan is not None and plan.local is local:
+            return plan
         if remote_batch >= remote.desc.batch_size:
             raise param_invalid(
                 f"{remote_batch_name}={remote_batch} is out of range for the remote batch size "
@@ -382,9 +478,7 @@ class Transfers:
             r_off, l_off, length = planner.pair_spans(
                 remote.desc, remote_batch, local.desc, local_batch, size
             )
-        per_job_ms = self.state.options.sync_kv_timeout_ms
-        cluster = self.state.cluster_id
-        jobs = []
+        layers = []
         for src_layer, dst_layer in pairs:
             local_layer, remote_layer = (src_layer, dst_layer) if push else (dst_layer, src_layer)
             rows = planner.slot_layer_rows(
@@ -397,14 +491,18 @@ class Transfers:
                 r_off,
                 length,
             )
-            payload = (
-                notify.payload(cluster, tag, remote.cache_id, remote_batch, dst_layer)
-                if push
-                else b""
-            )
-            jobs.append((op, link.ep, rows, payload, per_job_ms))
-        labels = [f"layer {dst_layer}" for _, dst_layer in pairs]
-        await self.runner.run(jobs, labels, timeout, local, remote)
+            rows.setflags(write=False)  # shared by every call of this shape
+            layers.append((rows, dst_layer))
+        plan = Plan(
+            local,
+            tuple(layers),
+            tuple(f"layer {d}" for _, d in pairs),
+            sum(int(rows[:, 2].sum()) for rows, _ in layers),
+        )
+        if len(remote.plans) >= MAX_PLANS:
+            remote.plans.clear()  # a bound, not an LRU: shapes per peer cache are few
+        remote.plans[key] = plan
+        return plan
 
     async def push_slot(
         self,

@@ -95,9 +95,12 @@ def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = Non
     returned as ``int``.  Raises ``TypeError`` for a non-integer and
     ``ValueError`` for one out of range; both messages name ``name``.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is int:  # the common case, without the ABC check
+        result = value
+    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be int, got {type(value).__name__}")
-    result = int(value)
+    else:
+        result = int(value)
     if (lo is not None and result < lo) or (hi is not None and result > hi):
         lo_s = "-inf" if lo is None else str(lo)
         hi_s = "+inf" if hi is None else str(hi)

@@ -1,0 +1,162 @@
+"""Small transfers: per-layer push time, loop CPU per call, idle progress CPU.
+
+Workload (issue 10): a decode process owns one cache of 32 layers x (K, V)
+x S bytes (S = 2 KiB, 16 KiB, 128 KiB); this process pushes its copy with
+one ``push_cache`` per layer, either all 32 in flight at once or each
+awaited before the next. Baseline measured in the same run:
+``ucx_perftest -t ucp_put_lat -s S`` over the same UCX transports. Also:
+the event loop thread's CPU time per ``push_cache`` call (in-flight case),
+and the progress thread's CPU time over idle seconds.
+
+    python benchmarks/bench_small.py                    # shm and tcp
+    python benchmarks/bench_small.py --transport shm --seconds 2
+
+Targets (issue 10): all in flight at 2 KiB <= 10 us per layer on shm; each
+awaited at 2 KiB <= 30 us on shm, <= 60 us on tcp; loop CPU per call <= 8 us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Children, run_perftest, table
+
+import aiokvcache as kv
+from aiokvcache.testing import cluster_info, options
+
+KiB = 1 << 10
+LAYERS = 32
+SIZES = (2 * KiB, 16 * KiB, 128 * KiB)
+PERFTEST_TLS = {"shm": "sm,self", "tcp": "tcp,self"}
+HEAD_DIM = 128  # fp16: a token is 256 bytes
+
+
+def progress_cpu_s() -> float:
+    """CPU seconds of this process's aiokvcache progress threads so far."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "akv-progress":
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+async def measure(
+    transport: str, size: int, seconds: float, idle_s: float, children: Children
+) -> dict[str, float]:
+    tokens = size // (2 * HEAD_DIM)
+    shape = [f"--layers={LAYERS}", f"--tokens={tokens}", "--heads=1", f"--head-dim={HEAD_DIM}"]
+    peer = children.peer("decode", *shape, f"--transport={transport}", startup_timeout=60)
+    out: dict[str, float] = {}
+    try:
+        async with kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as dd:
+            await dd.init(options(transport, sync_kv_timeout=60_000))
+            ret, rets = await dd.link_clusters([cluster_info(peer.address, 2)], timeout=10_000)
+            if ret != kv.LLMStatusCode.LLM_SUCCESS:
+                raise RuntimeError(f"link failed: {rets}")
+            desc = kv.CacheDesc(
+                2 * LAYERS, [1, tokens, 1, HEAD_DIM], kv.DataType.DT_FLOAT16, kv.Placement.HOST
+            )
+            cm = dd.cache_manager
+            src = cm.allocate_cache(desc)
+            key = kv.CacheKeyByIdAndIndex(2, int(peer.hello["cache_id"]))
+            layers = [range(i, i + 1) for i in range(LAYERS)]
+
+            async def in_flight() -> None:
+                await asyncio.gather(*(cm.push_cache(key, src, src_layer_range=r) for r in layers))
+
+            async def awaited() -> None:
+                for r in layers:
+                    await cm.push_cache(key, src, src_layer_range=r)
+
+            for name, one_pass in (("in_flight", in_flight), ("awaited", awaited)):
+                for _ in range(20):  # warm up: metadata, endpoints, caches
+                    await one_pass()
+                passes = 0
+                cpu0 = time.thread_time()
+                start = time.perf_counter()
+                while time.perf_counter() - start < seconds:
+                    await one_pass()
+                    passes += 1
+                elapsed = time.perf_counter() - start
+                cpu = time.thread_time() - cpu0
+                calls = passes * LAYERS
+                out[f"{name}_us"] = elapsed / calls * 1e6
+                out[f"{name}_loop_cpu_us"] = cpu / calls * 1e6
+            await asyncio.sleep(0.5)  # let any spin after the last call end
+            cpu0 = progress_cpu_s()
+            await asyncio.sleep(idle_s)
+            out["idle_progress_cpu_ms"] = (progress_cpu_s() - cpu0) * 1e3
+    finally:
+        children.end(peer)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--transport", choices=["shm", "tcp", "both"], default="both")
+    ap.add_argument("--seconds", type=float, default=2.0, help="per measurement")
+    ap.add_argument("--idle", type=float, default=2.0, help="idle seconds measured")
+    args = ap.parse_args()
+    transports = ["shm", "tcp"] if args.transport == "both" else [args.transport]
+    children = Children()
+    rows = []
+    try:
+        for tr in transports:
+            for size in SIZES:
+                lat = run_perftest(children, "ucp_put_lat", size, 20000, PERFTEST_TLS[tr])
+                r = asyncio.run(measure(tr, size, args.seconds, args.idle, children))
+                rows.append(
+                    [
+                        tr,
+                        f"{size // KiB} KiB",
+                        f"{r['in_flight_us']:.1f}",
+                        f"{r['awaited_us']:.1f}",
+                        f"{lat.latency_us:.2f}",
+                        f"{r['in_flight_loop_cpu_us']:.1f}",
+                        f"{r['awaited_loop_cpu_us']:.1f}",
+                        f"{r['idle_progress_cpu_ms']:.1f} / {args.idle:.0f} s",
+                    ]
+                )
+    finally:
+        children.close_all()
+    print(
+        f"push_cache, {LAYERS} layers x (K,V), one call per layer; {args.seconds:g} s per "
+        f"measurement; {os.cpu_count()} cores"
+    )
+    print(
+        table(
+            [
+                "transport",
+                "tensor",
+                "all in flight, us/layer",
+                "each awaited, us/layer",
+                "perftest put_lat, us",
+                "loop CPU/call (in flight), us",
+                "loop CPU/call (awaited), us",
+                "idle progress CPU, ms",
+            ],
+            rows,
+            right=[False, True, True, True, True, True, True, True],
+        )
+    )
+    print("targets: 2 KiB shm in flight <= 10, awaited <= 30 (tcp <= 60); loop CPU/call <= 8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
