@@ -142,13 +142,14 @@ PYBIND11_MODULE(_native, m) {
   py::class_<PyEngine>(m, "Engine")
       .def(py::init([](const std::string& transport, uint64_t max_inflight_bytes, uint64_t chunk_bytes,
                        const std::map<std::string, std::string>& ucx_options, bool direct_copy,
-                       uint64_t max_unconfirmed_bytes) {
+                       uint64_t max_unconfirmed_bytes, unsigned copy_lanes) {
              akv::EngineConfig cfg;
              cfg.transport = transport;
              cfg.max_inflight_bytes = max_inflight_bytes;
              cfg.chunk_bytes = chunk_bytes;
              cfg.direct_copy = direct_copy;
              cfg.max_unconfirmed_bytes = max_unconfirmed_bytes;
+             cfg.copy_lanes = copy_lanes;
              for (const auto& kv : ucx_options) cfg.ucx_options.emplace_back(kv.first, kv.second);
              py::gil_scoped_release nogil;
              return new PyEngine(std::move(cfg));
@@ -156,7 +157,8 @@ PYBIND11_MODULE(_native, m) {
            py::arg("transport") = "auto", py::arg("max_inflight_bytes") = 64ull << 20,
            py::arg("chunk_bytes") = 1ull << 20,
            py::arg("ucx_options") = std::map<std::string, std::string>{}, py::arg("direct_copy") = true,
-           py::arg("max_unconfirmed_bytes") = 4ull << 20)
+           py::arg("max_unconfirmed_bytes") = 4ull << 20, py::arg("copy_lanes") = 0u)
+      .def_property_readonly("copy_lanes", [](const PyEngine& e) { return e.copy_lanes(); })
       .def_property_readonly("event_fd", &Engine::event_fd)
       .def_property_readonly("worker_address", [](const PyEngine& e) { return py::bytes(e.worker_address()); })
       .def_property_readonly("closed", &Engine::closed)

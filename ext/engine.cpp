@@ -154,6 +154,12 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
     ev.data.fd = fd;
     if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0) fail(Error("epoll_ctl failed"));
   }
+  if (cfg_.copy_lanes == 0) {
+    unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    cfg_.copy_lanes = std::clamp(cores / 2, 1u, 8u);
+  }
+  // The progress thread is the first lane; the others are lane threads.
+  for (unsigned i = 1; i < cfg_.copy_lanes; ++i) lanes_.emplace_back(&Engine::lane_main, this);
   thread_ = std::thread(&Engine::run, this);
 }
 
@@ -193,6 +199,7 @@ void Engine::close() {
     stop_.store(true);
     wake();
     if (thread_.joinable()) thread_.join();
+    stop_lanes();  // shutdown_all() did; a no-op then
   }
   ::close(epfd_);
   ::close(cmd_efd_);
@@ -262,6 +269,8 @@ void Engine::shutdown_all() {
       ::epoll_wait(epfd_, &ev, 1, 1);
     }
   }
+  // No lane copies a byte past this point (before any key unmaps below).
+  stop_lanes();
   // From here UCX callbacks only free their requests (see on_data_done);
   // objects they point at stay allocated until close() destroyed the worker.
   destroying_ = true;

@@ -42,6 +42,10 @@ struct EngineConfig {
   // it sleeps: a caller that awaits each small transfer then finds it
   // awake. Idle, it sleeps at once.
   std::chrono::microseconds spin{50};
+  // Threads that run same-host direct copies, chunk by chunk: the progress
+  // thread and copy_lanes - 1 lane threads (1: the progress thread alone,
+  // as before lanes existed); 0: from the core count.
+  unsigned copy_lanes = 0;
   std::vector<std::pair<std::string, std::string>> ucx_options;  // extra UCX config
 };
 
@@ -108,6 +112,7 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   int event_fd() const { return cq_.fd(); }
+  unsigned copy_lanes() const { return cfg_.copy_lanes; }  // as chosen (never 0)
   std::string worker_address() const { return worker_address_; }
   std::string info();
   // The UCX configuration the context was created from, as ucp_config_print
@@ -278,6 +283,26 @@ class Engine {
   void forget_inline(uint64_t rkey_id);
   void forget_inline_ep(uint64_t ep_id);
   std::atomic<uint64_t> inline_copies_{0};
+  // Copy lanes (jobs.cpp): chunks queued to lane threads, and what they did.
+  struct CopyTask {
+    uint8_t* dst;
+    const uint8_t* src;
+    uint64_t n;
+    Job* job;
+    bool copied;
+  };
+  std::vector<std::thread> lanes_;
+  std::mutex lane_mu_;
+  std::condition_variable lane_cv_;
+  std::deque<CopyTask> lane_q_;
+  bool lanes_stop_ = false;
+  std::mutex lane_done_mu_;
+  std::vector<CopyTask> lane_done_;
+  std::atomic<bool> lane_done_pending_{false};
+  uint64_t lane_inflight_ = 0;  // progress thread only
+  void lane_main();
+  bool drain_lanes();
+  void stop_lanes();
   std::unordered_map<uint64_t, std::unique_ptr<Region>> regions_;
   // Lifecycle (engine.cpp).
   bool destroying_ = false;  // after shutdown: callbacks only free requests

@@ -5,6 +5,7 @@
 #include <ucp/api/ucp.h>
 
 #include <chrono>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -93,6 +94,8 @@ struct Job {
   uint64_t bytes_done = 0;
   bool posted_any = false;  // a UCX operation was posted (a put then needs a flush)
   bool copied_any = false;  // bytes were memcpy'd into mapped shared memory
+  // Set with cancel: copy lanes skip this job's queued chunks (any thread).
+  std::atomic<bool> stop_copies{false};
   bool cancel = false;
   std::chrono::steady_clock::time_point cancelled_at{};  // when cancel was set
   Phase phase = Phase::kPosting;

@@ -1,6 +1,8 @@
 // Transfer jobs from submit() to their completion: admission, posting
 // within the window, direct copies, flushes, notifications, deadlines,
 // cancellation, and the release of jobs a dead peer never answered.
+#include <pthread.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -217,6 +219,32 @@ void Engine::post_job(Job* j) {
     }
     void* local = reinterpret_cast<void*>(s.local + j->seg_off);
     uint64_t remote = s.remote + j->seg_off;
+    if (s.rkey->mapped != nullptr && !lanes_.empty() && lane_inflight_ < 2 * lanes_.size()) {
+      // Copy lanes: this thread is one, the lane threads the others. A lane
+      // gets at most two chunks queued (a cancel or a deadline stops the
+      // job within about one chunk per lane); past that this thread copies
+      // the next chunk itself, below.
+      uint8_t* peer = s.rkey->mapped + (remote - s.rkey->base);
+      auto* mine = static_cast<uint8_t*>(local);
+      CopyTask t = j->op == Op::kPut ? CopyTask{peer, mine, n, j, false} : CopyTask{mine, peer, n, j, false};
+      j->inflight_ops++;
+      j->inflight_bytes += n;
+      inflight_bytes_ += n;
+      j->copied_any = true;
+      lane_inflight_++;
+      posted_++;
+      {
+        std::lock_guard<std::mutex> lk(lane_mu_);
+        lane_q_.push_back(t);
+      }
+      lane_cv_.notify_one();
+      j->seg_off += n;
+      if (j->seg_off == s.len) {
+        j->seg_idx++;
+        j->seg_off = 0;
+      }
+      continue;
+    }
     if (s.rkey->mapped != nullptr) {
       // Copies run on this thread: yield to commands (cancel) and deadlines
       // every few chunks so a huge job stays cancellable.
@@ -295,6 +323,73 @@ void Engine::post_job(Job* j) {
     if (cfg_.max_unconfirmed_bytes > 0 && ep->unflushed * 2 >= cfg_.max_unconfirmed_bytes) {
       post_window_flush(ep);
     }
+  }
+}
+
+void Engine::lane_main() {
+  pthread_setname_np(pthread_self(), "akv-copy");
+  while (true) {
+    CopyTask t{};
+    bool stopping;
+    {
+      std::unique_lock<std::mutex> lk(lane_mu_);
+      lane_cv_.wait(lk, [this] { return lanes_stop_ || !lane_q_.empty(); });
+      if (lane_q_.empty()) return;  // stopping, nothing left
+      t = lane_q_.front();
+      lane_q_.pop_front();
+      stopping = lanes_stop_;
+    }
+    // After a stop only skip: stop_lanes() runs before any mapping goes.
+    if (!stopping && !t.job->stop_copies.load(std::memory_order_relaxed)) {
+      std::memcpy(t.dst, t.src, t.n);
+      // Non-temporal stores included: visible before the completion (and
+      // any notification the progress thread sends after it).
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      t.copied = true;
+    }
+    {
+      std::lock_guard<std::mutex> lk(lane_done_mu_);
+      lane_done_.push_back(t);
+      lane_done_pending_.store(true);
+    }
+    if (sleeping_.exchange(false)) wake();
+  }
+}
+
+bool Engine::drain_lanes() {
+  if (!lane_done_pending_.load()) return false;
+  std::vector<CopyTask> done;
+  {
+    std::lock_guard<std::mutex> lk(lane_done_mu_);
+    done.swap(lane_done_);
+    lane_done_pending_.store(false);
+  }
+  for (const CopyTask& t : done) {
+    lane_inflight_--;
+    Job* j = t.job;
+    j->inflight_ops--;
+    if (j->abandoned) continue;  // reported long ago; kept allocated for us
+    j->inflight_bytes -= t.n;
+    inflight_bytes_ -= t.n;
+    if (t.copied) {
+      j->bytes_done += t.n;
+      bytes_direct_.fetch_add(t.n);
+      (j->op == Op::kPut ? bytes_put_ : bytes_get_).fetch_add(t.n);
+    }
+    touch(j);
+  }
+  return !done.empty();
+}
+
+void Engine::stop_lanes() {
+  {
+    std::lock_guard<std::mutex> lk(lane_mu_);
+    if (lanes_stop_) return;
+    lanes_stop_ = true;
+  }
+  lane_cv_.notify_all();
+  for (auto& t : lanes_) {
+    if (t.joinable()) t.join();
   }
 }
 
@@ -618,6 +713,7 @@ void Engine::cancel_job(Job* j, Status why) {
   // the job's outcome stands.
   if (j->phase == Phase::kNotifying || j->phase == Phase::kDone) return;
   j->fail(why);
+  j->stop_copies.store(true, std::memory_order_relaxed);
   if (!j->cancel) {
     j->cancel = true;
     j->cancelled_at = std::chrono::steady_clock::now();

@@ -60,7 +60,8 @@ int Engine::wait_timeout_ms() {
 
 bool Engine::step() {
   run_commands();
-  bool busy = post_all();
+  bool busy = drain_lanes();
+  busy = post_all() || busy;
   while (ucp_worker_progress(worker_) != 0) busy = true;
   reap_endpoints();
   if (!touched_.empty()) busy = true;
@@ -87,7 +88,7 @@ void Engine::run() {
         spin_until_ = std::chrono::steady_clock::now() + cfg_.spin;
         continue;
       }
-      if (cmd_pending_.load()) continue;
+      if (cmd_pending_.load() || lane_done_pending_.load()) continue;
       // Spin a little after work (the next call of a caller awaiting each
       // one comes soon, and a sleeping thread costs a wake-up); never when
       // there is nothing to do.
@@ -98,7 +99,7 @@ void Engine::run() {
     // Announce the sleep, then look once more: a command posted before the
     // announcement is seen here, one posted after it writes the eventfd.
     sleeping_.store(true);
-    if (cmd_pending_.load()) {
+    if (cmd_pending_.load() || lane_done_pending_.load()) {
       sleeping_.store(false);
       continue;
     }

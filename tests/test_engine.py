@@ -466,8 +466,9 @@ async def test_direct_copy_used_on_shared_memory_only(pair: Link, transport: str
     assert sha(pair.b.view()[: 4 * MiB]) == sha(src)
 
 
-async def test_huge_direct_copy_is_cancellable_and_quiescent(transport: str) -> None:
-    a = make_side(transport)
+@pytest.mark.parametrize("lanes", [1, 3], ids=["1-lane", "3-lanes"])
+async def test_huge_direct_copy_is_cancellable_and_quiescent(transport: str, lanes: int) -> None:
+    a = make_side(transport, copy_lanes=lanes)
     b = make_side(transport, 256 * MiB)
     lk = link(a, b, transport)
     try:
@@ -483,6 +484,33 @@ async def test_huge_direct_copy_is_cancellable_and_quiescent(transport: str) -> 
                 pass
             assert a.engine.stats()["live_jobs"] == 0
             await assert_quiescent(lk)
+    finally:
+        a.bridge.close()
+        b.bridge.close()
+
+
+@pytest.mark.parametrize("lanes", [2, 4])
+async def test_copy_lanes_move_exact_bytes(transport: str, lanes: int) -> None:
+    # Lane threads copy chunks beside the progress thread: every byte once,
+    # in place, many jobs of odd sizes at once, pulls too.
+    a = make_side(transport, 64 * MiB, copy_lanes=lanes)
+    b = make_side(transport, 64 * MiB)
+    lk = link(a, b, transport)
+    try:
+        assert a.engine.copy_lanes == lanes
+        src = pattern(40 * MiB + 12345, 70)
+        sizes = [5 * MiB + 3, 11 * MiB, 7 * MiB + 100, 17 * MiB + 12242]
+        offs = np.cumsum([0, *sizes[:-1]])
+        jobs = [put(lk, src[o : o + n], off=int(o)) for o, n in zip(offs, sizes, strict=True)]
+        await asyncio.gather(*(run_jobs(a.bridge, [j]) for j in jobs))
+        assert sha(b.view()[: src.nbytes]) == sha(src)
+        got = np.frombuffer(native.buffer_from_address(a.addr, src.nbytes), np.uint8)
+        got[:] = 0
+        rows = segs((a.addr, b.addr, src.nbytes, lk.rkey))
+        await run_jobs(a.bridge, [(_bridge.OP_GET, lk.ep, rows, b"", 0)])
+        assert sha(got) == sha(src)
+        if transport == "shm":
+            assert a.engine.stats()["bytes_direct"] == 2 * src.nbytes
     finally:
         a.bridge.close()
         b.bridge.close()

@@ -56,6 +56,8 @@ async def test_small_pushes_and_pulls_move_exact_bytes(
 ) -> None:
     dst, src = pair.d.allocate_cache(desc(tokens)), pair.p.allocate_cache(desc(tokens))
     back = pair.p.allocate_cache(desc(tokens))
+    for t in dst.tensors:  # allocated memory is not zeroed: make slot 0 known
+        t[...] = 0
     fill(src, 3)
     key = CacheKeyByIdAndIndex(2, dst.cache_id, 1)
     before = pair.p.stats()
@@ -160,3 +162,17 @@ async def test_progress_thread_sleeps_when_idle(pair: Pair) -> None:
     assert cpu < 0.1, (
         f"progress threads used {cpu:.3f} s of CPU in {time.monotonic() - t0:.1f} idle s"
     )
+
+
+async def test_copy_lanes_option_reaches_the_engine() -> None:
+    from aiokvcache import LLMConfig, LLMDataDist, LLMRole
+    from aiokvcache.testing import options
+
+    cfg = LLMConfig()
+    assert cfg.copy_lanes == 0  # from the core count
+    cfg.copy_lanes = 3
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init({**options("shm"), **cfg.generate_options()})
+        assert dd._engine.copy_lanes == 3
+    with pytest.raises(ValueError, match="copy_lanes"):
+        cfg.copy_lanes = 65

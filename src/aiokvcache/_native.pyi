@@ -53,7 +53,10 @@ class Engine:
         ucx_options: dict[str, str] = ...,
         direct_copy: bool = True,
         max_unconfirmed_bytes: int = ...,
+        copy_lanes: int = 0,
     ) -> None: ...
+    @property
+    def copy_lanes(self) -> int: ...
     @property
     def event_fd(self) -> int: ...
     @property

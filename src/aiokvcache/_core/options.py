@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_SYNC_KV_TIMEOUT_MS",
     "ENV_TRANSPORT",
     "KEY_AUTH_TOKEN",
+    "KEY_COPY_LANES",
     "KEY_DIRECT_COPY",
     "KEY_ENABLE_CACHE_MANAGER",
     "KEY_ENABLE_REMOTE_CACHE_ACCESSIBLE",
@@ -64,6 +65,7 @@ KEY_TRANSPORT = "aiokvcache.transport"
 KEY_AUTH_TOKEN = "aiokvcache.authToken"
 KEY_MAX_INFLIGHT_BYTES = "aiokvcache.maxInflightBytes"
 KEY_MAX_UNCONFIRMED_BYTES = "aiokvcache.maxUnconfirmedBytes"
+KEY_COPY_LANES = "aiokvcache.copyLanes"
 KEY_DIRECT_COPY = "aiokvcache.directCopy"
 KEY_HANDSHAKE_TIMEOUT = "aiokvcache.handshakeTimeout"
 KEY_MAX_CONNECTIONS = "aiokvcache.maxConnections"
@@ -267,6 +269,7 @@ class LLMConfig:
     # instead of being dropped silently.
     __slots__ = (
         "_auth_token",
+        "_copy_lanes",
         "_device_id",
         "_direct_copy",
         "_enable_cache_manager",
@@ -303,6 +306,7 @@ class LLMConfig:
         self._auth_token: str | None = None
         self._max_inflight_bytes: int | None = None
         self._max_unconfirmed_bytes: int | None = None
+        self._copy_lanes: int | None = None
         self._direct_copy: bool | None = None
         self._handshake_timeout: int | None = None
         self._max_connections: int | None = None
@@ -353,6 +357,8 @@ class LLMConfig:
             options[KEY_MAX_INFLIGHT_BYTES] = str(self._max_inflight_bytes)
         if self._max_unconfirmed_bytes is not None:
             options[KEY_MAX_UNCONFIRMED_BYTES] = str(self._max_unconfirmed_bytes)
+        if self._copy_lanes is not None:
+            options[KEY_COPY_LANES] = str(self._copy_lanes)
         if self._direct_copy is not None:
             options[KEY_DIRECT_COPY] = "1" if self._direct_copy else "0"
         if self._handshake_timeout is not None:
@@ -518,6 +524,17 @@ class LLMConfig:
     @max_unconfirmed_bytes.setter
     def max_unconfirmed_bytes(self, value: int) -> None:
         self._max_unconfirmed_bytes = check_int("max_unconfirmed_bytes", value, 0, INT64_MAX)
+
+    @property
+    def copy_lanes(self) -> int:
+        """**[ours]** Threads that run same-host direct copies, ``[0, 64]``;
+        1 copies on the progress thread, 0 (default) picks half the cores,
+        at most 8.  Key ``aiokvcache.copyLanes``."""
+        return 0 if self._copy_lanes is None else self._copy_lanes
+
+    @copy_lanes.setter
+    def copy_lanes(self, value: int) -> None:
+        self._copy_lanes = check_int("copy_lanes", value, 0, 64)
 
     @property
     def handshake_timeout(self) -> int:
@@ -788,6 +805,7 @@ class EngineOptions:
     auth_token: bytes | None = field(default=None, repr=False)
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     max_unconfirmed_bytes: int = DEFAULT_MAX_UNCONFIRMED_BYTES
+    copy_lanes: int = 0
     direct_copy: bool = True
     handshake_timeout_ms: int = DEFAULT_HANDSHAKE_TIMEOUT_MS
     max_connections: int = DEFAULT_MAX_CONNECTIONS
@@ -874,6 +892,7 @@ _FIELD_PARSERS: dict[str, Callable[[str], dict[str, Any]]] = {
     KEY_AUTH_TOKEN: lambda t: {"auth_token": _parse_auth_token(t)},
     KEY_MAX_INFLIGHT_BYTES: lambda t: {"max_inflight_bytes": _parse_uint(t, 1, INT64_MAX)},
     KEY_MAX_UNCONFIRMED_BYTES: lambda t: {"max_unconfirmed_bytes": _parse_uint(t, 0, INT64_MAX)},
+    KEY_COPY_LANES: lambda t: {"copy_lanes": _parse_uint(t, 0, 64)},
     KEY_DIRECT_COPY: lambda t: {"direct_copy": _parse_flag(t)},
     KEY_HANDSHAKE_TIMEOUT: lambda t: {"handshake_timeout_ms": _parse_uint(t, 1, INT32_MAX)},
     KEY_MAX_CONNECTIONS: lambda t: {"max_connections": _parse_uint(t, 1, UINT16_MAX)},

@@ -94,6 +94,7 @@ class Runtime:
                 opts.transport,
                 max_inflight_bytes=opts.max_inflight_bytes,
                 max_unconfirmed_bytes=opts.max_unconfirmed_bytes,
+                copy_lanes=opts.copy_lanes,
                 direct_copy=opts.direct_copy,
                 ucx_options=_ucx_options(opts),
             )
