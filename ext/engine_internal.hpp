@@ -47,6 +47,13 @@ inline std::chrono::steady_clock::duration scaled_grace(std::chrono::millisecond
   return std::max(lo, std::min(hi, d));
 }
 
+// Whether segment ``s`` lies inside the remote region [base, base + len) of
+// its key, and its local range does not wrap: the check every path that
+// moves bytes through a key makes (admission, inline copies).
+inline bool segment_fits(const SegmentIn& s, uint64_t base, uint64_t len) {
+  return s.remote >= base && s.len <= len && s.remote - base <= len - s.len && s.local + s.len >= s.local;
+}
+
 template <typename T>
 T Engine::call(std::function<T()> fn) {
   auto prom = std::make_shared<std::promise<T>>();

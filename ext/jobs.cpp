@@ -179,8 +179,7 @@ void Engine::admit(std::unique_ptr<Job> j) {
       RemoteKey* rk = kit->second.get();
       // Defence in depth: Python checked bounds against the peer's
       // descriptor; the key's region is checked again here.
-      if (s.remote < rk->base || s.len > rk->len || s.remote - rk->base > rk->len - s.len ||
-          s.local + s.len < s.local) {
+      if (!segment_fits(s, rk->base, rk->len)) {
         job->fail(Status::kINVALID);
         break;
       }

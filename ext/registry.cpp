@@ -206,7 +206,7 @@ bool Engine::copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<Se
       auto it = inline_keys_.find(s.rkey_id);
       if (it == inline_keys_.end() || it->second.ep_id != ep_id) return false;
       const InlineKey& k = it->second;
-      if (s.remote < k.base || s.len > k.len || s.remote - k.base > k.len - s.len) return false;
+      if (!segment_fits(s, k.base, k.len)) return false;
       total += s.len;
       if (total > max_bytes) return false;
     }
