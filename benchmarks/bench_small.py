@@ -29,30 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Children, run_perftest, table
 
 import aiokvcache as kv
-from aiokvcache.testing import cluster_info, options
+from aiokvcache.testing import cluster_info, options, threads_cpu_s
 
 KiB = 1 << 10
 LAYERS = 32
 SIZES = (2 * KiB, 16 * KiB, 128 * KiB)
 PERFTEST_TLS = {"shm": "sm,self", "tcp": "tcp,self"}
 HEAD_DIM = 128  # fp16: a token is 256 bytes
-
-
-def progress_cpu_s() -> float:
-    """CPU seconds of this process's aiokvcache progress threads so far."""
-    total = 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != "akv-progress":
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 async def measure(
@@ -98,9 +81,9 @@ async def measure(
                 out[f"{name}_us"] = elapsed / calls * 1e6
                 out[f"{name}_loop_cpu_us"] = cpu / calls * 1e6
             await asyncio.sleep(0.5)  # let any spin after the last call end
-            cpu0 = progress_cpu_s()
+            cpu0 = threads_cpu_s()
             await asyncio.sleep(idle_s)
-            out["idle_progress_cpu_ms"] = (progress_cpu_s() - cpu0) * 1e3
+            out["idle_progress_cpu_ms"] = (threads_cpu_s() - cpu0) * 1e3
     finally:
         children.end(peer)
     return out

@@ -10,7 +10,6 @@ plans that never outlive their caches, and no idle spinning.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import numpy as np
@@ -25,29 +24,13 @@ from aiokvcache import (
     Placement,
 )
 from aiokvcache._loader import native
-from aiokvcache.testing import Pair, fill
+from aiokvcache.testing import Pair, fill, threads_cpu_s
 
 S = LLMStatusCode
 
 
 def desc(tokens: int, layers: int = 4) -> CacheDesc:
     return CacheDesc(2 * layers, [2, tokens, 128], DataType.DT_FLOAT16, Placement.HOST)
-
-
-def progress_cpu_s() -> float:
-    total = 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != "akv-progress":
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
 
 
 @pytest.mark.parametrize("tokens", [8, 512], ids=["2KiB-inline", "128KiB-jobs"])
@@ -154,9 +137,9 @@ async def test_progress_thread_sleeps_when_idle(pair: Pair) -> None:
     for _ in range(50):  # job-path work, then silence
         await pair.p.push_cache(key, src)
     await asyncio.sleep(0.2)
-    cpu0, t0 = progress_cpu_s(), time.monotonic()
+    cpu0, t0 = threads_cpu_s(), time.monotonic()
     await asyncio.sleep(5.0)
-    cpu = progress_cpu_s() - cpu0
+    cpu = threads_cpu_s() - cpu0
     # Two engines' progress threads over 5 idle seconds: wake-ups every
     # 100 ms cost microseconds; one spinning thread would show ~5 s.
     assert cpu < 0.1, (

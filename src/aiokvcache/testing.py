@@ -138,6 +138,7 @@ __all__ = [
     "same",
     "snapshot",
     "status_of",
+    "threads_cpu_s",
 ]
 
 PROMPT_ID, DECODER_ID = 1, 2
@@ -933,6 +934,25 @@ def read_memory(pid: int, address: int, length: int) -> bytes:
                 raise OSError(f"short read at {address + len(out):#x} in pid {pid}")
             out += chunk
         return bytes(out)
+
+
+def threads_cpu_s(name: str = "akv-progress") -> float:
+    """CPU seconds (user + system) this process's threads named ``name`` used
+    so far: ``akv-progress`` (the engines' progress threads), ``akv-copy``
+    (their copy lanes)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != name:
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def rss_kb(pid: int) -> int:
