@@ -24,6 +24,7 @@ __all__ = [
     "STATUS_CODE",
     "Runner",
     "check_timeout",
+    "engine_finalized",
     "failure",
     "run_jobs",
     "status_code",
@@ -85,11 +86,16 @@ def failure(group: JobGroup, labels: Sequence[str] | None, *, timed_out: bool) -
     return exc
 
 
+def engine_finalized() -> LLMException:
+    """What a transfer raises when the native engine is already closed."""
+    return make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized")
+
+
 def _submit(bridge: Bridge, jobs: Jobs, timeout: float | None, checked: bool = False) -> JobGroup:
     try:
         return bridge.submit_group(jobs, timeout=timeout, checked=checked)
     except native.EngineClosedError as exc:
-        raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized") from exc
+        raise engine_finalized() from exc
 
 
 async def _wait(bridge: Bridge, group: JobGroup, labels: Sequence[str] | None) -> list[JobResult]:

@@ -22,7 +22,7 @@ from .._bridge import OP_GET, OP_PUT, settle
 from .._loader import native
 from . import notify, planner
 from .errors import LLMStatusCode, LLMTimeoutError, make_error, param_invalid
-from .runner import Runner, time_left
+from .runner import Runner, engine_finalized, time_left
 from .service import PeerService
 from .state import Link, LocalCache, RemoteCache, State
 from .types import (
@@ -423,9 +423,7 @@ class Transfers:
                     )
                 )
             except native.EngineClosedError as exc:
-                raise make_error(
-                    LLMStatusCode.LLM_ENGINE_FINALIZED, "the engine is finalized"
-                ) from exc
+                raise engine_finalized() from exc
         if plan.inline is None:
             plan.inline = done
         return done
