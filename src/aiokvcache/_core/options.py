@@ -253,6 +253,19 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def _passthrough_str(name: str, key: str, doc: str) -> Any:
+    """A ``str`` property of LLMConfig kept under ``key`` as emitted (``""``
+    when unset): LLM-DataDist's options without an effect here."""
+
+    def fget(self: LLMConfig) -> str:
+        return str(self._get_passthrough(key, "", str))
+
+    def fset(self: LLMConfig, value: str) -> None:
+        self._set_passthrough(key, check_isinstance(name, value, str))
+
+    return property(fget, fset, doc=doc)
+
+
 class LLMConfig:
     """Builds the option dict for ``LLMDataDist.init``.
 
@@ -668,57 +681,29 @@ class LLMConfig:
         text = self._passthrough.get(key)
         return default if text is None else parse(text)
 
-    @property
-    def local_comm_res(self) -> str:
-        """**[no effect]** LLM-DataDist's HCCL resource description.  Key
-        ``llm.LocalCommRes`` (emitted even when ``""``, as there)."""
-        return str(self._get_passthrough(_KEY_LOCAL_COMM_RES, "", str))
-
-    @local_comm_res.setter
-    def local_comm_res(self, value: str) -> None:
-        self._set_passthrough(_KEY_LOCAL_COMM_RES, check_isinstance("local_comm_res", value, str))
-
-    @property
-    def transfer_backend(self) -> str:
-        """**[no effect]** LLM-DataDist's transfer backend (``"hixl"``); this
-        engine's is UCX (see ``transport``).  Key ``llm.TransferBackend``."""
-        return str(self._get_passthrough(_KEY_TRANSFER_BACKEND, "", str))
-
-    @transfer_backend.setter
-    def transfer_backend(self, value: str) -> None:
-        self._set_passthrough(
-            _KEY_TRANSFER_BACKEND, check_isinstance("transfer_backend", value, str)
-        )
-
-    @property
-    def global_resource_config(self) -> str:
-        """**[no effect]** JSON for LLM-DataDist's HIXL backend.  Key
-        ``llm.GlobalResourceConfig``."""
-        return str(self._get_passthrough(_KEY_GLOBAL_RESOURCE_CONFIG, "", str))
-
-    @global_resource_config.setter
-    def global_resource_config(self, value: str) -> None:
-        self._set_passthrough(
-            _KEY_GLOBAL_RESOURCE_CONFIG, check_isinstance("global_resource_config", value, str)
-        )
-
-    @property
-    def deploy_res_path(self) -> str:
-        """**[no effect]** Key ``llm.deployResPath``."""
-        return str(self._get_passthrough(_KEY_DEPLOY_RES_PATH, "", str))
-
-    @deploy_res_path.setter
-    def deploy_res_path(self, value: str) -> None:
-        self._set_passthrough(_KEY_DEPLOY_RES_PATH, check_isinstance("deploy_res_path", value, str))
-
-    @property
-    def buf_pool_cfg(self) -> str:
-        """**[no effect]** Key ``llm.BufPoolCfg``."""
-        return str(self._get_passthrough(_KEY_BUF_POOL_CFG, "", str))
-
-    @buf_pool_cfg.setter
-    def buf_pool_cfg(self, value: str) -> None:
-        self._set_passthrough(_KEY_BUF_POOL_CFG, check_isinstance("buf_pool_cfg", value, str))
+    local_comm_res = _passthrough_str(
+        "local_comm_res",
+        _KEY_LOCAL_COMM_RES,
+        "**[no effect]** LLM-DataDist's HCCL resource description.  Key "
+        '``llm.LocalCommRes`` (emitted even when ``""``, as there).',
+    )
+    transfer_backend = _passthrough_str(
+        "transfer_backend",
+        _KEY_TRANSFER_BACKEND,
+        '**[no effect]** LLM-DataDist\'s transfer backend (``"hixl"``); this '
+        "engine's is UCX (see ``transport``).  Key ``llm.TransferBackend``.",
+    )
+    global_resource_config = _passthrough_str(
+        "global_resource_config",
+        _KEY_GLOBAL_RESOURCE_CONFIG,
+        "**[no effect]** JSON for LLM-DataDist's HIXL backend.  Key ``llm.GlobalResourceConfig``.",
+    )
+    deploy_res_path = _passthrough_str(
+        "deploy_res_path", _KEY_DEPLOY_RES_PATH, "**[no effect]** Key ``llm.deployResPath``."
+    )
+    buf_pool_cfg = _passthrough_str(
+        "buf_pool_cfg", _KEY_BUF_POOL_CFG, "**[no effect]** Key ``llm.BufPoolCfg``."
+    )
 
     @property
     def cluster_info(self) -> str:
