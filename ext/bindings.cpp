@@ -142,7 +142,7 @@ PYBIND11_MODULE(_native, m) {
   py::class_<PyEngine>(m, "Engine")
       .def(py::init([](const std::string& transport, uint64_t max_inflight_bytes, uint64_t chunk_bytes,
                        const std::map<std::string, std::string>& ucx_options, bool direct_copy,
-                       uint64_t max_unconfirmed_bytes, unsigned copy_lanes) {
+                       uint64_t max_unconfirmed_bytes, unsigned copy_lanes, uint64_t progress_spin_us) {
              akv::EngineConfig cfg;
              cfg.transport = transport;
              cfg.max_inflight_bytes = max_inflight_bytes;
@@ -150,6 +150,8 @@ PYBIND11_MODULE(_native, m) {
              cfg.direct_copy = direct_copy;
              cfg.max_unconfirmed_bytes = max_unconfirmed_bytes;
              cfg.copy_lanes = copy_lanes;
+             if (progress_spin_us > 100000) throw akv::InvalidArgument("progress_spin_us must be <= 100000");
+             cfg.spin = std::chrono::microseconds(progress_spin_us);
              for (const auto& kv : ucx_options) cfg.ucx_options.emplace_back(kv.first, kv.second);
              py::gil_scoped_release nogil;
              return new PyEngine(std::move(cfg));
@@ -157,8 +159,10 @@ PYBIND11_MODULE(_native, m) {
            py::arg("transport") = "auto", py::arg("max_inflight_bytes") = 64ull << 20,
            py::arg("chunk_bytes") = 1ull << 20,
            py::arg("ucx_options") = std::map<std::string, std::string>{}, py::arg("direct_copy") = true,
-           py::arg("max_unconfirmed_bytes") = 4ull << 20, py::arg("copy_lanes") = 0u)
+           py::arg("max_unconfirmed_bytes") = 4ull << 20, py::arg("copy_lanes") = 0u,
+           py::arg("progress_spin_us") = 100u)
       .def_property_readonly("copy_lanes", [](const PyEngine& e) { return e.copy_lanes(); })
+      .def_property_readonly("progress_spin_us", [](const PyEngine& e) { return e.progress_spin_us(); })
       .def_property_readonly("event_fd", &Engine::event_fd)
       .def_property_readonly("worker_address", [](const PyEngine& e) { return py::bytes(e.worker_address()); })
       .def_property_readonly("closed", &Engine::closed)

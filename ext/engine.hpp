@@ -41,7 +41,7 @@ struct EngineConfig {
   // How long the progress thread keeps polling after its last work before
   // it sleeps: a caller that awaits each small transfer then finds it
   // awake. Idle, it sleeps at once.
-  std::chrono::microseconds spin{50};
+  std::chrono::microseconds spin{100};
   // Threads that run same-host direct copies, chunk by chunk: the progress
   // thread and copy_lanes - 1 lane threads (1: the progress thread alone,
   // as before lanes existed); 0: from the core count.
@@ -113,6 +113,7 @@ class Engine {
 
   int event_fd() const { return cq_.fd(); }
   unsigned copy_lanes() const { return cfg_.copy_lanes; }  // as chosen (never 0)
+  uint64_t progress_spin_us() const { return static_cast<uint64_t>(cfg_.spin.count()); }
   std::string worker_address() const { return worker_address_; }
   std::string info();
   // The UCX configuration the context was created from, as ucp_config_print

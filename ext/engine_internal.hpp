@@ -14,8 +14,8 @@
 namespace akv {
 
 constexpr unsigned kAmId = 7;
-// Empty progress polls before the thread arms the worker and sleeps. A short
-// spin keeps latency low for back-to-back jobs without burning a core.
+// Empty progress polls, at least, before a thread with jobs in flight arms
+// the worker and sleeps (besides EngineConfig::spin since its last work).
 constexpr int kSpinPolls = 64;
 // UCX wakeups have known gaps: never sleep longer than this with work pending.
 constexpr int kSafetyWaitMs = 5;

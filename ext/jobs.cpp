@@ -439,7 +439,9 @@ bool Engine::post_all() {
   uint64_t before = posted_;
   bool any = false;
   window_full_ = false;
-  copy_budget_ = 4 * cfg_.chunk_bytes;
+  // With lane threads, one chunk per step: the lanes' queues are refilled
+  // between this thread's own chunks, so they never wait for it.
+  copy_budget_ = (lanes_.empty() ? 4 : 1) * cfg_.chunk_bytes;
   while (!active_.empty() && !window_full_) {
     Job* j = active_.front();
     post_job(j);

@@ -92,8 +92,9 @@ void Engine::run() {
       // Spin a little after work (the next call of a caller awaiting each
       // one comes soon, and a sleeping thread costs a wake-up); never when
       // there is nothing to do.
-      if (jobs_.empty() && spin_until_ <= std::chrono::steady_clock::now()) break;
-      if (!jobs_.empty() && ++idle > kSpinPolls) break;
+      // With jobs in flight it also polls through the spin (a small job's
+      // answer comes within it) and at least kSpinPolls steps.
+      if (spin_until_ <= std::chrono::steady_clock::now() && (jobs_.empty() || ++idle > kSpinPolls)) break;
     }
     if (stop_.load()) break;
     // Announce the sleep, then look once more: a command posted before the

@@ -106,6 +106,32 @@ def put(
 # ------------------------------------------------------------ in-process
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_the_spin_after_work_is_bounded(transport: str) -> None:
+    """A long spin budget (50 ms) after a run of small jobs: the progress
+    threads poll that long after the last one, then sleep, so two idle
+    seconds cost far less than two seconds of CPU."""
+    from aiokvcache.testing import threads_cpu_s
+
+    a = make_side(transport, progress_spin_us=50_000)
+    b = make_side(transport, MiB, progress_spin_us=50_000)
+    try:
+        assert a.engine.progress_spin_us == 50_000
+        lk = link(a, b, transport)
+        src = pattern(4096, 1)
+        for _ in range(20):
+            await run_jobs(a.bridge, [put(lk, src)])
+        assert sha(b.view()[:4096]) == sha(src)
+        await asyncio.sleep(0.3)  # the spin after the last job ends
+        cpu0 = threads_cpu_s()
+        await asyncio.sleep(2.0)
+        cpu = threads_cpu_s() - cpu0
+        assert cpu < 0.5, f"progress threads used {cpu:.3f} s of CPU in 2 idle s"
+    finally:
+        a.bridge.close()
+        b.bridge.close()
+
+
 @pytest.mark.parametrize("size", [1, 4093, MiB + 7, 64 * MiB])
 async def test_put_get_exact_bytes(pair: Link, size: int) -> None:
     src = pattern(size, size)

@@ -159,3 +159,23 @@ async def test_copy_lanes_option_reaches_the_engine() -> None:
         assert dd._engine.copy_lanes == 3
     with pytest.raises(ValueError, match="copy_lanes"):
         cfg.copy_lanes = 65
+
+
+async def test_progress_spin_option_reaches_the_engine() -> None:
+    from aiokvcache import LLMConfig, LLMDataDist, LLMRole
+    from aiokvcache.testing import options
+
+    cfg = LLMConfig()
+    assert cfg.progress_spin_us == 100
+    cfg.progress_spin_us = 0
+    assert cfg.generate_options()["aiokvcache.progressSpinUs"] == "0"
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        await dd.init({**options("shm"), **cfg.generate_options()})
+        assert dd._engine.progress_spin_us == 0
+    with pytest.raises(ValueError, match="progress_spin_us"):
+        cfg.progress_spin_us = 100_001
+    with pytest.raises(ValueError, match="progress_spin_us"):
+        cfg.progress_spin_us = -1
+    async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
+        with pytest.raises(LLMException, match="progressSpinUs"):
+            await dd.init({**options("shm"), "aiokvcache.progressSpinUs": "fast"})

@@ -25,7 +25,7 @@ import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -37,6 +37,7 @@ log = logging.getLogger("aiokvcache")
 
 OP_PUT: int = native.OP_PUT
 OP_GET: int = native.OP_GET
+ST_OK: int = native.ST_OK
 
 #: Human words per native status, from the engine's own status table.
 WORDS: dict[int, str] = {value: words for value, _name, words, _llm in native.STATUSES}
@@ -46,9 +47,8 @@ Job = tuple[int, int, Any, bytes, int]
 Jobs = Sequence[Job]
 
 
-@dataclass(frozen=True, slots=True)
-class JobResult:
-    """How one native job ended."""
+class JobResult(NamedTuple):
+    """How one native job ended (a tuple: built once per job, on the hot path)."""
 
     job_id: int
     status: int
@@ -58,7 +58,7 @@ class JobResult:
     @property
     def ok(self) -> bool:
         """True when the job moved all its bytes (and, for a put, they landed)."""
-        return self.status == native.ST_OK
+        return self.status == ST_OK
 
     def describe(self) -> str:
         """A short human-readable reason."""
@@ -73,14 +73,27 @@ class JobGroup:
     """The jobs of one transfer call, awaited as one unit.
 
     ``index`` maps each job id still in flight to its position; ``results``
-    fills in as jobs complete. Both futures belong to the bridge's loop.
+    fills in as jobs complete. Both futures belong to the bridge's loop;
+    ``released`` is made only when someone must wait for the rest after
+    ``first`` (a failure, a cancel): a group that succeeds costs one future.
     """
 
     results: list[JobResult | None]
     pending: int
     first: asyncio.Future[None]  # resolved at the first failure or when all are done
-    released: asyncio.Future[None]  # resolved when every job is released
     index: dict[int, int] = field(default_factory=dict)
+    bad: int = 0  # jobs that ended without success
+    _released: asyncio.Future[None] | None = None
+
+    @property
+    def released(self) -> asyncio.Future[None]:
+        """Resolved when every job of the group is released."""
+        fut = self._released
+        if fut is None:
+            fut = self._released = self.first.get_loop().create_future()
+            if self.pending == 0:
+                fut.set_result(None)
+        return fut
 
     @property
     def job_ids(self) -> list[int]:
@@ -89,7 +102,7 @@ class JobGroup:
 
     def failed(self) -> bool:
         """True once some job of the group ended without success."""
-        return any(r is not None and not r.ok for r in self.results)
+        return self.bad > 0
 
 
 class BridgeError(RuntimeError):
@@ -224,13 +237,16 @@ class Bridge:
             return
         group.results[group.index.pop(res.job_id)] = res
         group.pending -= 1
-        if not res.ok and not group.first.done():
-            group.first.set_result(None)
+        if res.status != ST_OK:
+            group.bad += 1
+            if not group.first.done():
+                group.first.set_result(None)
         if group.pending == 0:
             if not group.first.done():
                 group.first.set_result(None)
-            if not group.released.done():
-                group.released.set_result(None)
+            released = group._released
+            if released is not None and not released.done():
+                released.set_result(None)
 
     def _fail_everything(self, exc: BaseException) -> None:
         groups = {id(g): g for g in self._groups.values()}
@@ -265,15 +281,9 @@ class Bridge:
         if self._closed:
             raise native.EngineClosedError("the engine is closed")
         loop = self._loop
-        group = JobGroup(
-            results=[None] * len(jobs),
-            pending=len(jobs),
-            first=loop.create_future(),
-            released=loop.create_future(),
-        )
+        group = JobGroup([None] * len(jobs), len(jobs), loop.create_future())
         if not jobs:
             group.first.set_result(None)
-            group.released.set_result(None)
             return group
         # One crossing; the engine checks every job before it takes any.
         ids = self._engine.submit_many(jobs)
@@ -308,10 +318,9 @@ class Bridge:
             raise
         if group.pending:
             await self._release(group)
-        results = group.results
-        if all(r is not None and r.ok for r in results):
-            return [r for r in results if r is not None]
-        raise GroupFailed(group, timed_out=False)
+        if group.bad:
+            raise GroupFailed(group, timed_out=False)
+        return group.results  # type: ignore[return-value]  # all filled in by now
 
     def cancel_group(self, group: JobGroup) -> None:
         """Ask the engine to cancel every job of ``group`` still in flight."""

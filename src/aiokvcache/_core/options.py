@@ -42,6 +42,7 @@ __all__ = [
     "KEY_MEM_POOL_CONFIG",
     "KEY_NET_DEVICES",
     "KEY_PEER_TIMEOUT",
+    "KEY_PROGRESS_SPIN_US",
     "KEY_RDMA_SERVICE_LEVEL",
     "KEY_RDMA_TRAFFIC_CLASS",
     "KEY_SYNC_KV_TIMEOUT",
@@ -66,6 +67,7 @@ KEY_AUTH_TOKEN = "aiokvcache.authToken"
 KEY_MAX_INFLIGHT_BYTES = "aiokvcache.maxInflightBytes"
 KEY_MAX_UNCONFIRMED_BYTES = "aiokvcache.maxUnconfirmedBytes"
 KEY_COPY_LANES = "aiokvcache.copyLanes"
+KEY_PROGRESS_SPIN_US = "aiokvcache.progressSpinUs"
 KEY_DIRECT_COPY = "aiokvcache.directCopy"
 KEY_HANDSHAKE_TIMEOUT = "aiokvcache.handshakeTimeout"
 KEY_MAX_CONNECTIONS = "aiokvcache.maxConnections"
@@ -117,6 +119,8 @@ TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_UNCONFIRMED_BYTES = 4 * 1024 * 1024
+DEFAULT_PROGRESS_SPIN_US = 100
+PROGRESS_SPIN_US_MAX = 100_000
 DEFAULT_HANDSHAKE_TIMEOUT_MS = 5000
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_PEER_TIMEOUT_MS = 5000
@@ -300,6 +304,7 @@ class LLMConfig:
         "_net_devices",
         "_passthrough",
         "_peer_timeout",
+        "_progress_spin_us",
         "_rdma_service_level",
         "_rdma_traffic_class",
         "_sync_kv_timeout",
@@ -320,6 +325,7 @@ class LLMConfig:
         self._max_inflight_bytes: int | None = None
         self._max_unconfirmed_bytes: int | None = None
         self._copy_lanes: int | None = None
+        self._progress_spin_us: int | None = None
         self._direct_copy: bool | None = None
         self._handshake_timeout: int | None = None
         self._max_connections: int | None = None
@@ -372,6 +378,8 @@ class LLMConfig:
             options[KEY_MAX_UNCONFIRMED_BYTES] = str(self._max_unconfirmed_bytes)
         if self._copy_lanes is not None:
             options[KEY_COPY_LANES] = str(self._copy_lanes)
+        if self._progress_spin_us is not None:
+            options[KEY_PROGRESS_SPIN_US] = str(self._progress_spin_us)
         if self._direct_copy is not None:
             options[KEY_DIRECT_COPY] = "1" if self._direct_copy else "0"
         if self._handshake_timeout is not None:
@@ -548,6 +556,21 @@ class LLMConfig:
     @copy_lanes.setter
     def copy_lanes(self, value: int) -> None:
         self._copy_lanes = check_int("copy_lanes", value, 0, 64)
+
+    @property
+    def progress_spin_us(self) -> int:
+        """**[ours]** Microseconds the progress thread keeps polling after its
+        last work before it sleeps, ``[0, 100000]``, default
+        100: a caller that awaits each small transfer then finds it awake
+        instead of paying two thread wake-ups. Idle it never spins. Key
+        ``aiokvcache.progressSpinUs``."""
+        if self._progress_spin_us is None:
+            return DEFAULT_PROGRESS_SPIN_US
+        return self._progress_spin_us
+
+    @progress_spin_us.setter
+    def progress_spin_us(self, value: int) -> None:
+        self._progress_spin_us = check_int("progress_spin_us", value, 0, PROGRESS_SPIN_US_MAX)
 
     @property
     def handshake_timeout(self) -> int:
@@ -791,6 +814,7 @@ class EngineOptions:
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     max_unconfirmed_bytes: int = DEFAULT_MAX_UNCONFIRMED_BYTES
     copy_lanes: int = 0
+    progress_spin_us: int = DEFAULT_PROGRESS_SPIN_US
     direct_copy: bool = True
     handshake_timeout_ms: int = DEFAULT_HANDSHAKE_TIMEOUT_MS
     max_connections: int = DEFAULT_MAX_CONNECTIONS
@@ -878,6 +902,7 @@ _FIELD_PARSERS: dict[str, Callable[[str], dict[str, Any]]] = {
     KEY_MAX_INFLIGHT_BYTES: lambda t: {"max_inflight_bytes": _parse_uint(t, 1, INT64_MAX)},
     KEY_MAX_UNCONFIRMED_BYTES: lambda t: {"max_unconfirmed_bytes": _parse_uint(t, 0, INT64_MAX)},
     KEY_COPY_LANES: lambda t: {"copy_lanes": _parse_uint(t, 0, 64)},
+    KEY_PROGRESS_SPIN_US: lambda t: {"progress_spin_us": _parse_uint(t, 0, PROGRESS_SPIN_US_MAX)},
     KEY_DIRECT_COPY: lambda t: {"direct_copy": _parse_flag(t)},
     KEY_HANDSHAKE_TIMEOUT: lambda t: {"handshake_timeout_ms": _parse_uint(t, 1, INT32_MAX)},
     KEY_MAX_CONNECTIONS: lambda t: {"max_connections": _parse_uint(t, 1, UINT16_MAX)},

@@ -95,6 +95,7 @@ class Runtime:
                 max_inflight_bytes=opts.max_inflight_bytes,
                 max_unconfirmed_bytes=opts.max_unconfirmed_bytes,
                 copy_lanes=opts.copy_lanes,
+                progress_spin_us=opts.progress_spin_us,
                 direct_copy=opts.direct_copy,
                 ucx_options=_ucx_options(opts),
             )
