@@ -4,7 +4,8 @@ Workload (issue 3): a decode process owns a cache of 32 layers x (K, V) x
 1 MiB; this process pushes its own copy with one ``push_cache`` per layer,
 all 32 layers in flight at once, again and again. Baselines measured in the
 same run: ``ucx_perftest -t ucp_put_bw -s 1MiB`` over the same UCX transports,
-and a plain memcpy of the same working set in one process. perftest is given
+and a plain memcpy of the same working set in one process (one thread, and
+as many threads as copy lanes), measured right before and after each row. perftest is given
 about as many iterations as our measurement moves in ``--seconds``, so both
 run for similar times; its TCP figure still varies widely between runs here
 (2.6-4.5 GB/s at 1 MiB).
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Children, fmt_gbs, fmt_ratio, run_perftest, table
 
 import aiokvcache as kv
-from aiokvcache.testing import cluster_info, options
+from aiokvcache.testing import cluster_info, options, threads_cpu_s
 
 MiB = 1 << 20
 PERFTEST_TLS = {"shm": "sm,self", "tcp": "tcp,self"}
@@ -64,6 +65,16 @@ def memcpy_threads(total: int, seconds: float, threads: int) -> float:
     return sum(moved) / (time.perf_counter() - start)
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of this thread (the event loop), the progress
+    threads and the copy-lane threads."""
+    return {
+        "loop": time.thread_time(),
+        "progress": threads_cpu_s("akv-progress"),
+        "lanes": threads_cpu_s("akv-copy"),
+    }
+
+
 def memcpy_baseline(total: int, seconds: float) -> float:
     """Bytes/s of np.copyto over the same working set, 1 MiB at a time."""
     src = np.ones(total, np.uint8)
@@ -85,8 +96,10 @@ async def measure(
     children: Children,
     unconfirmed: int | None = None,
     lanes: int | None = None,
-) -> float:
-    """Bytes/s of awaited push passes (one push_cache per layer, all in flight)."""
+) -> tuple[float, dict[str, float]]:
+    """Bytes/s of awaited push passes (one push_cache per layer, all in
+    flight), and the cores' worth this process's threads kept busy meanwhile:
+    the event loop, the progress thread, the copy lanes."""
     # The decode side: the bench's decode peer, one cache of layers x (K, V) x 1 MiB.
     shape = [f"--layers={layers}", "--tokens=4096", "--heads=1", "--head-dim=128"]
     peer = children.peer("decode", *shape, f"--transport={transport}", startup_timeout=60)
@@ -123,12 +136,15 @@ async def measure(
             for _ in range(3):  # warm up: metadata, endpoints, page faults
                 await one_pass()
             passes = 0
+            cpu0 = thread_cpu()
             start = time.perf_counter()
             while time.perf_counter() - start < seconds:
                 await one_pass()
                 passes += 1
             elapsed = time.perf_counter() - start
-        return passes * layers * 2 * MiB / elapsed
+            cpu1 = thread_cpu()
+        busy = {k: (cpu1[k] - cpu0[k]) / elapsed for k in cpu0}
+        return passes * layers * 2 * MiB / elapsed, busy
     finally:
         children.end(peer)
 
@@ -155,10 +171,20 @@ def main() -> int:
     total = args.layers * 2 * MiB
     children = Children()
     rows = []
+    lanes_n = args.copy_lanes or 2
+    base_s = min(args.seconds, 1.0)
+    mems: list[float] = []
+    mems_n: list[float] = []
+
+    def baselines() -> tuple[float, float]:
+        # Both memcpy baselines again, right beside each measurement: this
+        # VM's memory bandwidth drifts by 2x within a minute, so a ratio to a
+        # baseline taken minutes earlier says little.
+        mems.append(memcpy_baseline(total, base_s))
+        mems_n.append(memcpy_threads(total, base_s, lanes_n))
+        return mems[-1], mems_n[-1]
+
     try:
-        mem = memcpy_baseline(total, min(args.seconds, 2.0))
-        lanes_n = args.copy_lanes or 2
-        mem_n = memcpy_threads(total, min(args.seconds, 2.0), lanes_n)
         for tr in transports:
             # perftest runs about as long as our measurement does.
             rate = 8e9 if tr == "shm" else 3e9
@@ -170,7 +196,8 @@ def main() -> int:
                 [("direct copy", True), ("UCX lanes", False)] if tr == "shm" else [("", True)]
             )
             for label, direct in variants:
-                ours = asyncio.run(
+                m1, n1 = baselines()
+                ours, busy = asyncio.run(
                     measure(
                         tr,
                         args.layers,
@@ -181,6 +208,8 @@ def main() -> int:
                         args.copy_lanes,
                     )
                 )
+                m2, n2 = baselines()
+                mem, mem_n = (m1 + m2) / 2, (n1 + n2) / 2
                 ratio = ours / perf.bytes_per_s
                 name = f"{tr} {label}".strip()
                 rows.append(
@@ -192,15 +221,19 @@ def main() -> int:
                         f">= {TARGET[tr]:.2f}: {'met' if ratio >= TARGET[tr] else 'NOT met'}",
                         fmt_ratio(ours / mem),
                         fmt_ratio(ours / mem_n),
+                        " / ".join(f"{busy[k]:.2f}" for k in ("loop", "progress", "lanes")),
                     ]
                 )
     finally:
         children.close_all()
     print(
         f"push_cache: {args.layers} layers x (K,V) x 1 MiB, one push_cache per layer, all in "
-        f"flight; {args.seconds:.0f} s per row; "
-        f"memcpy of the same {total // MiB} MiB: {fmt_gbs(mem)} GB/s on one thread, "
-        f"{fmt_gbs(mem_n)} on {lanes_n}; copy lanes: {args.copy_lanes or 'default'}"
+        f"flight; {args.seconds:.0f} s per row; copy lanes: {args.copy_lanes or 'default'}"
+    )
+    print(
+        f"memcpy of the same {total // MiB} MiB, measured before and after each row (the "
+        f"ratios use the mean of the two): {fmt_gbs(min(mems))}-{fmt_gbs(max(mems))} GB/s on "
+        f"one thread, {fmt_gbs(min(mems_n))}-{fmt_gbs(max(mems_n))} on {lanes_n}"
     )
     print(
         table(
@@ -212,6 +245,7 @@ def main() -> int:
                 "target",
                 "vs memcpy",
                 f"vs {lanes_n}-thread memcpy",
+                "cores busy: loop / progress / lanes",
             ],
             rows,
         )

@@ -6,7 +6,8 @@ one ``push_cache`` per layer, either all 32 in flight at once or each
 awaited before the next. Baseline measured in the same run:
 ``ucx_perftest -t ucp_put_lat -s S`` over the same UCX transports. Also:
 the event loop thread's CPU time per ``push_cache`` call (in-flight case),
-and the progress thread's CPU time over idle seconds.
+the progress thread's CPU time over idle seconds, and the floor: the loop's
+CPU time for one awaited job that moves nothing (the bridge alone).
 
     python benchmarks/bench_small.py                    # shm and tcp
     python benchmarks/bench_small.py --transport shm --seconds 2
@@ -26,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np
 from _common import Children, run_perftest, table
 
 import aiokvcache as kv
@@ -89,6 +91,32 @@ async def measure(
     return out
 
 
+async def bridge_floor(transport: str, seconds: float) -> dict[str, float]:
+    """The loop's own cost of one awaited job that moves nothing: the bridge
+    (submit, progress thread, completion eventfd, wake-up, resolve) with no
+    planning, leases or checks. No push on the job path can cost less."""
+    from aiokvcache import _bridge
+    from aiokvcache._loader import native
+
+    eng, other = native.Engine(transport), native.Engine(transport)
+    bridge = _bridge.Bridge(eng)
+    try:
+        ep = eng.connect(other.worker_address, False)
+        job = (_bridge.OP_PUT, ep, np.zeros((0, 4), np.uint64), b"", 0)
+        for _ in range(2000):
+            await bridge.wait(bridge.submit_group([job], checked=True))
+        n, cpu0, start = 0, time.thread_time(), time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            await bridge.wait(bridge.submit_group([job], checked=True))
+            n += 1
+        wall = (time.perf_counter() - start) / n * 1e6
+        cpu = (time.thread_time() - cpu0) / n * 1e6
+    finally:
+        bridge.close()
+        other.close()
+    return {"wall_us": wall, "cpu_us": cpu}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--transport", choices=["shm", "tcp", "both"], default="both")
@@ -137,6 +165,12 @@ def main() -> int:
             right=[False, True, True, True, True, True, True, True],
         )
     )
+    for tr in transports:
+        f = asyncio.run(bridge_floor(tr, min(args.seconds, 2.0)))
+        print(
+            f"floor, {tr}: an awaited job that moves nothing costs the loop "
+            f"{f['cpu_us']:.1f} us of CPU ({f['wall_us']:.1f} us wall)"
+        )
     print("targets: 2 KiB shm in flight <= 10, awaited <= 30 (tcp <= 60); loop CPU/call <= 8")
     return 0
 

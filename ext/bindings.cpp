@@ -58,6 +58,17 @@ std::vector<uint64_t> job_ids_from(const py::handle& ids) {
   }
 }
 
+// (kind, id, status, ucs_status, bytes, payload) rows for the bridge.
+py::list completions_list(const std::vector<akv::Completion>& items) {
+  py::list out(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const akv::Completion& c = items[i];
+    out[i] = py::make_tuple(static_cast<int>(c.kind), c.id, static_cast<int>(c.status), c.ucs_status, c.bytes,
+                            py::bytes(c.payload));
+  }
+  return out;
+}
+
 }  // namespace
 
 // The Python-facing engine also keeps registered buffer objects alive until
@@ -305,17 +316,8 @@ PYBIND11_MODULE(_native, m) {
             }
           },
           py::arg("job_ids"), py::arg("timeout"))
-      .def("drain",
-           [](PyEngine& e) {
-             std::vector<akv::Completion> items = e.drain();
-             py::list out(items.size());
-             for (size_t i = 0; i < items.size(); ++i) {
-               const akv::Completion& c = items[i];
-               out[i] = py::make_tuple(static_cast<int>(c.kind), c.id, static_cast<int>(c.status), c.ucs_status,
-                                       c.bytes, py::bytes(c.payload));
-             }
-             return out;
-           })
+      .def("drain", [](PyEngine& e) { return completions_list(e.drain()); })
+      .def("take", [](PyEngine& e) { return completions_list(e.take()); })
       .def("stats",
            [](const PyEngine& e) {
              akv::EngineStats s = e.stats();

@@ -160,6 +160,7 @@ class Engine {
   static constexpr size_t kMaxPayload = 4096;
 
   std::vector<Completion> drain() { return cq_.drain(); }
+  std::vector<Completion> take() { return cq_.take(); }  // reset the eventfd, then drain
   EngineStats stats() const;
   void close();
   bool closed() const { return closed_.load(); }

@@ -20,6 +20,9 @@ constexpr int kSpinPolls = 64;
 // UCX wakeups have known gaps: never sleep longer than this with work pending.
 constexpr int kSafetyWaitMs = 5;
 constexpr int kIdleWaitMs = 100;
+// Chunks queued per copy lane: enough that a lane never waits for the
+// progress thread to refill it; a cancel skips the queued ones (stop_copies).
+constexpr size_t kLaneDepth = 4;
 // How long close() lets in-flight operations drain before forcing endpoints.
 constexpr auto kShutdownGrace = std::chrono::seconds(3);
 // How long a locally failed endpoint waits for its in-flight ops to drain.

@@ -218,11 +218,11 @@ void Engine::post_job(Job* j) {
     }
     void* local = reinterpret_cast<void*>(s.local + j->seg_off);
     uint64_t remote = s.remote + j->seg_off;
-    if (s.rkey->mapped != nullptr && !lanes_.empty() && lane_inflight_ < 2 * lanes_.size()) {
+    if (s.rkey->mapped != nullptr && !lanes_.empty() && lane_inflight_ < kLaneDepth * lanes_.size()) {
       // Copy lanes: this thread is one, the lane threads the others. A lane
-      // gets at most two chunks queued (a cancel or a deadline stops the
-      // job within about one chunk per lane); past that this thread copies
-      // the next chunk itself, below.
+      // gets at most kLaneDepth chunks queued (a cancel or a deadline makes
+      // it skip the queued ones: the job stops within about one chunk per
+      // lane); past that this thread copies the next chunk itself, below.
       uint8_t* peer = s.rkey->mapped + (remote - s.rkey->base);
       auto* mine = static_cast<uint8_t*>(local);
       CopyTask t = j->op == Op::kPut ? CopyTask{peer, mine, n, j, false} : CopyTask{mine, peer, n, j, false};

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import os
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,9 @@ log = logging.getLogger("aiokvcache")
 OP_PUT: int = native.OP_PUT
 OP_GET: int = native.OP_GET
 ST_OK: int = native.ST_OK
+KIND_JOB: int = native.KIND_JOB
+KIND_NOTIFY: int = native.KIND_NOTIFY
+KIND_ENDPOINT: int = native.KIND_ENDPOINT
 
 #: Human words per native status, from the engine's own status table.
 WORDS: dict[int, str] = {value: words for value, _name, words, _llm in native.STATUSES}
@@ -198,16 +200,18 @@ class Bridge:
         return len(self._groups)
 
     def _on_readable(self) -> None:
+        # One native call resets the eventfd and drains the queue: an entry
+        # pushed after the drain bumps the eventfd again (the empty ->
+        # non-empty edge), so this wakeup needs no second look.
         try:
-            os.read(self._fd, 8)
-        except BlockingIOError:
-            pass  # several completions can share one counter bump
-        except OSError:
-            return  # closed under us; close() resolves what is left
-        self._dispatch_all()
+            entries = self._engine.take()
+        except Exception as exc:  # engine torn down: fail what waits
+            self._fail_everything(exc)
+            return
+        self._dispatch(entries)
 
     def _dispatch_all(self) -> None:
-        # Never trust one wakeup to be the last one: drain until empty.
+        # After close: drain until empty, nothing bumps any more.
         while True:
             try:
                 entries = self._engine.drain()
@@ -216,20 +220,23 @@ class Bridge:
                 return
             if not entries:
                 return
-            for kind, ident, status, ucs, nbytes, payload in entries:
-                try:
-                    if kind == native.KIND_JOB:
-                        self._job_done(JobResult(ident, status, ucs, nbytes))
-                    elif kind == native.KIND_NOTIFY:
-                        if self.on_notify is not None:
-                            self.on_notify(payload)
-                    elif kind == native.KIND_ENDPOINT:
-                        if self.on_endpoint_error is not None:
-                            self.on_endpoint_error(ident, ucs)
-                except Exception:
-                    # A handler bug must not escape into the loop nor leave a
-                    # waiter hanging; the job's own group was resolved above.
-                    log.exception("aiokvcache: completion handler failed (kind %d)", kind)
+            self._dispatch(entries)
+
+    def _dispatch(self, entries: list[tuple[int, int, int, int, int, bytes]]) -> None:
+        for kind, ident, status, ucs, nbytes, payload in entries:
+            try:
+                if kind == KIND_JOB:
+                    self._job_done(JobResult(ident, status, ucs, nbytes))
+                elif kind == KIND_NOTIFY:
+                    if self.on_notify is not None:
+                        self.on_notify(payload)
+                elif kind == KIND_ENDPOINT:
+                    if self.on_endpoint_error is not None:
+                        self.on_endpoint_error(ident, ucs)
+            except Exception:
+                # A handler bug must not escape into the loop nor leave a
+                # waiter hanging; the job's own group was resolved above.
+                log.exception("aiokvcache: completion handler failed (kind %d)", kind)
 
     def _job_done(self, res: JobResult) -> None:
         group = self._groups.pop(res.job_id, None)
