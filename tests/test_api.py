@@ -297,7 +297,7 @@ async def test_push_validation_moves_nothing(pair: Pair) -> None:
         return ei.value.status_code
 
     with pytest.raises(TypeError, match="dst_cache_key"):
-        await push(CacheKey(2, 1), src)
+        await push((2, dst.cache_id, 0), src)
     with pytest.raises(TypeError, match="src_cache"):
         await push(key, "src")
     with pytest.raises(TypeError, match="src_batch_index"):

@@ -207,7 +207,7 @@ class CacheManager:
 
     async def push_cache(
         self,
-        dst_cache_key: CacheKeyByIdAndIndex,
+        dst_cache_key: CacheKeyByIdAndIndex | CacheKey,
         src_cache: Cache,
         src_batch_index: int = 0,
         src_layer_range: range | None = None,
@@ -220,14 +220,17 @@ class CacheManager:
     ) -> None:
         """Push a batch slot of ``src_cache``, layer by layer, into a remote cache.
 
-        One native job per layer, all in flight at once; returns when every
-        layer has landed at the peer. With ``tag`` the peer is notified per
-        landed layer. On failure raises :class:`LLMException` naming the
+        ``dst_cache_key`` names the destination slot by id and index, or
+        (ours) by a :class:`CacheKey` the peer bound to one of its slots,
+        resolved as :meth:`pull_cache` resolves it (``cluster_id`` is the
+        peer's). One native job per layer, all in flight at once; returns
+        when every layer has landed at the peer. With ``tag`` the peer is
+        notified per landed layer. On failure raises :class:`LLMException` naming the
         layers that landed; on timeout :class:`LLMTimeoutError`. Whatever
         happens, nothing is read or written after this returns or raises.
         """
         self._check_ready()
-        check_isinstance("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
+        check_isinstance("dst_cache_key", dst_cache_key, (CacheKeyByIdAndIndex, CacheKey))
         src = self._tr.local("src_cache", src_cache)
         sb = check_int("src_batch_index", src_batch_index, 0, 2**31 - 1)
         size_v = check_int("size", size, -(2**63), 2**63 - 1)
@@ -235,6 +238,8 @@ class CacheManager:
             tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
         )
         tag_v = check_tag("tag", tag)
+        if isinstance(dst_cache_key, CacheKey):
+            check_cache_key("dst_cache_key", dst_cache_key)
         if size_v != -1:
             raise param_invalid(f"size must be -1 for push_cache, got {size_v}")
         if src.cache.is_blocks_cache:

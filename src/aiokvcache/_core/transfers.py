@@ -341,17 +341,22 @@ class Transfers:
         return fetched
 
     async def remote_slot(
-        self, link: Link, key: CacheKey | CacheKeyByIdAndIndex, tmo: float | None, what: str
+        self,
+        link: Link,
+        key: CacheKey | CacheKeyByIdAndIndex,
+        tmo: float | None,
+        what: str,
+        role: str = "source",
     ) -> tuple[RemoteCache, int]:
         """The remote cache and batch index a CacheKey / CacheKeyByIdAndIndex names."""
         if isinstance(key, CacheKey):
             found: tuple[RemoteCache, int] = await self._ask(
                 self.service.remote_by_key(link, key),
                 tmo,
-                f"{what} timed out looking up the source cache",
+                f"{what} timed out looking up the {role} cache",
             )
             return found
-        rc = await self.remote_by_id(link, key.cache_id, tmo, what, "source")
+        rc = await self.remote_by_id(link, key.cache_id, tmo, what, role)
         return rc, key.batch_index
 
     async def remote_blocks(
@@ -504,7 +509,7 @@ class Transfers:
 
     async def push_slot(
         self,
-        key: CacheKeyByIdAndIndex,
+        key: CacheKey | CacheKeyByIdAndIndex,
         src: LocalCache,
         sb: int,
         n: int,
@@ -513,18 +518,21 @@ class Transfers:
         tag: str | bytes | None,
         tmo: float | None,
     ) -> None:
-        """``push_cache`` after its argument checks."""
+        """``push_cache`` after its argument checks; a CacheKey names a slot
+        the peer bound (looked up as ``pull_slot`` does, every time)."""
         link = self.state.link_for(key.cluster_id)
         start = asyncio.get_running_loop().time()
-        remote = await self.remote_by_id(link, key.cache_id, tmo, "push_cache")
+        remote, db = await self.remote_slot(link, key, tmo, "push_cache", "destination")
         await self.slot(
             OP_PUT,
             link,
             src,
             sb,
             remote,
-            key.batch_index,
-            "dst_cache_key.batch_index",
+            db,
+            "dst_cache_key.batch_index"
+            if isinstance(key, CacheKeyByIdAndIndex)
+            else "the batch index dst_cache_key is bound to",
             n,
             src_r,
             dst_r,
