@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "engine.hpp"
+#include "ucxlog.hpp"
 
 namespace py = pybind11;
 using akv::Engine;
@@ -134,6 +135,15 @@ PYBIND11_MODULE(_native, m) {
   m.attr("STATUSES") = py::tuple(statuses);
   m.attr("MAX_PAYLOAD") = akv::Engine::kMaxPayload;
 
+  akv::ucx_log_install();
+  m.def("ucx_log_pending", &akv::ucx_log_pending);
+  m.def("ucx_log_take", []() {
+    uint64_t dropped = 0;
+    std::vector<akv::UcxLogLine> lines = akv::ucx_log_take(&dropped);
+    py::list out;
+    for (const auto& l : lines) out.append(py::make_tuple(l.level, l.component, l.where, l.text));
+    return py::make_tuple(out, dropped);
+  });
   m.def("ucx_version", []() {
     unsigned major, minor, release;
     ucp_get_version(&major, &minor, &release);

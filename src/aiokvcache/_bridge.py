@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import _ucxlog
 from ._loader import native
 
 __all__ = ["Bridge", "BridgeError", "GroupFailed", "JobGroup", "JobResult", "Jobs", "settle"]
@@ -40,6 +41,7 @@ ST_OK: int = native.ST_OK
 KIND_JOB: int = native.KIND_JOB
 KIND_NOTIFY: int = native.KIND_NOTIFY
 KIND_ENDPOINT: int = native.KIND_ENDPOINT
+ucx_log_pending = native.ucx_log_pending
 
 #: Human words per native status, from the engine's own status table.
 WORDS: dict[int, str] = {value: words for value, _name, words, _llm in native.STATUSES}
@@ -209,6 +211,8 @@ class Bridge:
             self._fail_everything(exc)
             return
         self._dispatch(entries)
+        if ucx_log_pending():
+            _ucxlog.drain()
 
     def _dispatch_all(self) -> None:
         # After close: drain until empty, nothing bumps any more.
@@ -354,6 +358,7 @@ class Bridge:
         with contextlib.suppress(Exception):
             self._engine.close()  # joins the progress thread: all jobs reported
         self._dispatch_all()
+        _ucxlog.drain()
         self._fail_everything(BridgeError("engine closed"))
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self._fd)

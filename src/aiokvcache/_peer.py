@@ -94,6 +94,15 @@ async def _decode(args: argparse.Namespace) -> None:
             cache = cm.allocate_blocks_cache(shape.desc, BlocksCacheKey(DECODER_ID))
         else:
             cache = cm.allocate_cache(shape.desc)
+        # When each layer's notification reached this process (monotonic
+        # clock, shared by both processes on one host): the bench's timeline.
+        arrivals: dict[str, dict[int, float]] = {}
+
+        async def record() -> None:
+            async for note in cm.notifications():
+                arrivals.setdefault(str(note.tag), {})[note.layer] = time.monotonic()
+
+        recorder = asyncio.create_task(record())
         _say({"address": dd.listen_address, "cache_id": cache.cache_id})
 
         async def handle(req: dict[str, Any]) -> dict[str, Any]:
@@ -102,13 +111,18 @@ async def _decode(args: argparse.Namespace) -> None:
                 # in memory now.
                 tag = str(req["tag"])
                 await cm.wait_for_layers(tag, range(shape.layers), timeout=120)
-                return {"landed": tag}
+                await asyncio.sleep(0)  # the recorder sees the last note too
+                seen = arrivals.pop(tag, {})
+                return {"landed": tag, "arrivals": {str(k): v for k, v in seen.items()}}
             if req["op"] == "digest":
                 index = bench.block_order(shape) if shape.block_tokens else 0
                 return {"sha": bench.digest(cache, index)}
             return _unknown(req)
 
-        await _serve(handle)
+        try:
+            await _serve(handle)
+        finally:
+            recorder.cancel()
 
 
 # ------------------------------------------------------------------ blocks

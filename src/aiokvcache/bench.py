@@ -3,8 +3,13 @@
 A decode process (the ``decode`` mode of the peer program, see
 :mod:`aiokvcache.testing`) owns the destination cache; this process, the
 prefill side, pushes a model-shaped KV cache to it layer by layer while
-simulating per-layer compute, and prints bandwidth, per-layer latency and
-how much of the transfer was hidden behind compute.
+simulating per-layer compute. Each round runs two passes, in alternating
+order and measured the same way (every layer pushed with a tag, the pass
+ending when all pushes returned, then the decode side confirms each layer):
+*transfer alone* (no compute) and *pipelined* (compute per layer, each
+layer's push started as soon as its compute ends). The first round is
+reported apart (cold: page faults, first metadata look-ups); the others
+give a median and a range.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import json
+import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -28,9 +35,11 @@ from . import (
     DataType,
     LLMDataDist,
     LLMRole,
+    LLMStatusCode,
     Placement,
     __version__,
 )
+from ._core.errors import make_error
 from .testing import DECODER_ID, PROMPT_ID, Peer, cluster_info, options
 
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
@@ -100,21 +109,34 @@ def block_order(shape: Shape) -> np.ndarray:
 
 def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     """The cache shape and engine options, for the bench and its decode peer."""
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=8, help="KV heads")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="float16", help="numpy dtype name, or bfloat16")
-    p.add_argument("--transport", default="auto", choices=TRANSPORTS)
-    p.add_argument("--max-inflight", type=int, default=0, help="engine window in bytes")
-    p.add_argument(
+    g = p.add_argument_group("the KV cache moved")
+    g.add_argument("--layers", type=int, default=32, help="model layers (K and V each)")
+    g.add_argument("--batch", type=int, default=1, help="batch slots")
+    g.add_argument("--tokens", type=int, default=4096, help="tokens per batch slot")
+    g.add_argument("--heads", type=int, default=8, help="KV heads")
+    g.add_argument("--head-dim", type=int, default=128, help="elements per head")
+    g.add_argument("--dtype", default="float16", help="numpy dtype name, or bfloat16")
+    g.add_argument(
         "--blocks",
         type=int,
         default=0,
         metavar="TOKENS",
         help="paged mode: blocks of TOKENS tokens, pushed with push_blocks to scattered "
-        "destination blocks (0 = one contiguous cache, push_cache)",
+        "destination blocks (0: one contiguous cache, push_cache)",
+    )
+    e = p.add_argument_group("the engine")
+    e.add_argument(
+        "--transport",
+        default="auto",
+        choices=TRANSPORTS,
+        help="UCX transports: auto (UCX chooses), shm, tcp, rdma (needs verbs)",
+    )
+    e.add_argument(
+        "--max-inflight",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="the engine's in-flight window (0: the library's default, 64 MiB)",
     )
 
 
@@ -145,18 +167,58 @@ def shape_argv(args: argparse.Namespace) -> list[str]:
 
 # ------------------------------------------------------------ the command
 
+DESCRIPTION = """\
+Start a decode process on this machine, then push a model-shaped KV cache to
+it layer by layer while this process simulates each layer's compute, and
+print how long the transfer takes alone, how long the pipelined pass takes
+with compute, and how much of the transfer the compute hid."""
+
+EPILOG = """\
+Each round runs a "transfer alone" pass and a "pipelined" pass, in
+alternating order and measured the same way. The first round is reported
+apart as "cold"; the table gives the median and range of the others.
+overlap = (compute spent + transfer alone - pipelined wall) / the smaller of
+compute spent and transfer alone: 100 % when the pipelined pass takes only
+as long as the longer of the two, 0 % when it takes their sum.
+
+examples:
+  python -m aiokvcache bench                       shared memory or whatever UCX picks
+  python -m aiokvcache bench --transport tcp --iterations 9
+  python -m aiokvcache bench --blocks 16           paged cache, scattered blocks
+  python -m aiokvcache bench --json > run.json     every sample, for scripts
+  python -m aiokvcache bench --plot timeline.png   one pass as a picture (needs matplotlib)"""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``bench`` subcommand's options."""
     add_shape_arguments(p)
-    p.add_argument("--compute-ms", type=float, default=2.0, help="simulated compute per layer")
-    p.add_argument(
+    r = p.add_argument_group("the run")
+    r.add_argument(
+        "--compute-ms", type=float, default=2.0, metavar="MS", help="simulated compute per layer"
+    )
+    r.add_argument(
         "--compute",
         default="sleep",
         choices=["sleep", "busy"],
-        help="sleep: accelerator-style (CPU free); busy: numpy work holding the CPU",
+        help="sleep: accelerator-style, the CPU is free meanwhile; busy: NumPy work "
+        "holding this process's CPU",
     )
-    p.add_argument("--iterations", type=int, default=5)
+    r.add_argument(
+        "--iterations",
+        type=int,
+        default=5,
+        metavar="N",
+        help="measured rounds, after one cold round",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    o.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw one pipelined pass: compute spans, each layer's push from submit to "
+        "landing, and when the decode side was notified (needs matplotlib: "
+        "pip install 'aiokvcache[plot]')",
+    )
 
 
 def check_arguments(args: argparse.Namespace) -> str | None:
@@ -166,6 +228,19 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1"
     if args.blocks < 0 or (args.blocks and args.tokens % args.blocks):
         return "--blocks must be 0 or divide --tokens"
+    if args.compute_ms < 0:
+        return "--compute-ms must be >= 0"
+    if args.max_inflight < 0:
+        return "--max-inflight must be >= 0"
+    try:
+        DataType.from_numpy(args.dtype)
+    except (TypeError, ValueError) as exc:
+        return f"--dtype: {exc}"
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return "--plot needs matplotlib: pip install 'aiokvcache[plot]'"
     return None
 
 
@@ -174,25 +249,30 @@ def main(args: argparse.Namespace) -> int:
     return asyncio.run(_bench(args))
 
 
-class _Progress:
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled
-        self.label = ""
+# ------------------------------------------------------------- one pass
 
-    def step(self, label: str) -> None:
-        self.done += 1
-        self.label = label
-        if self.enabled:
-            width = 30
-            filled = width * self.done // self.total
-            bar = "#" * filled + "." * (width - filled)
-            sys.stderr.write(f"\r  [{bar}] {self.done}/{self.total} layers  {label}   ")
-            sys.stderr.flush()
 
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+@dataclass
+class PassResult:
+    """One pass over every layer (times in seconds, on the monotonic clock)."""
+
+    kind: str  # "alone" | "pipelined"
+    start: float
+    wall: float  # first compute (or push) to the last push returned
+    tail: float  # last compute done to the last push returned
+    compute: float  # compute time actually spent (sleeps overshoot)
+    compute_spans: list[tuple[float, float]]
+    push_spans: list[tuple[float, float]]  # per layer: submitted, returned (landed)
+    arrivals: dict[int, float]  # per layer: the decode side's notification
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "wall_s": self.wall,
+            "tail_s": self.tail,
+            "compute_s": self.compute,
+            "push_latency_s": [b - a for a, b in self.push_spans],
+        }
 
 
 def _compute(ms: float, mode: str, scratch: np.ndarray) -> Any:
@@ -208,63 +288,240 @@ def _compute(ms: float, mode: str, scratch: np.ndarray) -> Any:
 
 
 async def _push_pass(
+    kind: str,
     push_layer: Callable[[int, str], Awaitable[None]],
     shape: Shape,
     compute_ms: float,
     mode: str,
     tag: str,
-    progress: _Progress | None,
-) -> tuple[float, float, list[float]]:
-    """One pass over all layers. Returns (wall, tail after compute, per-layer latencies)."""
+    on_layer: Callable[[], None],
+) -> PassResult:
     scratch = np.random.default_rng(0).standard_normal((64, 64))
-    latencies: list[float] = []
     loop = asyncio.get_running_loop()
-    start = loop.time()
+    spans: list[tuple[float, float]] = []
+    pushes: list[tuple[float, float]] = [(0.0, 0.0)] * shape.layers
 
     async def push(layer: int) -> None:
         t0 = loop.time()
         await push_layer(layer, tag)
-        latencies.append(loop.time() - t0)
-        if progress is not None:
-            progress.step(tag)
+        pushes[layer] = (t0, loop.time())
+        on_layer()
 
     tasks = []
+    start = loop.time()
     for layer in range(shape.layers):
+        c0 = loop.time()
         work = _compute(compute_ms, mode, scratch)
         if work is not None:
             await work
+        if compute_ms > 0:
+            spans.append((c0, loop.time()))
         tasks.append(asyncio.create_task(push(layer)))
         await asyncio.sleep(0)  # let the push submit before the next layer's compute
     compute_done = loop.time()
     await asyncio.gather(*tasks)
     end = loop.time()
-    return end - start, end - compute_done, latencies
+    return PassResult(
+        kind,
+        start,
+        end - start,
+        end - compute_done,
+        sum(b - a for a, b in spans),
+        spans,
+        pushes,
+        {},
+    )
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.array(values), q)) if values else float("nan")
+# ------------------------------------------------------------- summary
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    return float(np.median(values)), min(values), max(values)
+
+
+def summarize(rounds: list[list[PassResult]], total: int) -> dict[str, Any]:
+    """Medians and ranges over the measured rounds (``rounds[0]`` is cold)."""
+    measured = [p for r in rounds[1:] for p in r]
+    alone = [p.wall for p in measured if p.kind == "alone"]
+    piped = [p for p in measured if p.kind == "pipelined"]
+    walls = [p.wall for p in piped]
+    compute = [p.compute for p in piped]
+    tails = [p.tail for p in piped]
+    lat = [b - a for p in piped for a, b in p.push_spans]
+    t, c, w = float(np.median(alone)), float(np.median(compute)), float(np.median(walls))
+    # Hidden share of the smaller of the two: 100 % when the wall is the
+    # larger one alone, 0 % when it is their sum. Undefined without compute.
+    smaller = min(t, c)
+    overlap = None if smaller <= 0 else max(0.0, min(1.0, (t + c - w) / smaller))
+    return {
+        "bytes_per_pass": total,
+        "transfer_alone_s": _stats(alone),
+        "pipelined_wall_s": _stats(walls),
+        "compute_s": _stats(compute),
+        "no_overlap_s": t + c,
+        "tail_after_compute_s": _stats(tails),
+        "push_latency_p50_s": float(np.percentile(lat, 50)),
+        "push_latency_p99_s": float(np.percentile(lat, 99)),
+        "overlap": overlap,
+        "cold": {p.kind: p.wall for p in rounds[0]},
+    }
+
+
+def _table(summary: dict[str, Any], verified: bool) -> str:
+    total = summary["bytes_per_pass"]
+    cold = summary["cold"]
+
+    def ms(v: float) -> str:
+        return f"{v * 1000:.1f}"
+
+    def gbs(v: float) -> str:
+        return f"{total / v / 1e9:.2f}"
+
+    t, w = summary["transfer_alone_s"], summary["pipelined_wall_s"]
+    c, tail = summary["compute_s"], summary["tail_after_compute_s"]
+    rows: list[tuple[str, str, str, str, str]] = [
+        ("transfer alone, ms", ms(t[0]), ms(t[1]), ms(t[2]), ms(cold["alone"])),
+        ("transfer alone, GB/s", gbs(t[0]), gbs(t[2]), gbs(t[1]), gbs(cold["alone"])),
+        ("pipelined wall, ms", ms(w[0]), ms(w[1]), ms(w[2]), ms(cold["pipelined"])),
+        ("pipelined, GB/s", gbs(w[0]), gbs(w[2]), gbs(w[1]), gbs(cold["pipelined"])),
+        ("compute spent, ms", ms(c[0]), ms(c[1]), ms(c[2]), ""),
+        ("compute + transfer, ms", ms(summary["no_overlap_s"]), "", "", ""),
+        ("tail after compute, ms", ms(tail[0]), ms(tail[1]), ms(tail[2]), ""),
+        ("push latency p50, ms", f"{summary['push_latency_p50_s'] * 1000:.2f}", "", "", ""),
+        ("push latency p99, ms", f"{summary['push_latency_p99_s'] * 1000:.2f}", "", "", ""),
+    ]
+    ov = summary["overlap"]
+    hidden = "n/a (no compute)" if ov is None else f"{ov * 100:.0f} %"
+    rows.append(("overlap (transfer hidden)", hidden, "", "", ""))
+    rows.append(("decode side bytes verified", "yes" if verified else "NO", "", "", ""))
+    head = ("", "median", "min", "max", "cold")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+    lines = []
+    for r in [head, *rows]:
+        cells = [r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, 5)]
+        lines.append("  " + "  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def plot(path: str, p: PassResult, title: str) -> None:
+    """A timeline of one pipelined pass, written to ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = p.start
+    layers = len(p.push_spans)
+    fig, ax = plt.subplots(figsize=(10, max(3.0, 0.22 * layers + 1.5)))
+    for i, (a, b) in enumerate(p.compute_spans):
+        ax.barh(i, (b - a) * 1e3, left=(a - t0) * 1e3, height=0.8, color="#bbbbbb",
+                label="compute" if i == 0 else None)  # fmt: skip
+    for i, (a, b) in enumerate(p.push_spans):
+        ax.barh(i, (b - a) * 1e3, left=(a - t0) * 1e3, height=0.4, color="#1f77b4",
+                label="push: submitted to landed" if i == 0 else None)  # fmt: skip
+    if p.arrivals:
+        xs = [(t - t0) * 1e3 for t in p.arrivals.values()]
+        ax.scatter(xs, list(p.arrivals), marker="|", s=80, color="#d62728", zorder=3,
+                   label="decode side notified")  # fmt: skip
+    ax.set_xlabel("ms since the pass started")
+    ax.set_ylabel("layer")
+    ax.invert_yaxis()
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------- the run
+
+
+class _Progress:
+    """A progress bar on stderr (rich) while passes run, when it is a terminal."""
+
+    def __init__(self, total: int) -> None:
+        self._bar: Any = None
+        self._task: Any = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self._task = self._bar.add_task("layers pushed", total=total)
+            self._bar.start()
+
+    def layer(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def describe(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def conditions(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
+    """What the run measured, for the header and the JSON."""
+    return {
+        "version": __version__,
+        "transport": args.transport,
+        "layers": shape.layers,
+        "tensor_shape": list(shape.desc.shape),
+        "dtype": shape.dtype,
+        "paged_block_tokens": shape.block_tokens,
+        "bytes_per_layer": shape.layer_bytes,
+        "bytes_per_pass": shape.layer_bytes * shape.layers,
+        "compute_ms_per_layer": args.compute_ms,
+        "compute_mode": args.compute,
+        "rounds": args.iterations,
+        "cores": os.cpu_count(),
+    }
+
+
+def header(cond: dict[str, Any]) -> str:
+    """Two lines: the run's conditions."""
+    paged = (
+        f", paged ({cond['paged_block_tokens']}-token blocks, scattered)"
+        if cond["paged_block_tokens"]
+        else ""
+    )
+    return (
+        f"aiokvcache {cond['version']} bench: transport {cond['transport']}, "
+        f"{cond['layers']} layers x (K,V) {cond['tensor_shape']} {cond['dtype']}{paged} = "
+        f"{cond['bytes_per_layer'] / 2**20:.1f} MiB/layer, "
+        f"{cond['bytes_per_pass'] / 2**20:.0f} MiB/pass\n"
+        f"compute {cond['compute_ms_per_layer']:g} ms/layer ({cond['compute_mode']}); "
+        f"{cond['rounds']} rounds after 1 cold; {cond['cores']} cores; each round: one "
+        f"transfer-alone and one pipelined pass, alternating, measured alike"
+    )
 
 
 async def _bench(args: argparse.Namespace) -> int:
     shape = shape_of(args)
     total = shape.layer_bytes * shape.layers
-    print(
-        f"aiokvcache {__version__} bench: {shape.layers} layers x (K,V) "
-        f"{list(shape.desc.shape)} {shape.dtype}"
-        f"{' (paged blocks, scattered destination)' if shape.block_tokens else ''} = "
-        f"{shape.layer_bytes / 2**20:.1f} MiB/layer, {total / 2**20:.0f} MiB per pass; "
-        f"transport={args.transport}, compute={args.compute_ms} ms/layer ({args.compute}), "
-        f"{args.iterations} iterations"
-    )
-    with Peer("decode", *shape_argv(args), startup_timeout=120) as peer:
-        async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
-            await dd.init(engine_options(args.transport, False, args.max_inflight))
+    cond = conditions(args, shape)
+    if not args.json:
+        print(header(cond), flush=True)
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
+        # This side first: a transport that cannot start fails here, with
+        # its status, before any decode process exists.
+        await dd.init(engine_options(args.transport, False, args.max_inflight))
+        with Peer("decode", *shape_argv(args), startup_timeout=120) as peer:
             _, per = await dd.link_clusters(
                 [cluster_info(peer.address, DECODER_ID)], timeout=10_000
             )
-            if per[0] != per[0].LLM_SUCCESS:
-                print(f"link failed: {per[0].name}", file=sys.stderr)
-                return 1
+            if per[0] != LLMStatusCode.LLM_SUCCESS:
+                raise make_error(per[0], f"cannot link to the decode process at {peer.address}")
             cm = dd.cache_manager
             if shape.block_tokens:
                 src = cm.allocate_blocks_cache(shape.desc)
@@ -291,53 +548,49 @@ async def _bench(args: argparse.Namespace) -> int:
                 async def push_layer(layer: int, tag: str) -> None:
                     await cm.push_cache(key, src, src_layer_range=range(layer, layer + 1), tag=tag)
 
-            # Warm-up (metadata lookup, endpoint wire-up), then the serial
-            # baseline: every layer back to back, no compute.
-            await asyncio.gather(*(push_layer(i, "warmup") for i in range(shape.layers)))
-            serial = []
-            for i in range(max(1, args.iterations // 2)):
-                wall, _, _ = await _push_pass(push_layer, shape, 0, "sleep", f"serial-{i}", None)
-                peer.call("wait", tag=f"serial-{i}")
-                serial.append(wall)
-            t_serial = min(serial)
-            progress = _Progress(shape.layers * args.iterations, sys.stderr.isatty())
-            walls, tails, lat = [], [], []
-            for i in range(args.iterations):
-                wall, tail, lats = await _push_pass(
-                    push_layer, shape, args.compute_ms, args.compute, f"iter-{i}", progress
-                )
-                peer.call("wait", tag=f"iter-{i}")
-                walls.append(wall)
-                tails.append(tail)
-                lat += lats
-                if not progress.enabled:
-                    print(
-                        f"  iteration {i + 1}/{args.iterations}: {wall * 1000:.1f} ms", flush=True
-                    )
-            progress.close()
+            n_rounds = args.iterations + 1
+            progress = _Progress(2 * n_rounds * shape.layers)
+            rounds: list[list[PassResult]] = []
+            try:
+                for r in range(n_rounds):
+                    order = ("alone", "pipelined") if r % 2 == 0 else ("pipelined", "alone")
+                    passes = []
+                    for kind in order:
+                        label = "cold round" if r == 0 else f"round {r}/{args.iterations}"
+                        progress.describe(f"{label}: {kind}")
+                        tag = f"r{r}-{kind}"
+                        c_ms = args.compute_ms if kind == "pipelined" else 0.0
+                        p = await _push_pass(
+                            kind, push_layer, shape, c_ms, args.compute, tag, progress.layer
+                        )
+                        reply = await asyncio.to_thread(peer.call, "wait", tag=tag)
+                        p.arrivals = {int(k): float(v) for k, v in reply["arrivals"].items()}
+                        passes.append(p)
+                    rounds.append(passes)
+            finally:
+                progress.close()
             mine = digest(src, slice(None) if shape.block_tokens else 0)
-            verified = peer.call("digest")["sha"] == mine
-    compute_total = shape.layers * args.compute_ms / 1000
-    wall = float(np.median(walls))
-    tail = float(np.median(tails))
-    hidden = 1.0 if t_serial <= 0 else max(0.0, min(1.0, (t_serial - tail) / t_serial))
-    rows = [
-        ("bytes per pass", f"{total / 2**20:.0f} MiB"),
-        (
-            "transfer alone (no compute)",
-            f"{t_serial * 1000:.1f} ms = {total / t_serial / 1e9:.2f} GB/s",
-        ),
-        ("compute alone (L x C)", f"{compute_total * 1000:.1f} ms"),
-        ("pipelined wall (median)", f"{wall * 1000:.1f} ms = {total / wall / 1e9:.2f} GB/s"),
-        ("no-overlap wall would be", f"{(compute_total + t_serial) * 1000:.1f} ms"),
-        ("per-layer push latency p50", f"{_pct(lat, 50) * 1000:.2f} ms"),
-        ("per-layer push latency p99", f"{_pct(lat, 99) * 1000:.2f} ms"),
-        ("transfer tail after compute", f"{tail * 1000:.2f} ms"),
-        ("overlap (transfer hidden)", f"{hidden * 100:.0f} %"),
-        ("decode side bytes verified", "yes" if verified else "NO"),
-    ]
-    width = max(len(r[0]) for r in rows)
-    print()
-    for name, value in rows:
-        print(f"  {name:<{width}}  {value}")
+            verified = (await asyncio.to_thread(peer.call, "digest"))["sha"] == mine
+    summary = summarize(rounds, total)
+    if args.plot:
+        piped = [p for r in rounds[1:] for p in r if p.kind == "pipelined"]
+        median = sorted(piped, key=lambda p: p.wall)[len(piped) // 2]
+        plot(args.plot, median, header(cond))
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "conditions": cond,
+                    "summary": summary,
+                    "verified": verified,
+                    "rounds": [[p.to_json() for p in r] for r in rounds],
+                },
+                indent=2,
+            )
+        )
+    else:
+        print()
+        print(_table(summary, verified))
+        if args.plot:
+            print(f"\n  timeline of the median pipelined pass: {args.plot}")
     return 0 if verified else 1

@@ -25,6 +25,7 @@ PROMPT_ID, DECODER_ID = 1, 2
 
 def info() -> int:
     """Print versions and the transports UCX offers here."""
+    from . import _ucxlog
     from ._loader import native
 
     print(f"aiokvcache {__version__}")
@@ -35,12 +36,14 @@ def info() -> int:
         try:
             eng = native.Engine(transport)
         except Exception as exc:
+            _ucxlog.drain()  # UCX's own words: logged, shown with --debug
             print(f"transport {transport:<5} unavailable: {str(exc).splitlines()[0]}")
             continue
         try:
             text = eng.info()
         finally:
             eng.close()
+            _ucxlog.drain()
         tls = sorted(
             {line.rsplit("--", 1)[-1].strip() for line in text.splitlines() if "resource" in line}
         )

@@ -14,6 +14,7 @@ import logging
 import socket
 import struct
 
+from .. import _ucxlog
 from .._bridge import Bridge
 from .._loader import native
 from .control import LocalInfo
@@ -100,6 +101,7 @@ class Runtime:
                 ucx_options=_ucx_options(opts),
             )
         except (native.NativeError, ValueError) as exc:
+            _ucxlog.drain()  # UCX's reasons, into the aiokvcache.ucx logger
             code = (
                 LLMStatusCode.LLM_FEATURE_NOT_ENABLED
                 if opts.transport != "auto"
@@ -108,6 +110,7 @@ class Runtime:
             raise make_error(
                 code, f"cannot start the transfer engine with transport={opts.transport!r}: {exc}"
             ) from exc
+        _ucxlog.drain()  # what UCX said while it started
         local = LocalInfo(
             cluster_id=cluster_id,
             role=role,

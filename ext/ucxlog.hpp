@@ -1,0 +1,21 @@
+// Capture of UCX's log output (see ucxlog.cpp).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace akv {
+
+struct UcxLogLine {
+  int level;              // ucs_log_level_t: 0 fatal, 1 error, 2 warn, 3 diag, 4 info, ...
+  std::string component;  // "UCX", "UCT", ...
+  std::string where;      // source file:line inside UCX
+  std::string text;
+};
+
+void ucx_log_install();
+bool ucx_log_pending();
+std::vector<UcxLogLine> ucx_log_take(uint64_t* dropped);
+
+}  // namespace akv
