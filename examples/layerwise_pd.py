@@ -1,31 +1,33 @@
 """Layer-wise prefill → decode with paged (blocks) KV caches, two processes.
 
 The prefill process runs a small fake model (NumPy matmuls per layer) and
-hands each layer's K/V blocks to ``transfer_cache_async`` as soon as that
-layer is computed, while it goes on computing the next layer. The decode
-process learns of each layer the moment it lands (a receiver notification
-carrying the destination block ids) and consumes it at once: it checks the
-bytes against its own run of the model and computes one decode-step
-attention over that layer's K/V.
+hands each layer's K/V blocks to transfer_cache_async as soon as that layer
+is computed, while it goes on computing the next layer. The decode process
+learns of each layer the moment it lands (a receiver notification carrying
+the destination block ids) and consumes it at once: it checks the bytes
+against its own run of the model and computes one decode-step attention
+over that layer's K/V. Both sides build the same model from one seed, so the
+decode side knows what must arrive.
 
-Run both roles on this machine:   python examples/layerwise_pd.py
-Or on two hosts:
-    python examples/layerwise_pd.py --role decode --listen 0.0.0.0:26001
-    python examples/layerwise_pd.py --role prefill --peer HOST:26001
+run it:
+  one machine (the decode side runs in a child process):
+    python examples/layerwise_pd.py
+  two hosts (start the decode side first: it prints the prefill's command line):
+    decode$  python examples/layerwise_pd.py --role decode --listen 0.0.0.0:26002
+    prefill$ python examples/layerwise_pd.py --role prefill --peer DECODE_IP:26002
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 import aiokvcache as kv
-from aiokvcache.testing import Child
+from aiokvcache.testing import Child, PeerExited
 
 PREFILL, DECODE = 1, 2
 LAYERS, TOKENS, HEADS, HEAD_DIM = 8, 256, 4, 64
@@ -34,6 +36,11 @@ BLOCK_TOKENS = 16  # tokens per KV block
 SEQ_BLOCKS = TOKENS // BLOCK_TOKENS
 DECODE_BLOCKS = 64  # the decode side's block pool
 TAG = "request-7"
+LINGER_S = 1.0  # see decode()
+
+
+class Failed(Exception):
+    """A check of this example failed (its message is the error line)."""
 
 
 def blocks_desc(num_blocks: int) -> kv.CacheDesc:
@@ -80,10 +87,10 @@ def as_blocks(t: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------ decode
 
 
-async def decode(listen: str, transport: str) -> None:
+async def decode(args: argparse.Namespace) -> None:
     cfg = kv.LLMConfig()
-    cfg.listen_ip_info = listen
-    cfg.transport = transport
+    cfg.listen_ip_info = args.listen
+    cfg.transport = args.transport
     expected = FakeModel().all_kv()
     query = np.random.default_rng(7).standard_normal((HEADS, HEAD_DIM)).astype(np.float32)
     async with kv.LLMDataDist(kv.LLMRole.DECODER, DECODE) as dd:
@@ -91,7 +98,6 @@ async def decode(listen: str, transport: str) -> None:
         cm = dd.cache_manager
         pool = cm.allocate_blocks_cache(blocks_desc(DECODE_BLOCKS), kv.BlocksCacheKey(DECODE, 0))
         tensors = pool.tensors
-        done = asyncio.Event()
         verified: list[int] = []
 
         async def consume() -> None:
@@ -105,7 +111,7 @@ async def decode(listen: str, transport: str) -> None:
                 if not (
                     np.array_equal(k, expected[layer][0]) and np.array_equal(v, expected[layer][1])
                 ):
-                    raise SystemExit(f"decode: layer {layer} bytes differ")
+                    raise Failed(f"decode: layer {layer}'s bytes differ from the model's")
                 # The decode step's attention for this layer, over the prompt's K/V.
                 kf, vf = k.astype(np.float32), v.astype(np.float32)
                 scores = np.einsum("hd,thd->ht", query, kf) / np.sqrt(HEAD_DIM)
@@ -119,17 +125,35 @@ async def decode(listen: str, transport: str) -> None:
                     flush=True,
                 )
                 if len(verified) == LAYERS:
-                    done.set()
                     return
 
         consumer = asyncio.create_task(consume())
         await asyncio.sleep(0)  # subscribed before anyone can push
-        print(f"READY {dd.listen_address}", flush=True)
-        await asyncio.wait_for(done.wait(), 60)
-        await consumer
+        address = dd.listen_address
+        if args.protocol:
+            print(f"READY {address}", flush=True)
+        else:
+            peer = peer_argument(address, "DECODE_IP")
+            again = f"python {sys.argv[0]} --role prefill --peer {peer}"
+            if args.transport != "auto":
+                again += f" --transport {args.transport}"
+            print(
+                f"decode listening on {address} — start the prefill with: {again}",
+                flush=True,
+            )
+        try:
+            await asyncio.wait_for(consumer, args.timeout)
+        except TimeoutError:
+            raise Failed(
+                f"decode: {len(verified)} of {LAYERS} layers landed in {args.timeout:g} s"
+            ) from None
         print(f"decode: all {LAYERS} layers verified (in order {verified})", flush=True)
-        # Stay linked until the prefill side says it is finished.
-        await asyncio.to_thread(sys.stdin.readline)
+        if args.protocol:
+            await asyncio.to_thread(sys.stdin.readline)  # linked until the parent says done
+        else:
+            # The prefill's last transfers return a moment after their layers
+            # land here; leaving at once would break its link under them.
+            await asyncio.sleep(LINGER_S)
 
 
 # ----------------------------------------------------------------- prefill
@@ -156,9 +180,14 @@ async def prefill(peer: str, transport: str) -> None:
         info = kv.LLMClusterInfo()
         info.remote_cluster_id = DECODE
         info.append_remote_ip_info(host, int(port))
-        rc, _ = await dd.link_clusters([info], timeout=10_000)
+        rc, rcs = await dd.link_clusters([info], timeout=10_000)
         if rc != kv.LLMStatusCode.LLM_SUCCESS:
-            raise SystemExit(f"prefill: link failed: {rc.name}")
+            raise kv.LLMException(
+                f"could not link to the decode side at {peer} (is it running? it prints "
+                "its address)",
+                rcs[0],
+            )
+        print(f"prefill: linked to cluster {DECODE} at {peer}", flush=True)
         cm = dd.cache_manager
         cache = cm.allocate_blocks_cache(blocks_desc(SEQ_BLOCKS))
         tensors = cache.tensors
@@ -196,45 +225,126 @@ async def prefill(peer: str, transport: str) -> None:
 # -------------------------------------------------------------------- main
 
 
-def both(transport: str) -> None:
-    """Start the decode process, then the prefill process, on this machine."""
-    # The decode process is killed if anything fails.
-    with Child([sys.executable, __file__, "--role", "decode", "--transport", transport]) as dec:
-        address = dec.read_line("READY ").split()[1]
-        pre = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--role",
-                "prefill",
-                "--peer",
-                address,
-                "--transport",
-                transport,
-            ],
-            timeout=120,
-        )
-        print(dec.communicate("done", timeout=60), end="")
-    if pre.returncode or dec.returncode:
-        raise SystemExit(1)
+def both(args: argparse.Namespace) -> None:
+    """The decode side in a child process (killed if anything fails), the prefill here."""
+    argv = [sys.executable, __file__, "--role", "decode", "--protocol"]
+    argv += ["--transport", args.transport, "--timeout", str(args.timeout)]
+    with Child(argv) as dec:
+        try:
+            address = dec.read_line("READY ", timeout=args.timeout).split()[1]
+            print(f"decode listening on {address} (child process {dec.pid})", flush=True)
+            asyncio.run(prefill(address, args.transport))
+            print(dec.communicate("done", timeout=60), end="")
+        except PeerExited:
+            raise Failed(f"the decode process failed (exit status {dec.wait(10)})") from None
+    if dec.returncode:
+        raise Failed(f"the decode process exited with status {dec.returncode}")
+    print(f"layerwise: {LAYERS} layers sent as they were computed, all verified by the decode side")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=["decode", "prefill"])
-    ap.add_argument("--listen", default="127.0.0.1:0", help="decode: control address")
-    ap.add_argument("--peer", help="prefill: the decode side's ip:port")
-    ap.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp", "rdma"])
+def check_address(ap: argparse.ArgumentParser, option: str, value: str) -> None:
+    """``--listen`` as LLMConfig checks it (a host name or [IPv6] will do),
+    ``--peer`` as LLMClusterInfo does (IPv4:PORT)."""
+    try:
+        if option == "--listen":
+            kv.LLMConfig().listen_ip_info = value
+            return
+        ip, sep, port = value.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"expected IPV4:PORT, got {value!r}")
+        kv.LLMClusterInfo().append_remote_ip_info(ip, int(port))
+    except ValueError as exc:
+        ap.error(f"{option}: {exc}")
+
+
+def peer_argument(address: str | None, placeholder: str) -> str:
+    """What to pass as ``--peer`` to reach ``address``: the placeholder for
+    the IP where it is a wildcard or not an IPv4 address."""
+    ip, _, port = str(address).rpartition(":")
+    try:
+        kv.LLMClusterInfo().append_remote_ip_info(ip, int(port))
+    except ValueError:
+        ip = placeholder
+    return f"{placeholder if ip == '0.0.0.0' else ip}:{port}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    description, sep, epilog = str(__doc__).partition("run it:\n")
+    ap = argparse.ArgumentParser(
+        prog="layerwise_pd.py",
+        description=description.strip(),
+        epilog=sep + epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--role",
+        choices=["both", "decode", "prefill"],
+        default="both",
+        help="both: the whole flow on this machine; decode / prefill: one side, for two "
+        "hosts (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="decode: the address to listen on; port 0 picks a free one (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--peer",
+        metavar="IPV4:PORT",
+        help="prefill (required): the decode side's address, as the decode side printed it",
+    )
+    ap.add_argument(
+        "--transport",
+        choices=["auto", "shm", "tcp", "rdma"],
+        default="auto",
+        help="the UCX transports for the bytes: auto lets UCX choose (shared memory on "
+        "one host); shm, tcp or rdma (InfiniBand verbs) forces one (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="decode: how long to wait for the prefill's layers (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--protocol",
+        action="store_true",
+        help="decode: print the line 'READY ADDRESS' for a parent process instead of the "
+        "prefill's command line, and stay linked until a line on stdin (the one-machine "
+        "mode runs its child so)",
+    )
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
     args = ap.parse_args()
-    if args.role == "decode":
-        asyncio.run(decode(args.listen, args.transport))
-    elif args.role == "prefill":
-        if not args.peer:
-            ap.error("--peer is required with --role prefill")
-        asyncio.run(prefill(args.peer, args.transport))
-    else:
-        both(args.transport)
+    if args.timeout <= 0:
+        ap.error(f"--timeout must be > 0, got {args.timeout}")
+    try:
+        if args.role == "decode":
+            check_address(ap, "--listen", args.listen)
+            asyncio.run(decode(args))
+        elif args.role == "prefill":
+            if not args.peer:
+                ap.error("--peer IPV4:PORT is required with --role prefill")
+            check_address(ap, "--peer", args.peer)
+            asyncio.run(prefill(args.peer, args.transport))
+        else:
+            both(args)
+    except kv.LLMException as exc:
+        print(f"error: {exc.status_code.name}: {exc.message}", file=sys.stderr)
+        return 1
+    except (Failed, PeerExited, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,11 +1,21 @@
-"""LLM-DataDist pull flow, two processes: the prompt allocates its KV cache
-with CacheKeys and listens; the decoder links to it and pulls by CacheKey.
+"""Pull flow, two processes: the prompt allocates its KV cache with one
+CacheKey per batch slot and serves it; the decoder links to it and pulls
+each request by its CacheKey into a cache of its own.
 
-Run both roles on this machine:
+The prompt (cluster 1) holds four requests, 1001 to 1004, in the four batch
+slots of one bf16 cache, slot i bound to CacheKey(cluster_id=1,
+req_id=1001 + i), and listens. The decoder (cluster 2), whose cache has room
+for one request, pulls them one after the other with pull_cache and checks
+every byte against the prompt's data. As in LLM-DataDist, the keys are all
+the decoder needs to know.
+
+run it:
+  one machine (the prompt runs in a child process):
     python examples/pull_flow.py
-Or on two hosts:
-    python examples/pull_flow.py --role prompt --listen 0.0.0.0:26001
-    python examples/pull_flow.py --role decoder --peer HOST:26001
+  two hosts (start the prompt first: it prints the decoder's command line and
+  serves until Ctrl-C):
+    prompt$  python examples/pull_flow.py --role prompt --listen 0.0.0.0:26001
+    decoder$ python examples/pull_flow.py --role decoder --peer PROMPT_IP:26001
 """
 
 from __future__ import annotations
@@ -13,12 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import signal
 import sys
 
 import numpy as np
 
 import aiokvcache as kv
-from aiokvcache.testing import Child
+from aiokvcache.testing import Child, PeerExited
 
 PROMPT, DECODER = 1, 2
 LAYERS, BATCH, TOKENS, HEADS, DIM = 8, 4, 256, 4, 64
@@ -26,30 +37,99 @@ DESC = kv.CacheDesc(2 * LAYERS, [BATCH, TOKENS, HEADS, DIM], kv.DataType.DT_BF16
 REQUESTS = [1001, 1002, 1003, 1004]  # one request per batch slot
 
 
-def digest(tensors: list[np.ndarray], batch_index: int) -> str:
+class Failed(Exception):
+    """A check of this example failed (its message is the error line)."""
+
+
+def request_key(req_id: int) -> kv.CacheKey:
+    """The key of a request: the prompt's cluster id (it holds the cache) and the request."""
+    return kv.CacheKey(cluster_id=PROMPT, req_id=req_id)
+
+
+def show(key: kv.CacheKey) -> str:
+    return f"CacheKey(cluster_id={key.cluster_id}, req_id={key.req_id})"
+
+
+def prompt_data(req_id: int) -> list[np.ndarray]:
+    """The prompt's K/V for a request, one array per tensor (both sides can build it).
+    NumPy has no bf16: the cache's arrays hold its bit patterns as uint16."""
+    rng = np.random.default_rng(req_id)
+    shape = (TOKENS, HEADS, DIM)
+    return [rng.integers(0, 2**16, shape, dtype=np.uint16) for _ in range(DESC.num_tensors)]
+
+
+def digest(tensors: list[np.ndarray]) -> str:
     h = hashlib.sha256()
     for t in tensors:
-        h.update(t[batch_index].tobytes())
+        h.update(np.ascontiguousarray(t).tobytes())
     return h.hexdigest()
 
 
-async def prompt(listen: str, transport: str) -> None:
+def check_address(ap: argparse.ArgumentParser, option: str, value: str) -> None:
+    """``--listen`` as LLMConfig checks it (a host name or [IPv6] will do),
+    ``--peer`` as LLMClusterInfo does (IPv4:PORT)."""
+    try:
+        if option == "--listen":
+            kv.LLMConfig().listen_ip_info = value
+            return
+        ip, sep, port = value.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"expected IPV4:PORT, got {value!r}")
+        kv.LLMClusterInfo().append_remote_ip_info(ip, int(port))
+    except ValueError as exc:
+        ap.error(f"{option}: {exc}")
+
+
+def peer_argument(address: str | None, placeholder: str) -> str:
+    """What to pass as ``--peer`` to reach ``address``: the placeholder for
+    the IP where it is a wildcard or not an IPv4 address."""
+    ip, _, port = str(address).rpartition(":")
+    try:
+        kv.LLMClusterInfo().append_remote_ip_info(ip, int(port))
+    except ValueError:
+        ip = placeholder
+    return f"{placeholder if ip == '0.0.0.0' else ip}:{port}"
+
+
+async def prompt(args: argparse.Namespace) -> None:
     cfg = kv.LLMConfig()
-    cfg.listen_ip_info = listen
-    cfg.transport = transport
+    cfg.listen_ip_info = args.listen
+    cfg.transport = args.transport
     async with kv.LLMDataDist(kv.LLMRole.PROMPT, PROMPT) as dd:
         await dd.init(cfg.generate_options())
-        keys = [kv.CacheKey(prompt_cluster_id=PROMPT, req_id=r) for r in REQUESTS]
-        cache = dd.cache_manager.allocate_cache(DESC, keys)
-        rng = np.random.default_rng(1)
-        for t in cache.tensors:  # bf16 is stored as uint16
-            t[...] = rng.integers(0, 2**16, t.shape, dtype=np.uint16)
-        digests = " ".join(digest(cache.tensors, i) for i in range(BATCH))
-        print(f"READY {dd.listen_address} {digests}", flush=True)
-        await asyncio.to_thread(sys.stdin.readline)  # serve until the decoder is done
+        # Key i binds batch slot i.
+        cache = dd.cache_manager.allocate_cache(DESC, [request_key(r) for r in REQUESTS])
+        for i, r in enumerate(REQUESTS):
+            for t, data in zip(cache.tensors, prompt_data(r), strict=True):
+                t[i] = data
+        address = dd.listen_address
+        if args.protocol:
+            digests = " ".join(digest([t[i] for t in cache.tensors]) for i in range(BATCH))
+            print(f"READY {address} {digests}", flush=True)
+            await asyncio.to_thread(sys.stdin.readline)  # serve until the parent says done
+            return
+        peer = peer_argument(address, "PROMPT_IP")
+        again = f"python {sys.argv[0]} --role decoder --peer {peer}"
+        if args.transport != "auto":
+            again += f" --transport {args.transport}"
+        first, last = (show(request_key(r)) for r in (REQUESTS[0], REQUESTS[-1]))
+        print(f"prompt: batch slots 0-{BATCH - 1} hold the requests bound to {first} ... {last}")
+        print(
+            f"prompt listening on {address} — start the decoder with: {again}",
+            flush=True,
+        )
+        # Pulls are one-sided: this side sees none of them, so it serves until stopped.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        print("prompt: serving until Ctrl-C", flush=True)
+        await stop.wait()
+        print("prompt: stopped", flush=True)
 
 
 async def decoder(peer: str, transport: str) -> list[str]:
+    """Link to the prompt at ``peer`` and pull every request; returns their sha256s."""
     cfg = kv.LLMConfig()
     cfg.transport = transport
     async with kv.LLMDataDist(kv.LLMRole.DECODER, DECODER) as dd:
@@ -60,7 +140,11 @@ async def decoder(peer: str, transport: str) -> list[str]:
         info.append_remote_ip_info(host, int(port))
         ret, rets = await dd.link_clusters([info], timeout=5000)
         if ret != kv.LLMStatusCode.LLM_SUCCESS:
-            raise SystemExit(f"link failed: {rets}")
+            raise kv.LLMException(
+                f"could not link to the prompt at {peer} (is it running? it prints its address)",
+                rets[0],
+            )
+        print(f"decoder: linked to cluster {PROMPT} at {peer}", flush=True)
         cm = dd.cache_manager
         # The decoder's own cache has room for one request at a time.
         mine = cm.allocate_cache(
@@ -70,38 +154,102 @@ async def decoder(peer: str, transport: str) -> list[str]:
         )
         out = []
         for r in REQUESTS:
-            await cm.pull_cache(
-                kv.CacheKey(prompt_cluster_id=PROMPT, req_id=r), mine, batch_index=0
-            )
-            out.append(digest(mine.tensors, 0))
+            key = request_key(r)
+            await cm.pull_cache(key, mine, batch_index=0)
+            got = digest([t[0] for t in mine.tensors])
+            if got != digest(prompt_data(r)):
+                raise Failed(f"decoder: request {r}'s bytes differ from the prompt's")
+            print(f"decoder: pulled {show(key)}, sha256 {got[:16]}… matches", flush=True)
+            out.append(got)
         return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--role", choices=["both", "decoder", "prompt"], default="both")
-    ap.add_argument("--listen", default="127.0.0.1:0")
-    ap.add_argument("--peer")
-    ap.add_argument("--transport", default="auto")
-    args = ap.parse_args()
-    if args.role == "prompt":
-        asyncio.run(prompt(args.listen, args.transport))
-        return 0
-    if args.role == "decoder":
-        print("\n".join(asyncio.run(decoder(args.peer, args.transport))))
-        return 0
-    # Both roles here: the prompt in a child process (killed if anything fails).
-    argv = [sys.executable, __file__, "--role", "prompt", "--transport", args.transport]
+def both(args: argparse.Namespace) -> None:
+    """The prompt in a child process (killed if anything fails), the decoder here."""
+    argv = [sys.executable, __file__, "--role", "prompt", "--protocol"]
+    argv += ["--transport", args.transport]
     with Child(argv) as child:
-        _, address, *expected = child.read_line("READY").split()
-        got = asyncio.run(decoder(address, args.transport))
-        child.communicate("done", timeout=30)
-    ok = got == expected and child.returncode == 0
-    print(
-        f"pull flow: {len(REQUESTS)} requests pulled by CacheKey, "
-        f"bytes {'match' if ok else 'DIFFER'}"
+        try:
+            _, address, *expected = child.read_line("READY ").split()
+            print(f"prompt listening on {address} (child process {child.pid})", flush=True)
+            got = asyncio.run(decoder(address, args.transport))
+            child.communicate("done", timeout=30)
+        except PeerExited:
+            raise Failed(f"the prompt process failed (exit status {child.wait(10)})") from None
+    if child.returncode:
+        raise Failed(f"the prompt process exited with status {child.returncode}")
+    if got != expected:
+        raise Failed("the pulled bytes differ from what the prompt process holds")
+    print(f"pull flow: {len(REQUESTS)} requests pulled by CacheKey, sha256 of each matches")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    description, sep, epilog = str(__doc__).partition("run it:\n")
+    ap = argparse.ArgumentParser(
+        prog="pull_flow.py",
+        description=description.strip(),
+        epilog=sep + epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    return 0 if ok else 1
+    ap.add_argument(
+        "--role",
+        choices=["both", "prompt", "decoder"],
+        default="both",
+        help="both: the whole flow on this machine; prompt / decoder: one side, for two "
+        "hosts (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="prompt: the address to listen on; port 0 picks a free one (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--peer",
+        metavar="IPV4:PORT",
+        help="decoder (required): the prompt's address, as the prompt printed it",
+    )
+    ap.add_argument(
+        "--transport",
+        choices=["auto", "shm", "tcp", "rdma"],
+        default="auto",
+        help="the UCX transports for the bytes: auto lets UCX choose (shared memory on "
+        "one host); shm, tcp or rdma (InfiniBand verbs) forces one (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--protocol",
+        action="store_true",
+        help="prompt: print the line 'READY ADDRESS SHA256...' (one per slot) for a parent "
+        "process instead of messages, and serve until a line on stdin (the one-machine "
+        "mode runs its child so)",
+    )
+    return ap
+
+
+def main() -> int:
+    ap = build_parser()
+    args = ap.parse_args()
+    try:
+        if args.role == "prompt":
+            check_address(ap, "--listen", args.listen)
+            asyncio.run(prompt(args))
+        elif args.role == "decoder":
+            if not args.peer:
+                ap.error("--peer IPV4:PORT is required with --role decoder")
+            check_address(ap, "--peer", args.peer)
+            asyncio.run(decoder(args.peer, args.transport))
+        else:
+            both(args)
+    except kv.LLMException as exc:
+        print(f"error: {exc.status_code.name}: {exc.message}", file=sys.stderr)
+        return 1
+    except (Failed, PeerExited, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
 
 
 if __name__ == "__main__":

@@ -539,7 +539,7 @@ async def test_bounded_receiver_state(pair: Pair, monkeypatch: pytest.MonkeyPatc
 def test_example_layerwise_pd(transport: str) -> None:
     """examples/layerwise_pd.py as two processes: decode first, then prefill."""
     script = str(ROOT / "examples" / "layerwise_pd.py")
-    argv = [sys.executable, script, "--role", "decode", "--transport", transport]
+    argv = [sys.executable, script, "--role", "decode", "--protocol", "--transport", transport]
     with Child(argv, cwd=ROOT) as decode:
         line = decode.read_line("READY ", timeout=30)
         prefill = subprocess.run(
