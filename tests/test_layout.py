@@ -105,7 +105,7 @@ def test_the_cycle_finder_finds_cycles() -> None:
 
 def _layer(mod: str) -> int:
     short = mod.removeprefix("aiokvcache").lstrip(".")
-    if short in ("_native", "_loader"):
+    if short in ("_native", "_loader", "_ucxlog"):
         return 0
     if short == "_bridge":
         return 1
