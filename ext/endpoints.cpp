@@ -164,6 +164,34 @@ uint64_t Engine::connect(const std::string& address, bool peer_errors) {
     p.err_handler.arg = ep.get();
     ucs_status_t st = ucp_ep_create(worker_, &p, &ep->handle);
     if (st != UCS_OK) throw UcxFailure("ucp_ep_create", st);
+    // Nothing goes on the wire before the wireup handshake is done. The peer
+    // creates its endpoint to us when our wireup request arrives, and UCX's
+    // TCP transport (1.22 and master, uct_tcp_ep_replace_ep) then hands each
+    // connection we opened to that endpoint, dropping the receive buffer of
+    // a put it is in the middle of receiving while keeping the put state: the
+    // peer's next read of that put dereferences a null buffer (SIGSEGV), its
+    // sockets reset, and our transfer fails with LINK_FAILED. The context
+    // resolves the remote endpoint at creation (RESOLVE_REMOTE_EP_ID, see the
+    // constructor): the request leaves now, and this flush completes only
+    // once the peer answered it, its endpoint made. Until then jobs that
+    // reach a UCX operation wait (post_job); copies into mapped memory don't.
+    ucp_request_param_t fp{};
+    fp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    fp.cb.send = &Engine::on_data_done;
+    fp.user_data = this;
+    ucs_status_ptr_t r = ucp_ep_flush_nbx(ep->handle, &fp);
+    // Done at once (nothing to wire up, or a UCX without the option: then as
+    // before) or failed: nothing to wait for; a failed endpoint fails its
+    // jobs itself.
+    if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+      auto* ctx = static_cast<RequestCtx*>(r);
+      ctx->kind = RequestCtx::kWireup;
+      ctx->job = nullptr;
+      ctx->ep = nullptr;
+      ctx->len = ep->id;
+      ctx->batch = nullptr;
+      ep->wiring = true;
+    }
     uint64_t id = ep->id;
     eps_[id] = std::move(ep);
     n_eps_ = eps_.size();
@@ -210,6 +238,21 @@ bool Engine::endpoint_closed(uint64_t ep_id) {
 }
 
 // ---------------------------------------------------------- progress thread
+
+void Engine::wired(uint64_t ep_id) {
+  // Whatever the flush's status: a failed endpoint fails its parked jobs
+  // (endpoint_failed), and posting them only finds that out.
+  auto it = eps_.find(ep_id);
+  if (it == eps_.end()) return;  // retired: no job was left on it
+  Endpoint* ep = it->second.get();
+  ep->wiring = false;
+  for (Job* j : ep->parked) {
+    j->parked = false;
+    j->in_active = true;
+    active_.push_back(j);
+  }
+  ep->parked.clear();
+}
 
 void Engine::on_ep_error(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
   auto* ep = static_cast<Endpoint*>(arg);

@@ -65,6 +65,12 @@ struct Endpoint {
   bool forced = false;
   std::chrono::steady_clock::time_point forced_at{};
   std::vector<Job*> flush_wait;    // puts waiting for the next shared flush
+  // The wireup flush connect() posted is still outstanding: the peer has
+  // not answered our wireup request, so it may not have its endpoint to us
+  // yet. No operation goes on the wire until it has: jobs that reach a
+  // UCX operation wait in `parked` (see Engine::connect).
+  bool wiring = false;
+  std::vector<Job*> parked;
   // The confirmation window (EngineConfig::max_unconfirmed_bytes): bytes
   // posted and not confirmed, put bytes posted since the last flush was
   // posted, and whether a window flush is in flight.
@@ -195,6 +201,7 @@ class Engine {
   void reap_endpoints();
   void endpoint_failed(Endpoint* ep, ucs_status_t st);
   static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status);
+  void wired(uint64_t ep_id);
 
   // Jobs (jobs.cpp).
   void admit(std::unique_ptr<Job> j);

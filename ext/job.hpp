@@ -84,6 +84,7 @@ struct Job {
   DeadlineMap::iterator dl_it;
   std::vector<RemoteKey*> keys;  // distinct keys this job uses (counted in users)
   bool in_active = false;        // queued for posting
+  bool parked = false;           // in its endpoint's `parked`: waits for the wireup
   bool touched = false;          // queued for a state-machine step
   bool abandoned = false;        // reported released while UCX still held requests
 
@@ -112,10 +113,12 @@ struct Job {
 
 // What a UCX request carries in its reserved area (ucp_params.request_size).
 struct RequestCtx {
-  enum Kind : uint8_t { kData, kFlush, kWindow, kNotify, kClose } kind;
+  enum Kind : uint8_t { kData, kFlush, kWindow, kNotify, kClose, kWireup } kind;
   Job* job;
   Endpoint* ep;
-  uint64_t len;  // kData: bytes; kFlush, kWindow: the put bytes it confirms
+  // kData: bytes; kFlush, kWindow: the put bytes it confirms; kWireup: the
+  // endpoint's id (the record may be gone when it completes: ep is null).
+  uint64_t len;
   std::vector<Job*>* batch;  // kFlush: the jobs this flush completes
 };
 

@@ -270,9 +270,17 @@ void Engine::post_job(Job* j) {
       }
       continue;
     }
+    Endpoint* ep = j->ep;
+    if (ep->wiring) {
+      // Not before the peer answered our wireup (Engine::connect): it waits
+      // in the endpoint's list, out of the posting queue, so jobs on other
+      // endpoints go on.
+      j->parked = true;
+      ep->parked.push_back(j);
+      return;
+    }
     // The confirmation window: a frozen peer can apply at most this many
     // bytes of ours after we stopped (see EngineConfig).
-    Endpoint* ep = j->ep;
     if (cfg_.max_unconfirmed_bytes > 0 && ep->unconfirmed > 0 &&
         ep->unconfirmed + n > cfg_.max_unconfirmed_bytes) {
       post_window_flush(ep);
@@ -447,9 +455,10 @@ bool Engine::post_all() {
     post_job(j);
     any = any || posted_ != before;
     bool done_posting = j->seg_idx >= j->segs.size() || j->cancel || j->status != Status::kOK;
-    if (!done_posting) break;  // window full: keep FIFO order
+    if (!done_posting && !j->parked) break;  // window full: keep FIFO order
     active_.pop_front();
     j->in_active = false;
+    if (!done_posting) continue;  // parked until its endpoint is wired up
     touch(j);
     any = true;
   }
@@ -539,6 +548,11 @@ void Engine::detach(Job* j) {
   if (j->in_active) {
     active_.erase(std::find(active_.begin(), active_.end(), j));
     j->in_active = false;
+  }
+  if (j->parked) {
+    auto& parked = j->ep->parked;
+    parked.erase(std::find(parked.begin(), parked.end(), j));
+    j->parked = false;
   }
   if (j->has_deadline) {
     deadlines_.erase(j->dl_it);
@@ -631,6 +645,10 @@ void Engine::complete_flush(std::vector<Job*>* batch, ucs_status_t st) {
 }
 
 void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
+  if (ctx->kind == RequestCtx::kWireup) {
+    wired(ctx->len);
+    return;
+  }
   if (ctx->kind == RequestCtx::kFlush) {
     confirm(ctx->ep, ctx->len);
     complete_flush(ctx->batch, st);

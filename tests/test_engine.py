@@ -772,3 +772,20 @@ def test_tcp_source_address_is_not_bound_by_default() -> None:
         assert "TCP_EP_BIND_SRC_ADDR=n" not in eng.ucx_config().splitlines()
     finally:
         eng.close()
+
+
+def test_endpoints_resolve_the_peer_before_the_first_put() -> None:
+    # The wireup request leaves with ucp_ep_create, so connect() can hold
+    # puts until the peer answered it: a peer creating its endpoint to us
+    # while one of our TCP puts is half received crashes in UCX (see
+    # Engine::connect). The caller's choice still stands.
+    eng = native.Engine("tcp")
+    try:
+        assert "UCX_RESOLVE_REMOTE_EP_ID=on" in eng.ucx_config().splitlines()
+    finally:
+        eng.close()
+    eng = native.Engine("tcp", ucx_options={"RESOLVE_REMOTE_EP_ID": "auto"})
+    try:
+        assert "UCX_RESOLVE_REMOTE_EP_ID=auto" in eng.ucx_config().splitlines()
+    finally:
+        eng.close()
