@@ -25,6 +25,7 @@ import sys
 import time
 
 import numpy as np
+from _cli import Failed, peer_argument, run_role
 
 import aiokvcache as kv
 from aiokvcache.testing import Child, PeerExited
@@ -37,10 +38,6 @@ SEQ_BLOCKS = TOKENS // BLOCK_TOKENS
 DECODE_BLOCKS = 64  # the decode side's block pool
 TAG = "request-7"
 LINGER_S = 1.0  # see decode()
-
-
-class Failed(Exception):
-    """A check of this example failed (its message is the error line)."""
 
 
 def blocks_desc(num_blocks: int) -> kv.CacheDesc:
@@ -242,32 +239,6 @@ def both(args: argparse.Namespace) -> None:
     print(f"layerwise: {LAYERS} layers sent as they were computed, all verified by the decode side")
 
 
-def check_address(ap: argparse.ArgumentParser, option: str, value: str) -> None:
-    """``--listen`` as LLMConfig checks it (a host name or [IPv6] will do),
-    ``--peer`` as LLMClusterInfo does (IPv4:PORT)."""
-    try:
-        if option == "--listen":
-            kv.LLMConfig().listen_ip_info = value
-            return
-        ip, sep, port = value.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"expected IPV4:PORT, got {value!r}")
-        kv.LLMClusterInfo().append_remote_ip_info(ip, int(port))
-    except ValueError as exc:
-        ap.error(f"{option}: {exc}")
-
-
-def peer_argument(address: str | None, placeholder: str) -> str:
-    """What to pass as ``--peer`` to reach ``address``: the placeholder for
-    the IP where it is a wildcard or not an IPv4 address."""
-    ip, _, port = str(address).rpartition(":")
-    try:
-        kv.LLMClusterInfo().append_remote_ip_info(ip, int(port))
-    except ValueError:
-        ip = placeholder
-    return f"{placeholder if ip == '0.0.0.0' else ip}:{port}"
-
-
 def build_parser() -> argparse.ArgumentParser:
     description, sep, epilog = str(__doc__).partition("run it:\n")
     ap = argparse.ArgumentParser(
@@ -323,27 +294,13 @@ def main() -> int:
     args = ap.parse_args()
     if args.timeout <= 0:
         ap.error(f"--timeout must be > 0, got {args.timeout}")
-    try:
-        if args.role == "decode":
-            check_address(ap, "--listen", args.listen)
-            asyncio.run(decode(args))
-        elif args.role == "prefill":
-            if not args.peer:
-                ap.error("--peer IPV4:PORT is required with --role prefill")
-            check_address(ap, "--peer", args.peer)
-            asyncio.run(prefill(args.peer, args.transport))
-        else:
-            both(args)
-    except kv.LLMException as exc:
-        print(f"error: {exc.status_code.name}: {exc.message}", file=sys.stderr)
-        return 1
-    except (Failed, PeerExited, TimeoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return run_role(
+        ap,
+        args,
+        ("decode", lambda: decode(args)),
+        ("prefill", lambda: prefill(args.peer, args.transport)),
+        lambda: both(args),
+    )
 
 
 if __name__ == "__main__":

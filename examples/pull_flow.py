@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import signal
 import sys
 
 import numpy as np
+from _cli import Failed, digest, peer_argument, run_role
 
 import aiokvcache as kv
 from aiokvcache.testing import Child, PeerExited
@@ -35,10 +35,6 @@ PROMPT, DECODER = 1, 2
 LAYERS, BATCH, TOKENS, HEADS, DIM = 8, 4, 256, 4, 64
 DESC = kv.CacheDesc(2 * LAYERS, [BATCH, TOKENS, HEADS, DIM], kv.DataType.DT_BF16, kv.Placement.HOST)
 REQUESTS = [1001, 1002, 1003, 1004]  # one request per batch slot
-
-
-class Failed(Exception):
-    """A check of this example failed (its message is the error line)."""
 
 
 def request_key(req_id: int) -> kv.CacheKey:
@@ -56,39 +52,6 @@ def prompt_data(req_id: int) -> list[np.ndarray]:
     rng = np.random.default_rng(req_id)
     shape = (TOKENS, HEADS, DIM)
     return [rng.integers(0, 2**16, shape, dtype=np.uint16) for _ in range(DESC.num_tensors)]
-
-
-def digest(tensors: list[np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(np.ascontiguousarray(t).tobytes())
-    return h.hexdigest()
-
-
-def check_address(ap: argparse.ArgumentParser, option: str, value: str) -> None:
-    """``--listen`` as LLMConfig checks it (a host name or [IPv6] will do),
-    ``--peer`` as LLMClusterInfo does (IPv4:PORT)."""
-    try:
-        if option == "--listen":
-            kv.LLMConfig().listen_ip_info = value
-            return
-        ip, sep, port = value.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"expected IPV4:PORT, got {value!r}")
-        kv.LLMClusterInfo().append_remote_ip_info(ip, int(port))
-    except ValueError as exc:
-        ap.error(f"{option}: {exc}")
-
-
-def peer_argument(address: str | None, placeholder: str) -> str:
-    """What to pass as ``--peer`` to reach ``address``: the placeholder for
-    the IP where it is a wildcard or not an IPv4 address."""
-    ip, _, port = str(address).rpartition(":")
-    try:
-        kv.LLMClusterInfo().append_remote_ip_info(ip, int(port))
-    except ValueError:
-        ip = placeholder
-    return f"{placeholder if ip == '0.0.0.0' else ip}:{port}"
 
 
 async def prompt(args: argparse.Namespace) -> None:
@@ -229,27 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main() -> int:
     ap = build_parser()
     args = ap.parse_args()
-    try:
-        if args.role == "prompt":
-            check_address(ap, "--listen", args.listen)
-            asyncio.run(prompt(args))
-        elif args.role == "decoder":
-            if not args.peer:
-                ap.error("--peer IPV4:PORT is required with --role decoder")
-            check_address(ap, "--peer", args.peer)
-            asyncio.run(decoder(args.peer, args.transport))
-        else:
-            both(args)
-    except kv.LLMException as exc:
-        print(f"error: {exc.status_code.name}: {exc.message}", file=sys.stderr)
-        return 1
-    except (Failed, PeerExited, TimeoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return run_role(
+        ap,
+        args,
+        ("prompt", lambda: prompt(args)),
+        ("decoder", lambda: decoder(args.peer, args.transport)),
+        lambda: both(args),
+    )
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import sys
 
 import numpy as np
+from _cli import Failed, digest, peer_argument, run_role
 
 import aiokvcache as kv
 from aiokvcache.testing import Child, PeerExited
@@ -38,10 +38,6 @@ DESC = kv.CacheDesc(
 )
 SLOT = 1  # the decoder's batch slot for the request (slot 0 belongs to another one)
 LINGER_S = 1.0  # see decoder()
-
-
-class Failed(Exception):
-    """A check of this example failed (its message is the error line)."""
 
 
 def request_key(req_id: int) -> kv.CacheKey:
@@ -59,39 +55,6 @@ def prompt_data(req_id: int) -> list[np.ndarray]:
     rng = np.random.default_rng(req_id)
     shape = (TOKENS, HEADS, DIM)
     return [rng.standard_normal(shape).astype(np.float16) for _ in range(DESC.num_tensors)]
-
-
-def digest(tensors: list[np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(np.ascontiguousarray(t).tobytes())
-    return h.hexdigest()
-
-
-def check_address(ap: argparse.ArgumentParser, option: str, value: str) -> None:
-    """``--listen`` as LLMConfig checks it (a host name or [IPv6] will do),
-    ``--peer`` as LLMClusterInfo does (IPv4:PORT)."""
-    try:
-        if option == "--listen":
-            kv.LLMConfig().listen_ip_info = value
-            return
-        ip, sep, port = value.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"expected IPV4:PORT, got {value!r}")
-        kv.LLMClusterInfo().append_remote_ip_info(ip, int(port))
-    except ValueError as exc:
-        ap.error(f"{option}: {exc}")
-
-
-def peer_argument(address: str | None, placeholder: str) -> str:
-    """What to pass as ``--peer`` to reach ``address``: the placeholder for
-    the IP where it is a wildcard or not an IPv4 address."""
-    ip, _, port = str(address).rpartition(":")
-    try:
-        kv.LLMClusterInfo().append_remote_ip_info(ip, int(port))
-    except ValueError:
-        ip = placeholder
-    return f"{placeholder if ip == '0.0.0.0' else ip}:{port}"
 
 
 async def decoder(args: argparse.Namespace) -> None:
@@ -265,27 +228,13 @@ def main() -> int:
         ap.error(f"--req-id must be in [0, 2**64 - 2), got {args.req_id}")
     if args.timeout <= 0:
         ap.error(f"--timeout must be > 0, got {args.timeout}")
-    try:
-        if args.role == "decoder":
-            check_address(ap, "--listen", args.listen)
-            asyncio.run(decoder(args))
-        elif args.role == "prompt":
-            if not args.peer:
-                ap.error("--peer IPV4:PORT is required with --role prompt")
-            check_address(ap, "--peer", args.peer)
-            asyncio.run(prompt(args.peer, args.req_id, args.transport))
-        else:
-            both(args)
-    except kv.LLMException as exc:
-        print(f"error: {exc.status_code.name}: {exc.message}", file=sys.stderr)
-        return 1
-    except (Failed, PeerExited, TimeoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return run_role(
+        ap,
+        args,
+        ("decoder", lambda: decoder(args)),
+        ("prompt", lambda: prompt(args.peer, args.req_id, args.transport)),
+        lambda: both(args),
+    )
 
 
 if __name__ == "__main__":

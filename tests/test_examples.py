@@ -45,7 +45,12 @@ def parser_of(example: str) -> argparse.ArgumentParser:
     spec = importlib.util.spec_from_file_location(example.removesuffix(".py"), EXAMPLES / example)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # As when it runs as a script: its directory first on sys.path (_cli.py).
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLES))
     parser: argparse.ArgumentParser = module.build_parser()
     return parser
 
