@@ -41,7 +41,6 @@ ST_OK: int = native.ST_OK
 KIND_JOB: int = native.KIND_JOB
 KIND_NOTIFY: int = native.KIND_NOTIFY
 KIND_ENDPOINT: int = native.KIND_ENDPOINT
-ucx_log_pending = native.ucx_log_pending
 
 #: Human words per native status, from the engine's own status table.
 WORDS: dict[int, str] = {value: words for value, _name, words, _llm in native.STATUSES}
@@ -211,8 +210,7 @@ class Bridge:
             self._fail_everything(exc)
             return
         self._dispatch(entries)
-        if ucx_log_pending():
-            _ucxlog.drain()
+        _ucxlog.drain()  # UCX's log lines, if any came meanwhile (cheap when none)
 
     def _dispatch_all(self) -> None:
         # After close: drain until empty, nothing bumps any more.

@@ -198,21 +198,9 @@ class Runner:
         remote: RemoteCache,
         checked: bool = False,
     ) -> None:
-        """:meth:`start` then :meth:`finish`: the whole call's path (inlined:
-        it is every small transfer's)."""
-        remotes = (remote,)
-        group = self.start(jobs, timeout, local, remotes, checked)
-        ids = list(group.index)
-        try:
-            await self._bridge.wait(group)
-        except GroupFailed as exc:
-            raise self.explain(
-                failure(exc.group, labels, timed_out=exc.timed_out), local, remotes
-            ) from None
-        except BridgeError as exc:
-            raise InternalError(str(exc)) from exc
-        finally:
-            self.release(ids, local, remotes)
+        """:meth:`start` then :meth:`finish`: the whole call's path."""
+        group = self.start(jobs, timeout, local, (remote,), checked)
+        await self.finish(group, labels, local, (remote,))
 
     async def wait(self, group: JobGroup, labels: Sequence[str] | None) -> list[JobResult]:
         """Await ``group`` (LLM-DataDist errors, no lease bookkeeping)."""
