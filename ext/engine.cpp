@@ -59,18 +59,18 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   // address. Only where this UCX knows the option (1.22 does; older ones
   // answer INVALID_PARAM and keep their behaviour), and caller options below
   // still win.
-  // The caller's choice (ucx_options or the environment) stands; UCX would
-  // otherwise keep both settings.
-  bool caller_binds = std::getenv("UCX_TCP_EP_BIND_SRC_ADDR") != nullptr;
-  for (const auto& kv : cfg_.ucx_options) caller_binds = caller_binds || kv.first == "TCP_EP_BIND_SRC_ADDR";
-  if (st == UCS_OK && !caller_binds) (void)ucp_config_modify(config, "TCP_EP_BIND_SRC_ADDR", "n");
+  // Our defaults, each best effort; the caller's choice (ucx_options or
+  // the UCX_* environment) stands, since UCX would otherwise keep both.
+  auto default_option = [&](const std::string& name, const char* value) {
+    bool caller_set = std::getenv(("UCX_" + name).c_str()) != nullptr;
+    for (const auto& kv : cfg_.ucx_options) caller_set = caller_set || kv.first == name;
+    if (st == UCS_OK && !caller_set) (void)ucp_config_modify(config, name.c_str(), value);
+  };
+  default_option("TCP_EP_BIND_SRC_ADDR", "n");
   // An endpoint sends its wireup request when it is created, not with its
   // first active message, so connect() can wait for the peer's answer before
-  // any put goes out (see Engine::connect). Best effort and the caller's
-  // choice first, as above.
-  bool caller_resolves = std::getenv("UCX_RESOLVE_REMOTE_EP_ID") != nullptr;
-  for (const auto& kv : cfg_.ucx_options) caller_resolves = caller_resolves || kv.first == "RESOLVE_REMOTE_EP_ID";
-  if (st == UCS_OK && !caller_resolves) (void)ucp_config_modify(config, "RESOLVE_REMOTE_EP_ID", "y");
+  // any put goes out (see Engine::connect).
+  default_option("RESOLVE_REMOTE_EP_ID", "y");
   // A name starting with '?' is best effort: set where this UCX build has
   // it (IB_* options without the IB transport module are unknown to UCX).
   std::string bad;
