@@ -181,7 +181,8 @@ def main() -> int:
         # VM's memory bandwidth drifts by 2x within a minute, so a ratio to a
         # baseline taken minutes earlier says little.
         mems.append(memcpy_baseline(total, base_s))
-        mems_n.append(memcpy_threads(total, base_s, lanes_n))
+        # One lane: the N-thread baseline is the one-thread one.
+        mems_n.append(mems[-1] if lanes_n <= 1 else memcpy_threads(total, base_s, lanes_n))
         return mems[-1], mems_n[-1]
 
     try:
