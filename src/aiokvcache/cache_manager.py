@@ -570,6 +570,26 @@ class CacheManager:
         want = {check_int("layers[]", x, 0, 2**31 - 1) for x in layers}
         await self._rt.receiver.wait_for_layers(tag, want, check_timeout(timeout))
 
+    async def notify(
+        self, cluster_id: int, tag: str | bytes, *, timeout: float | None = None
+    ) -> None:
+        """**[ours]** Send a notification that moves no bytes to linked cluster ``cluster_id``.
+
+        The peer's :meth:`notifications` yield ``Notification(tag, our cluster
+        id, cache_id=-1, batch_index=None, layer=-1)``: a control signal
+        ("done reading request 7") on the transfer's own path, after
+        everything this side pushed before it was posted. Returns once the
+        peer's engine took it; raises ``LLM_NOT_YET_LINK`` / ``LLM_LINK_FAILED``
+        for a missing or broken link and :class:`LLMTimeoutError` on timeout.
+        """
+        self._check_ready()
+        cid = check_int("cluster_id", cluster_id, 0, 2**64 - 1)
+        if tag is None:
+            raise TypeError("tag must be str or bytes, got NoneType")
+        tag_v = check_tag("tag", tag)
+        assert tag_v is not None
+        await self._tr.notify(cid, tag_v, check_timeout(timeout))
+
     def discard_tag(self, tag: str | bytes) -> None:
         """Drop what is recorded for ``tag``."""
         check_tag("tag", tag)

@@ -185,6 +185,16 @@ class Receiver:
             self.bad_notifications += 1
             log.warning("aiokvcache: dropped a malformed notification (%d bytes)", len(data))
             return
+        if note.layer >= 0:
+            self._record(note)
+        for q in self._subscribers:
+            if q.full():
+                q.get_nowait()
+                self.dropped_notifications += 1
+            q.put_nowait(note)
+
+    def _record(self, note: Notification) -> None:
+        """Count a landed layer for its tag and wake who waits for it."""
         rec = self._records.get(note.tag)
         if rec is None:
             rec = set()
@@ -200,11 +210,6 @@ class Receiver:
         for want, fut in self._waiters.get(note.tag, []):
             if not fut.done() and want <= rec:
                 fut.set_result(None)
-        for q in self._subscribers:
-            if q.full():
-                q.get_nowait()
-                self.dropped_notifications += 1
-            q.put_nowait(note)
 
     async def wait_for_layers(
         self, tag: str | bytes, want: set[int], timeout: float | None

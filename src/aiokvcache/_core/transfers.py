@@ -22,7 +22,7 @@ from .._bridge import OP_GET, OP_PUT, settle
 from .._loader import native
 from . import notify, planner
 from .errors import LLMStatusCode, LLMTimeoutError, make_error, param_invalid
-from .runner import Runner, engine_finalized, time_left
+from .runner import Runner, engine_finalized, run_jobs, time_left
 from .service import PeerService
 from .state import Link, LocalCache, RemoteCache, State
 from .types import (
@@ -38,6 +38,9 @@ from .types import (
 __all__ = ["Transfers"]
 
 T = TypeVar("T")
+
+_NO_ROWS = np.zeros((0, 4), np.uint64)
+"""The segment table of a job that moves nothing."""
 
 
 def _views(desc: CacheDesc, addrs: list[int]) -> list[npt.NDArray[Any]]:
@@ -613,6 +616,14 @@ class Transfers:
             payload = notify.payload(cluster, tag, remote.cache_id, None, dl, block_list)
             jobs.append((OP_PUT, link.ep, rows, payload, per_job_ms))
         await self.runner.run(jobs, [f"layer {dl}" for _, dl in pairs], tmo, src, remote)
+
+    async def notify(self, cluster_id: int, tag: str | bytes, tmo: float | None) -> None:
+        """``notify`` after its argument checks: one job that moves nothing
+        and carries the notification (layer -1, cache id -1)."""
+        link = self.state.link_for(cluster_id)
+        payload = notify.payload(self.state.cluster_id, tag, -1, None, -1)
+        job = (OP_PUT, link.ep, _NO_ROWS, payload, self.state.options.sync_kv_timeout_ms)
+        await run_jobs(self.runner.bridge, [job], timeout=tmo, labels=["notification"])
 
     async def pull_blocks(
         self,
