@@ -1,0 +1,160 @@
+"""The vLLM connector's engine-independent half (``aiokvcache.integrations._kvlink``):
+two TransferAgents in one process, each with its own loop thread, moving
+NumPy "KV caches" in vLLM's CPU layout, driven from this (synchronous) thread
+as vLLM's worker drives them. No vLLM needed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from aiokvcache.integrations._kvlink import (
+    KVLayout,
+    Peer,
+    TransferAgent,
+    TransferResults,
+    block_runs,
+    cluster_id_for,
+)
+
+LAYERS, BLOCKS, BLOCK_BYTES, BS = 3, 16, 256, 4
+
+
+class Side:
+    def __init__(self, name: str, transport: str, **kw: float) -> None:
+        self.kv = [np.zeros((BLOCKS, BLOCK_BYTES), np.uint8) for _ in range(LAYERS)]
+        layout = KVLayout(
+            LAYERS, 1, BLOCKS, BLOCK_BYTES, BS, tuple(a.ctypes.data for a in self.kv), "u8"
+        )
+        self.agent = TransferAgent(
+            cluster_id_for(name, 0), layout, transport=transport, **kw
+        )
+        host, port = self.agent.start().rsplit(":", 1)
+        self.peer = Peer(host, int(port), self.agent.cluster_id)
+        self.got = TransferResults()
+
+    def poll(self) -> TransferResults:
+        r = self.agent.take_results()
+        self.got.finished_sending |= r.finished_sending
+        self.got.finished_recving |= r.finished_recving
+        self.got.failed_recving |= r.failed_recving
+        self.got.invalid_block_ids |= r.invalid_block_ids
+        return self.got
+
+
+def wait_for(cond: object, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def sides(transport: str) -> Iterator[tuple[Side, Side]]:
+    p = Side("prefill", transport, timeout=5.0, grace=1.0)
+    d = Side("decode", transport, timeout=5.0, grace=1.0)
+    try:
+        yield p, d
+    finally:
+        d.agent.close()
+        p.agent.close()
+
+
+def fill(side: Side, blocks: list[int], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for layer in side.kv:
+        layer[blocks] = rng.integers(1, 255, (len(blocks), BLOCK_BYTES), np.uint8)
+
+
+def same(p: Side, pb: list[int], d: Side, db: list[int]) -> bool:
+    return all(np.array_equal(pl[pb], dl[db]) for pl, dl in zip(p.kv, d.kv, strict=True))
+
+
+def test_block_runs_and_cluster_ids() -> None:
+    assert block_runs([3, 4, 5, 9, 10, 2]) == [[3, 3], [9, 2], [2, 1]]
+    assert block_runs([]) == []
+    assert cluster_id_for("e", 0) == cluster_id_for("e", 0) != cluster_id_for("e", 1)
+    with pytest.raises(ValueError, match="addrs"):
+        KVLayout(2, 2, 4, 8, 4, (1, 2, 3))
+
+
+def test_pull_claims_reads_then_frees(sides: tuple[Side, Side]) -> None:
+    p, d = sides
+    fill(p, [1, 2, 7], 1)
+    # D may claim before P's engine handed the request over: still granted.
+    d.agent.pull("d-req", p.peer, "p-req", [1, 2, 7], [5, 6, 3], p.agent.layout.digest())
+    wait_for(lambda: "d-req" in d.poll().finished_recving)
+    assert not d.got.failed_recving
+    assert same(p, [1, 2, 7], d, [5, 6, 3])
+    assert not p.poll().finished_sending  # not reported before the engine handed it over
+    p.agent.hold("p-req", lease=30)
+    wait_for(lambda: "p-req" in p.poll().finished_sending)
+
+
+def test_pull_after_the_lease_expired_fails_and_reads_nothing(sides: tuple[Side, Side]) -> None:
+    p, d = sides
+    fill(p, [1], 2)
+    p.agent.hold("p-req", lease=0)
+    assert "p-req" in p.poll().finished_sending  # reaped: the engine may reuse block 1
+    d.agent.pull("d-req", p.peer, "p-req", [1], [4])
+    wait_for(lambda: "d-req" in d.poll().finished_recving)
+    assert d.got.failed_recving == {"d-req"}
+    assert d.got.invalid_block_ids == {4}
+    assert not d.kv[0][4].any()
+
+
+def test_pull_with_another_layout_fails(sides: tuple[Side, Side]) -> None:
+    p, d = sides
+    d.agent.pull("d-req", p.peer, "p-req", [1], [4], digest="0" * 16)
+    wait_for(lambda: "d-req" in d.poll().failed_recving)
+
+
+@pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
+def test_push_layer_by_layer(sides: tuple[Side, Side], order: str) -> None:
+    p, d = sides
+    pblocks, dblocks = [2, 3, 4], [9, 1, 12]
+    fill(p, pblocks, 3)
+    if order == "decode-first":
+        d.agent.expect_push("d-req", p.peer, "x1", dblocks)
+        time.sleep(0.2)  # the registration arrives before P computes anything
+    # Two prefill chunks: tokens [0, 6) then [6, 10) (blocks of 4 tokens).
+    p.agent.push_step("x1", "p-req", pblocks, BS, 6, final=False)
+    for layer in range(LAYERS):
+        p.agent.layer_saved("x1", layer)
+    p.agent.push_step("x1", "p-req", pblocks, BS, 10, final=True)
+    for layer in range(LAYERS):
+        p.agent.layer_saved("x1", layer)
+    p.agent.push_release("x1")
+    if order == "prefill-first":
+        d.agent.expect_push("d-req", p.peer, "x1", dblocks)
+    wait_for(lambda: "d-req" in d.poll().finished_recving)
+    assert not d.got.failed_recving
+    assert same(p, pblocks, d, dblocks)
+    assert d.agent.layers_received >= LAYERS
+    wait_for(lambda: "p-req" in p.poll().finished_sending)
+
+
+def test_push_nobody_computes_fails_on_time_and_frees(sides: tuple[Side, Side]) -> None:
+    p, d = sides
+    t0 = time.monotonic()
+    d.agent.expect_push("d-req", p.peer, "x2", [1, 2])
+    wait_for(lambda: "d-req" in d.poll().finished_recving, timeout=30)
+    took = time.monotonic() - t0
+    assert d.got.failed_recving == {"d-req"}
+    assert d.got.invalid_block_ids == {1, 2}
+    assert took < 5.0 + 1.0 + 5.0  # timeout + grace, and some slack for a loaded machine
+
+
+def test_pull_from_a_dead_peer_fails_within_the_deadline(transport: str) -> None:
+    d = Side("decode", transport, timeout=2.0, grace=0.5)
+    try:
+        t0 = time.monotonic()
+        d.agent.pull("d-req", Peer("127.0.0.1", 1, 12345), "p-req", [1], [2])
+        wait_for(lambda: "d-req" in d.poll().finished_recving)
+        assert d.got.failed_recving == {"d-req"}
+        assert time.monotonic() - t0 < 10
+    finally:
+        d.agent.close()
