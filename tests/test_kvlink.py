@@ -29,9 +29,7 @@ class Side:
         layout = KVLayout(
             LAYERS, 1, BLOCKS, BLOCK_BYTES, BS, tuple(a.ctypes.data for a in self.kv), "u8"
         )
-        self.agent = TransferAgent(
-            cluster_id_for(name, 0), layout, transport=transport, **kw
-        )
+        self.agent = TransferAgent(cluster_id_for(name, 0), layout, transport=transport, **kw)
         host, port = self.agent.start().rsplit(":", 1)
         self.peer = Peer(host, int(port), self.agent.cluster_id)
         self.got = TransferResults()
@@ -133,7 +131,8 @@ def test_push_layer_by_layer(sides: tuple[Side, Side], order: str) -> None:
     wait_for(lambda: "d-req" in d.poll().finished_recving)
     assert not d.got.failed_recving
     assert same(p, pblocks, d, dblocks)
-    assert d.agent.layers_received >= LAYERS
+    assert d.agent.stats["layers_received"] >= LAYERS
+    assert d.agent.stats["pushes_received"] == 1 and p.agent.stats["pushes_sent"] == 1
     wait_for(lambda: "p-req" in p.poll().finished_sending)
 
 

@@ -232,7 +232,22 @@ class TransferAgent:
         self._waits: dict[tuple[str, str], asyncio.Future[Any]] = {}  # (kind, id) -> future
         self._links: dict[int, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.layers_received = 0  # D: per-layer notifications seen (stats)
+        #: Counters: what this side loaded, sent and refused.
+        self.stats: dict[str, int] = dict.fromkeys(
+            (
+                "pulls",
+                "pushes_received",
+                "layers_received",
+                "blocks_loaded",
+                "load_failures",
+                "pushes_sent",
+                "push_failures",
+                "grants",
+                "refusals",
+                "leases_expired",
+            ),
+            0,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dd: LLMDataDist | None = None
@@ -335,6 +350,7 @@ class TransferAgent:
             for rid, h in list(self._holds.items()):
                 if h.known and (h.done or h.deadline <= now):
                     if not h.done:
+                        self.stats["leases_expired"] += 1
                         log.warning("aiokvcache: request %s: lease expired, blocks released", rid)
                     self._release(rid)
                 elif not h.known and h.deadline <= now:
@@ -376,6 +392,7 @@ class TransferAgent:
                     h = self._holds[rid] = _Hold(now)
                 h.deadline = max(h.deadline, now + self.timeout + self.grace)
                 granted = True
+        self.stats["grants" if granted else "refusals"] += 1
         self._spawn(self._send(src, _tag("grant" if granted else "expired", rid)))
 
     def _on_done(self, rid: str) -> None:
@@ -514,6 +531,7 @@ class TransferAgent:
             return
         st.ended = True
         assert st.reg_cluster is not None
+        self.stats["pushes_sent"] += 1
         self._spawn(self._send(st.reg_cluster, _tag("pushed", st.xid)))
         self._maybe_report(st)
 
@@ -523,6 +541,7 @@ class TransferAgent:
             return
         st.ended = True
         st.failed = why
+        self.stats["push_failures"] += 1
         log.warning("aiokvcache: push %s failed: %s", st.xid, why)
         tails = [t for t in st.tails.values() if not t.done()]
         for t in tails:
@@ -601,11 +620,13 @@ class TransferAgent:
             raise
         except Exception as exc:
             log.warning("aiokvcache: request %s: KV load failed: %s", req_id, exc)
+            self.stats["load_failures"] += 1
             with self._lock:
                 self._results.failed_recving.add(req_id)
                 self._results.finished_recving.add(req_id)
                 self._results.invalid_block_ids.update(local_ids)
             return
+        self.stats["blocks_loaded"] += len(local_ids)
         with self._lock:
             self._results.finished_recving.add(req_id)
 
@@ -638,6 +659,7 @@ class TransferAgent:
                     tensor_num_per_layer=self.layout.tensors_per_layer,
                     timeout=max(0.001, self.timeout - (time.monotonic() - start)),
                 )
+            self.stats["pulls"] += 1
         except TimeoutError:
             raise _TransferFailed(f"not loaded within {self.timeout} s") from None
         finally:
@@ -662,6 +684,7 @@ class TransferAgent:
                 raise _TransferFailed(f"not pushed within {self.timeout} s") from None
             if answer != "pushed":
                 raise _TransferFailed(f"the prefill instance failed: {answer}")
+            self.stats["pushes_received"] += 1
         finally:
             self._waits.pop(("pushed", xid), None)
 
@@ -725,7 +748,7 @@ class TransferAgent:
 
     def _dispatch(self, src: int, kind: str, args: list[Any]) -> None:
         if kind == "kv":
-            self.layers_received += 1
+            self.stats["layers_received"] += 1
         elif kind == "claim":
             self._on_claim(src, str(args[0]))
         elif kind == "done":

@@ -1,0 +1,501 @@
+"""A vLLM KV connector on aiokvcache: ``AioKVConnector``.
+
+Load it with::
+
+    KVTransferConfig(
+        kv_connector="AioKVConnector",
+        kv_connector_module_path="aiokvcache.integrations.vllm",
+        kv_role="kv_producer",  # or "kv_consumer", "kv_both"
+        kv_connector_extra_config={"mode": "pull"},  # or "push"; see EXTRA_CONFIG
+    )
+
+The request flow is vLLM's NixlConnector's: a prefill request carries
+``kv_transfer_params={"do_remote_decode": True}``; the prefill instance
+returns the params a decode request passes back unchanged
+(``do_remote_prefill``, ``remote_block_ids``, ``remote_engine_id``,
+``remote_request_id``, ``remote_host``, ``remote_port``, ``transfer_mode``
+and aiokvcache's own ``remote_cluster_id``, ``aiokv_peers``,
+``aiokv_layout``, ``aiokv_transfer_id``), so vLLM's disaggregated proxy and
+clients written for NixlConnector work unchanged.
+
+- *pull* (default): the decode worker claims the prefill's blocks, reads
+  them with ``pull_blocks`` and tells the prefill to free them.
+- *push*: the prefill worker writes each layer into the decode's blocks
+  from ``save_kv_layer``, as soon as that layer is computed, once the decode
+  registered its blocks; the decode side learns of each layer from
+  aiokvcache's notifications. When the client sends the decode request
+  first (``do_remote_prefill`` with the prefill's address and an
+  ``aiokv_transfer_id`` it also gives the prefill request), pushes overlap
+  the prefill's computation layer by layer.
+
+The scheduler-side connector starts nothing; each worker-side connector owns
+one aiokvcache engine on its own thread (:mod:`._kvlink`). No method blocks
+the engine step and nothing polls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from ._kvlink import KVLayout, Peer, TransferAgent, cluster_id_for
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+__all__ = ["EXTRA_CONFIG", "AioKVConnector", "AioKVHandshake", "AioKVMetadata", "kv_layout"]
+
+log = logging.getLogger("aiokvcache.vllm")
+
+#: ``kv_connector_extra_config`` keys and their defaults.
+EXTRA_CONFIG: dict[str, Any] = {
+    "mode": "pull",  # "pull" or "push"
+    "transport": "auto",  # aiokvcache transport: auto, shm, tcp, rdma
+    "host": "127.0.0.1",  # the worker's listen address (AIOKVCACHE_VLLM_HOST overrides)
+    "port": 0,  # 0: any free port; else port + tensor-parallel rank
+    "cluster_id": None,  # aiokvcache cluster id (+ rank); default from engine_id
+    "timeout": 30.0,  # seconds: one request's transfer, from its start
+    "kv_lease_duration": 30.0,  # seconds a pull-mode prefill holds finished blocks
+    "auth_token": None,  # shared secret (AIOKVCACHE_AUTH_TOKEN overrides)
+}
+
+
+def _config(extra: dict[str, Any] | None) -> dict[str, Any]:
+    cfg = dict(EXTRA_CONFIG)
+    for key, value in (extra or {}).items():
+        if key in cfg:
+            cfg[key] = value
+    if cfg["mode"] not in ("pull", "push"):
+        raise ValueError(
+            f"kv_connector_extra_config['mode'] must be 'pull' or 'push', got {cfg['mode']!r}"
+        )
+    for key in ("timeout", "kv_lease_duration"):
+        if not isinstance(cfg[key], (int, float)) or cfg[key] <= 0:
+            raise ValueError(
+                f"kv_connector_extra_config[{key!r}] must be a positive number, got {cfg[key]!r}"
+            )
+    if not isinstance(cfg["port"], int) or not 0 <= cfg["port"] < 65536:
+        raise ValueError(f"kv_connector_extra_config['port'] must be a port, got {cfg['port']!r}")
+    cfg["host"] = os.environ.get("AIOKVCACHE_VLLM_HOST", cfg["host"])
+    cfg["auth_token"] = os.environ.get("AIOKVCACHE_AUTH_TOKEN", cfg["auth_token"])
+    return cfg
+
+
+def _layer_key(name: str) -> tuple[int, ...]:
+    """Sort ``model.layers.10`` after ``model.layers.2``."""
+    return tuple(int(x) for x in re.findall(r"\d+", name))
+
+
+def kv_layout(
+    kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int
+) -> tuple[KVLayout, list[str], list[torch.Tensor]]:
+    """How vLLM's per-layer KV tensors map onto one aiokvcache blocks cache.
+
+    Accepted per-layer layouts (all layers alike), block ``b`` contiguous in
+    each tensor:
+
+    - ``[num_blocks, ...]``: K and V of a block together (vLLM's CPU
+      backend, ``[num_blocks, kv_heads, block_size, 2 * head_size]``;
+      FlashInfer's ``[num_blocks, 2, ...]``; MLA): one tensor per layer;
+    - ``[2, num_blocks, ...]``: K and V apart (FlashAttention's
+      ``[2, num_blocks, block_size, kv_heads, head_size]``): two tensors
+      per layer, K then V.
+
+    Returns the layout, the layer names in layer order and the tensors
+    (kept alive by the caller while registered). Raises ``ValueError``
+    naming the layer for anything else, and for device memory: aiokvcache
+    moves host memory.
+    """
+    if not kv_caches:
+        raise ValueError("kv_caches is empty")
+    names = sorted(kv_caches, key=_layer_key)
+    parts: list[torch.Tensor] = []
+    per_layer: int | None = None
+    block_bytes: int | None = None
+    dtype = None
+    for name in names:
+        t = kv_caches[name]
+        if t.device.type != "cpu":
+            raise ValueError(
+                f"kv_caches[{name!r}] is on {t.device}: aiokvcache moves host memory only "
+                "(vLLM's CPU backend)"
+            )
+        if t.dim() >= 2 and t.shape[0] == num_blocks and t.is_contiguous():
+            mine = [t]
+        elif t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks and t.is_contiguous():
+            mine = [t[0], t[1]]
+        else:
+            raise ValueError(
+                f"kv_caches[{name!r}]: unsupported KV layout shape={tuple(t.shape)} "
+                f"stride={t.stride()} for {num_blocks} blocks: expected a contiguous "
+                "[num_blocks, ...] or [2, num_blocks, ...] tensor"
+            )
+        bb = mine[0].numel() // num_blocks * mine[0].element_size()
+        if per_layer is None:
+            per_layer, block_bytes, dtype = len(mine), bb, t.dtype
+        elif (len(mine), bb, t.dtype) != (per_layer, block_bytes, dtype):
+            raise ValueError(f"kv_caches[{name!r}] differs in layout from {names[0]!r}")
+        parts.extend(mine)
+    assert per_layer is not None and block_bytes is not None
+    layout = KVLayout(
+        len(names),
+        per_layer,
+        num_blocks,
+        block_bytes,
+        block_size,
+        tuple(p.data_ptr() for p in parts),
+        str(dtype),
+    )
+    return layout, names, parts
+
+
+@dataclass
+class AioKVHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc,unused-ignore]
+    """What a worker tells its scheduler at start-up: where its engine listens."""
+
+    host: str
+    port: int
+    cluster_id: int
+    layout: str
+
+
+@dataclass
+class _Recv:
+    """D: one request to load (pull) or to be pushed (push)."""
+
+    mode: str
+    peers: list[list[Any]]  # [[host, port, cluster_id], ...] per tensor-parallel rank
+    remote_request_id: str
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    transfer_id: str
+    layout: str | None
+
+
+@dataclass
+class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
+    """What the scheduler tells its workers each step."""
+
+    recv: dict[str, _Recv] = field(default_factory=dict)
+    holds: dict[str, float] = field(default_factory=dict)  # P pull: req id -> lease (s)
+    # P push: req id -> (transfer id, block ids, token end of this step, last chunk)
+    push_steps: dict[str, tuple[str, list[int], int, bool]] = field(default_factory=dict)
+    push_release: dict[str, bool] = field(default_factory=dict)  # transfer id -> aborted
+
+
+def _flat(block_ids: Any) -> list[int]:
+    """vLLM's block ids: a list, or one list per KV cache group (only one here)."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        if len(block_ids) != 1:
+            raise ValueError("AioKVConnector supports one KV cache group")
+        block_ids = block_ids[0]
+    return [int(b) for b in block_ids]
+
+
+class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
+    """vLLM's KV connector interface on aiokvcache (see the module docstring)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None  # the base class refuses a missing one
+        self._cfg = _config(ktc.kv_connector_extra_config)
+        self._mode: str = self._cfg["mode"]
+        self._engine_id: str = str(ktc.engine_id)
+        self._block_size: int = int(vllm_config.cache_config.block_size)
+        pc = vllm_config.parallel_config
+        self._tp_size = int(pc.tensor_parallel_size)
+        if int(pc.pipeline_parallel_size) != 1:
+            raise ValueError("AioKVConnector does not support pipeline parallelism")
+        # scheduler side
+        self._peers: dict[int, AioKVHandshake] = {}
+        self._staged = AioKVMetadata()
+        self._push_reqs: dict[str, tuple[Any, str]] = {}  # req id -> (request, transfer id)
+        self._unreported_push: set[str] = set()
+        # worker side
+        self._agent: TransferAgent | None = None
+        self._layer_index: dict[str, int] = {}
+        self._tensors: list[torch.Tensor] = []
+        self._step_pushes: list[str] = []
+        self._bad_blocks: set[int] = set()
+        self._rank = 0
+
+    # ============================================================ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        layout, names, self._tensors = kv_layout(kv_caches, num_blocks, self._block_size)
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        try:
+            self._rank = int(get_tensor_model_parallel_rank())
+        except Exception:  # no parallel state (tests): rank 0
+            self._rank = 0
+        cfg = self._cfg
+        base = cfg["cluster_id"]
+        cid = (
+            int(base) + self._rank
+            if base is not None
+            else cluster_id_for(self._engine_id, self._rank)
+        )
+        port = int(cfg["port"]) + self._rank if cfg["port"] else 0
+        self._agent = TransferAgent(
+            cid,
+            layout,
+            host=cfg["host"],
+            port=port,
+            transport=cfg["transport"],
+            auth_token=cfg["auth_token"],
+            timeout=float(cfg["timeout"]),
+        )
+        address = self._agent.start()
+        log.info(
+            "aiokvcache: rank %d serves %d layers x %d blocks of %d bytes at %s (cluster %d)",
+            self._rank,
+            layout.num_layers,
+            num_blocks,
+            layout.block_bytes * layout.tensors_per_layer,
+            address,
+            cid,
+        )
+
+    def get_handshake_metadata(self) -> AioKVHandshake | None:
+        agent = self._agent
+        if agent is None or agent.address is None:
+            return None
+        host, port = agent.address.rsplit(":", 1)
+        return AioKVHandshake(host, int(port), agent.cluster_id, agent.layout.digest())
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Handled here, before the forward pass: save_kv_layer runs inside it.
+        meta = connector_metadata
+        agent = self._agent
+        if agent is None or not isinstance(meta, AioKVMetadata):
+            return
+        for rid, lease in meta.holds.items():
+            agent.hold(rid, lease)
+        # Transfer ids are per tensor-parallel rank: rank r pushes to rank r.
+        suffix = f"/{self._rank}"
+        self._step_pushes = []
+        for rid, (xid, blocks, end, final) in meta.push_steps.items():
+            agent.push_step(xid + suffix, rid, blocks, self._block_size, end, final)
+            self._step_pushes.append(xid + suffix)
+        for xid, aborted in meta.push_release.items():
+            agent.push_release(xid + suffix, aborted)
+        for rid, r in meta.recv.items():
+            p = r.peers[self._rank] if len(r.peers) > self._rank else r.peers[0]
+            peer = Peer(str(p[0]), int(p[1]), int(p[2]))
+            if r.mode == "push":
+                agent.expect_push(rid, peer, r.transfer_id + suffix, r.local_block_ids)
+            else:
+                agent.pull(
+                    rid,
+                    peer,
+                    r.remote_request_id,
+                    r.remote_block_ids,
+                    r.local_block_ids,
+                    r.layout,
+                )
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Loads were started in bind_connector_metadata; they run between steps."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Every load is asynchronous: a request runs only once all its layers landed."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        if not self._step_pushes or self._agent is None:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for xid in self._step_pushes:
+            self._agent.layer_saved(xid, layer)
+
+    def wait_for_save(self) -> None:
+        """Pushes run on the connector's thread; their source blocks stay
+        allocated until they are reported in ``finished_sending``."""
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._agent is None:
+            return KVConnectorTransferResults()
+        r = self._agent.take_results()
+        self._bad_blocks |= r.invalid_block_ids
+        return KVConnectorTransferResults(
+            finished_sending=r.finished_sending,
+            finished_recving=r.finished_recving,
+            failed_recving=r.failed_recving,
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return (r.finished_sending or None, r.finished_recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        bad, self._bad_blocks = self._bad_blocks, set()
+        return bad
+
+    def shutdown(self) -> None:
+        if self._agent is not None:
+            self._agent.close()
+            self._agent = None
+
+    # ============================================================ scheduler side
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        for rank, meta in metadata.items():
+            if isinstance(meta, AioKVHandshake):
+                self._peers[int(rank)] = meta
+
+    def _peer_list(self) -> list[list[Any]]:
+        return [
+            [self._peers[r].host, self._peers[r].port, self._peers[r].cluster_id]
+            for r in sorted(self._peers)
+        ]
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            n = len(request.prompt_token_ids or ())
+            if params.get("remote_num_tokens"):
+                n = min(n, int(params["remote_num_tokens"]))
+            count = n - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        rid = request.request_id
+        if params.get("do_remote_prefill"):
+            params["do_remote_prefill"] = False  # one transfer per request
+            if num_external_tokens <= 0:
+                return
+            bs = self._block_size
+            ids = _flat(blocks.get_block_ids())
+            first = request.num_computed_tokens // bs
+            last = -(-(request.num_computed_tokens + num_external_tokens) // bs)
+            mode = str(params.get("transfer_mode") or self._mode)
+            peers = params.get("aiokv_peers") or [
+                [
+                    params.get("remote_host"),
+                    params.get("remote_port"),
+                    params.get("remote_cluster_id"),
+                ]
+            ]
+            remote = _flat(params.get("remote_block_ids") or [])
+            self._staged.recv[rid] = _Recv(
+                mode=mode,
+                peers=peers,
+                remote_request_id=str(params.get("remote_request_id", "")),
+                remote_block_ids=remote[first:last] if mode == "pull" else [],
+                # A push writes the request's blocks from its first one.
+                local_block_ids=ids[first:last] if mode == "pull" else ids[:last],
+                transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
+                layout=params.get("aiokv_layout"),
+            )
+        elif params.get("do_remote_decode"):
+            if str(params.get("transfer_mode") or self._mode) == "push":
+                self._push_reqs[rid] = (request, str(params.get("aiokv_transfer_id") or rid))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        meta, self._staged = self._staged, AioKVMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for rid, (request, xid) in self._push_reqs.items():
+            n = scheduled.get(rid)
+            if not n:
+                continue
+            end = int(request.num_computed_tokens) + int(n)
+            prompt = int(request.num_prompt_tokens)
+            kvm = self._kv_cache_manager
+            assert kvm is not None  # bound by the scheduler before it schedules
+            blocks = _flat(kvm.get_blocks(rid).get_block_ids())
+            meta.push_steps[rid] = (xid, blocks, min(end, prompt), end >= prompt)
+        return meta
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # A decode request aborted before it was scheduled: nothing to load.
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        rid = request.request_id
+        ok = request.status in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        )
+        mode = str(params.get("transfer_mode") or self._mode)
+        ids = _flat(block_ids)
+        if mode == "push":
+            entry = self._push_reqs.pop(rid, None)
+            if entry is None:
+                return False, None  # never scheduled: nothing was pushed
+            xid = entry[1]
+            # Held until its pushes ended (quiescent), whether it finished or not.
+            self._staged.push_release[xid] = not ok
+            self._unreported_push.add(rid)
+            return True, (self._params(request, ids, xid, mode) if ok else None)
+        if not ok or not ids:
+            return False, None
+        self._staged.holds[rid] = float(self._cfg["kv_lease_duration"])
+        return True, self._params(request, ids, rid, mode)
+
+    def _params(self, request: Any, ids: list[int], xid: str, mode: str) -> dict[str, Any]:
+        first = self._peers.get(0)
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": ids,
+            "remote_engine_id": self._engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": first.host if first else None,
+            "remote_port": first.port if first else None,
+            "remote_cluster_id": first.cluster_id if first else None,
+            "aiokv_peers": self._peer_list(),
+            "aiokv_layout": first.layout if first else None,
+            "aiokv_transfer_id": xid,
+            "tp_size": self._tp_size,
+            "remote_num_tokens": int(request.num_computed_tokens),
+            "transfer_mode": mode,
+        }
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._unreported_push -= set(connector_output.finished_sending or ())
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._unreported_push)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        return None
