@@ -23,6 +23,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -68,6 +69,7 @@ def _serve(
     conn: Any, model: str, role: str, connector: str, extra: dict[str, Any], multiprocess: bool
 ) -> None:
     """One vLLM instance in its own process, answering commands on ``conn``."""
+    os.setpgid(0, 0)  # its own process group: kill() takes vLLM's engine processes too
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -104,6 +106,12 @@ def _serve(
     while True:
         cmd, args = conn.recv()
         if cmd == "stop":
+            # A multiprocessing child exits without atexit hooks: shut the
+            # engine (and its processes) down here.
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception as exc:
+                print(f"engine shutdown: {exc!r}", file=sys.stderr)
             break
         if cmd == "generate":
             prompts, max_tokens, params = args
@@ -148,6 +156,8 @@ def _serve(
             conn.send(("ok", {"rows": rows, "seconds": took}))
         elif cmd == "stats":
             conn.send(("ok", _connector_stats()))
+        elif cmd == "digests":
+            conn.send(("ok", _digests(args)))
     conn.send(("bye", None))
 
 
@@ -159,7 +169,19 @@ def _connector_stats() -> dict[str, Any]:
         agent = get_kv_transfer_group()._agent
     except Exception as exc:  # no connector in this process
         return {"error": repr(exc)}
-    return dict(agent.stats) if agent is not None else {}
+    if agent is None:
+        return {}
+    return {**agent.stats, "load_seconds": list(agent.load_seconds)}
+
+
+def _digests(block_lists: list[list[int]] | None) -> dict[str, Any]:
+    """Hashes of the given blocks (a prefill's), or of what each request loaded (a decode's)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    agent = get_kv_transfer_group()._agent
+    if block_lists is None:
+        return dict(agent.digests or {})
+    return {str(i): agent.block_digest(b) for i, b in enumerate(block_lists)}
 
 
 class Instance:
@@ -175,14 +197,20 @@ class Instance:
     ) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        # Not a daemon: vLLM's default engine starts processes of its own.
         self.proc = ctx.Process(
-            target=_serve,
-            args=(child, model, role, connector, extra or {}, multiprocess),
-            daemon=True,
+            target=_serve, args=(child, model, role, connector, extra or {}, multiprocess)
         )
         self.proc.start()
+        child.close()  # ours is the only end left: a dead child reads as EOF
         self._pending = False
-        kind, self.pid = self._conn.recv()
+        try:
+            if not self._conn.poll(300):
+                raise TimeoutError("the vLLM instance did not start within 300 s")
+            kind, self.pid = self._conn.recv()
+        except (EOFError, TimeoutError) as exc:
+            self.kill()
+            raise RuntimeError(f"the vLLM instance failed to start: {exc!r}") from None
         assert kind == "ready", kind
 
     def submit(
@@ -199,7 +227,10 @@ class Instance:
         if not self._conn.poll(timeout):
             raise TimeoutError("the vLLM instance did not answer")
         self._pending = False
-        kind, value = self._conn.recv()
+        try:
+            kind, value = self._conn.recv()
+        except EOFError:
+            raise RuntimeError("the vLLM instance died") from None
         if kind != "ok":
             raise RuntimeError(f"vLLM instance: {value}")
         return dict(value)
@@ -217,8 +248,17 @@ class Instance:
         self._conn.send(("stats", None))
         return self.result(30)
 
+    def digests(self, block_lists: list[list[int]] | None = None) -> dict[str, Any]:
+        """See :func:`_digests` (in-process engines, ``record_digests`` on the decode side)."""
+        self._conn.send(("digests", block_lists))
+        return self.result(30)
+
     def kill(self) -> None:
-        self.proc.kill()
+        """SIGKILL the instance and every process it started."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            self.proc.kill()
         self.proc.join(10)
 
     def stop(self) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import hashlib
 import json
 import logging
@@ -214,6 +215,7 @@ class TransferAgent:
         timeout: float = 30.0,
         grace: float = GRACE_S,
         link_timeout: float = 5.0,
+        record_digests: bool = False,
     ) -> None:
         if timeout <= 0 or grace < 0 or link_timeout <= 0:
             raise ValueError("timeout and link_timeout must be positive, grace not negative")
@@ -225,6 +227,11 @@ class TransferAgent:
         self._auth = auth_token
         self._link_timeout = link_timeout
         self._lock = threading.Lock()
+        #: D: seconds each of the last 1000 successful loads took, from the
+        #: engine's hand-over to the last byte (push: includes P's compute).
+        self.load_seconds: collections.deque[float] = collections.deque(maxlen=1000)
+        #: D, with ``record_digests``: request id -> :meth:`block_digest` of what it loaded.
+        self.digests: dict[str, str] | None = {} if record_digests else None
         self._results = TransferResults()
         self._holds: dict[str, _Hold] = {}
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -614,6 +621,7 @@ class TransferAgent:
     async def _recv(
         self, req_id: str, local_ids: list[int], coro: Coroutine[Any, Any, None]
     ) -> None:
+        t0 = time.perf_counter()
         try:
             await coro
         except asyncio.CancelledError:
@@ -627,6 +635,9 @@ class TransferAgent:
                 self._results.invalid_block_ids.update(local_ids)
             return
         self.stats["blocks_loaded"] += len(local_ids)
+        self.load_seconds.append(time.perf_counter() - t0)
+        if self.digests is not None:
+            self.digests[req_id] = self.block_digest(local_ids)
         with self._lock:
             self._results.finished_recving.add(req_id)
 
@@ -765,6 +776,15 @@ class TransferAgent:
             self._on_cancel(str(args[0]))
 
     # ------------------------------------------------------------ stats
+
+    def block_digest(self, block_ids: Sequence[int]) -> str:
+        """A hash of blocks ``block_ids``, every layer, in order (for checks)."""
+        lay = self.layout
+        h = hashlib.blake2b(digest_size=16)
+        for addr in lay.addrs:
+            for b in block_ids:
+                h.update(ctypes.string_at(addr + int(b) * lay.block_bytes, lay.block_bytes))
+        return h.hexdigest()
 
     def pending(self) -> int:
         """Transfers this side still drives (P pushes, D waits) or holds."""

