@@ -39,10 +39,14 @@ def _range_ms(xs: list[float]) -> str:
 
 
 def run_aiokv(
-    model: str, transport: str, prompts: list[list[int]], reference: list[list[int]]
+    model: str,
+    transport: str,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    switch_interval: float | None,
 ) -> dict[str, dict[str, list[float]]]:
     port, cid = disagg.free_port(), 5151
-    base = {"transport": transport, "timeout": 30}
+    base = {"transport": transport, "timeout": 30, "switch_interval": switch_interval}
     p = disagg.Instance(model, "kv_producer", extra={**base, "port": port, "cluster_id": cid})
     d = disagg.Instance(model, "kv_consumer", extra=base)
     rows: dict[str, dict[str, list[float]]] = {}
@@ -107,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=512, help="prompt length")
     ap.add_argument("--requests", type=int, default=8, help="requests per connector and mode")
     ap.add_argument("--transport", choices=["auto", "shm", "tcp"], default="auto")
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=0.0002,
+        help="the connector's switch_interval option, seconds (0: leave Python's 5 ms)",
+    )
     args = ap.parse_args(argv)
     if args.tokens % disagg.BLOCK_SIZE == 1:
         print("note: ExampleConnector never loads prompts of k*block + 1 tokens", file=sys.stderr)
@@ -123,11 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             local.append(out["seconds"])
     finally:
         single.stop()
-    rows = run_aiokv(model, args.transport, prompts, reference)
+    si = args.switch_interval or None
+    rows = run_aiokv(model, args.transport, prompts, reference, si)
     rows["ExampleConnector (files)"] = run_example(model, prompts, reference)
     print(
         f"\nvLLM {args.tokens}-token prompts, {args.requests} requests one at a time, "
-        f"tiny Llama ({disagg.TINY_LLAMA['num_hidden_layers']} layers), transport {args.transport}"
+        f"tiny Llama ({disagg.TINY_LLAMA['num_hidden_layers']} layers), "
+        f"transport {args.transport}, switch interval {si or 0.005} s"
     )
     print(f"single instance, time to first token: median {_median_ms(local).strip()} ms\n")
     head = (

@@ -317,7 +317,6 @@ def disaggregated(
             for x in xids
         ],
     )
-    time.sleep(0.2)
     pre = p.generate(
         ps,
         1,

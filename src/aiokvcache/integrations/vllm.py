@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,11 @@ EXTRA_CONFIG: dict[str, Any] = {
     "kv_lease_duration": 30.0,  # seconds a pull-mode prefill holds finished blocks
     "auth_token": None,  # shared secret (AIOKVCACHE_AUTH_TOKEN overrides)
     "record_digests": False,  # tests: hash what each request loaded (costs a pass over it)
+    # Seconds: the worker process's sys.setswitchinterval (lowered, never raised); None
+    # leaves it. vLLM's engine loop holds the GIL while it steps, and Python hands
+    # the GIL to the connector's thread only every switch interval (5 ms by
+    # default), so each hop of a transfer would wait up to that long.
+    "switch_interval": 0.0002,
 }
 
 
@@ -87,6 +93,12 @@ def _config(extra: dict[str, Any] | None) -> dict[str, Any]:
             raise ValueError(
                 f"kv_connector_extra_config[{key!r}] must be a positive number, got {cfg[key]!r}"
             )
+    si = cfg["switch_interval"]
+    if si is not None and (not isinstance(si, (int, float)) or si <= 0):
+        raise ValueError(
+            f"kv_connector_extra_config['switch_interval'] must be None or a positive number "
+            f"of seconds, got {si!r}"
+        )
     if not isinstance(cfg["port"], int) or not 0 <= cfg["port"] < 65536:
         raise ValueError(f"kv_connector_extra_config['port'] must be a port, got {cfg['port']!r}")
     cfg["host"] = os.environ.get("AIOKVCACHE_VLLM_HOST", cfg["host"])
@@ -266,6 +278,9 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             record_digests=bool(cfg["record_digests"]),
         )
         address = self._agent.start()
+        si = cfg["switch_interval"]
+        if si is not None and sys.getswitchinterval() > si:
+            sys.setswitchinterval(float(si))
         log.info(
             "aiokvcache: rank %d serves %d layers x %d blocks of %d bytes at %s (cluster %d)",
             self._rank,
