@@ -66,7 +66,13 @@ def free_port() -> int:
 
 
 def _serve(
-    conn: Any, model: str, role: str, connector: str, extra: dict[str, Any], multiprocess: bool
+    conn: Any,
+    model: str,
+    role: str,
+    connector: str,
+    extra: dict[str, Any],
+    multiprocess: bool,
+    tp: int = 1,
 ) -> None:
     """One vLLM instance in its own process, answering commands on ``conn``."""
     os.setpgid(0, 0)  # its own process group: kill() takes vLLM's engine processes too
@@ -78,6 +84,11 @@ def _serve(
     from vllm.inputs import TokensPrompt
 
     kw: dict[str, Any] = {}
+    if tp > 1:
+        # One worker process per rank; each binds its threads to one core.
+        n = os.cpu_count() or 1
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r % n) for r in range(tp)))
+        kw.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
     if connector == "aiokv":
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="AioKVConnector",
@@ -194,12 +205,14 @@ class Instance:
         connector: str = "aiokv",
         extra: dict[str, Any] | None = None,
         multiprocess: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         # Not a daemon: vLLM's default engine starts processes of its own.
         self.proc = ctx.Process(
-            target=_serve, args=(child, model, role, connector, extra or {}, multiprocess)
+            target=_serve,
+            args=(child, model, role, connector, extra or {}, multiprocess, tensor_parallel_size),
         )
         self.proc.start()
         child.close()  # ours is the only end left: a dead child reads as EOF

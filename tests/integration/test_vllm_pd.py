@@ -186,3 +186,34 @@ def test_default_multiprocess_engines(model: str, prompts: list[list[int]]) -> N
             assert tokens(out) == ref, mode
     finally:
         pr.stop()
+
+
+def test_tensor_parallel_2_on_both_sides(model: str, prompts: list[list[int]]) -> None:
+    """TP=2 prefill and decode: rank r loads from rank r. vLLM waits for every
+    worker to report a request received, so each rank's transfer must end."""
+
+    def tp_instance(role: str, **extra: Any) -> disagg.Instance:
+        return disagg.Instance(
+            model,
+            role,
+            extra={"timeout": TIMEOUT, **extra},
+            multiprocess=True,
+            tensor_parallel_size=2,
+        )
+
+    port, cid = disagg.free_port(), 11000 + disagg.free_port() % 1000
+    p = tp_instance("kv_producer", port=port, cluster_id=cid)
+    try:
+        d = tp_instance("kv_consumer")
+        try:
+            ps = prompts[:4]
+            ref = tokens(p.generate(ps, MAX_TOKENS))
+            for mode, order in (("pull", "prefill-first"), ("push", "decode-first")):
+                out = disagg.disaggregated(
+                    p, d, ps, MAX_TOKENS, mode, order, ("127.0.0.1", port, cid)
+                )
+                assert tokens(out) == ref, mode
+        finally:
+            d.stop()
+    finally:
+        p.stop()

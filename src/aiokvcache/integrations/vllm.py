@@ -316,8 +316,14 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         for xid, aborted in meta.push_release.items():
             agent.push_release(xid + suffix, aborted)
         for rid, r in meta.recv.items():
-            p = r.peers[self._rank] if len(r.peers) > self._rank else r.peers[0]
-            peer = Peer(str(p[0]), int(p[1]), int(p[2]))
+            if len(r.peers) > self._rank:
+                p = r.peers[self._rank]
+                peer = Peer(str(p[0]), int(p[1]), int(p[2]))
+            else:
+                # One address for a TP engine (a client's decode-first params):
+                # rank r listens on port + r with cluster id + r (the config rule).
+                p = r.peers[0]
+                peer = Peer(str(p[0]), int(p[1]) + self._rank, int(p[2]) + self._rank)
             if r.mode == "push":
                 agent.expect_push(rid, peer, r.transfer_id + suffix, r.local_block_ids)
             else:
