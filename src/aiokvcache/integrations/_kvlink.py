@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ctypes
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -80,6 +82,24 @@ def cluster_id_for(engine_id: str, rank: int) -> int:
     """A stable 62-bit aiokvcache cluster id for one vLLM engine's worker ``rank``."""
     h = hashlib.blake2b(f"{engine_id}/{rank}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 62) - 1) | 1
+
+
+def _allowed_cpus() -> set[int]:
+    """The CPUs this process's cgroup allows (not the calling thread's affinity,
+    which vLLM narrows to the model's core)."""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/fs/cgroup/cpuset/cpuset.cpus"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            out: set[int] = set()
+            for part in text.split(","):
+                a, _, b = part.partition("-")
+                out.update(range(int(a), int(b or a) + 1))
+            if out:
+                return out
+        except (OSError, ValueError):
+            continue
+    return set(range(os.cpu_count() or 1))
 
 
 def block_runs(ids: Sequence[int]) -> list[list[int]]:
@@ -216,6 +236,7 @@ class TransferAgent:
         grace: float = GRACE_S,
         link_timeout: float = 5.0,
         record_digests: bool = False,
+        unpin: bool = True,
     ) -> None:
         if timeout <= 0 or grace < 0 or link_timeout <= 0:
             raise ValueError("timeout and link_timeout must be positive, grace not negative")
@@ -227,6 +248,8 @@ class TransferAgent:
         self._auth = auth_token
         self._link_timeout = link_timeout
         self._lock = threading.Lock()
+        self._unpin = unpin
+        self._cpus = _allowed_cpus()
         #: D: seconds each of the last 1000 successful loads took, from the
         #: engine's hand-over to the last byte (push: includes P's compute).
         self.load_seconds: collections.deque[float] = collections.deque(maxlen=1000)
@@ -270,6 +293,12 @@ class TransferAgent:
         box: dict[str, Any] = {}
 
         def main() -> None:
+            if self._unpin:
+                # vLLM's CPU worker pins its threads (ours would inherit it) to
+                # the model's core: run ours, and the engine threads started from
+                # here, on every core the process may use.
+                with contextlib.suppress(OSError, AttributeError):
+                    os.sched_setaffinity(0, self._cpus)
             loop = asyncio.new_event_loop()
             self._loop = loop
             asyncio.set_event_loop(loop)
@@ -378,6 +407,7 @@ class TransferAgent:
     def hold(self, req_id: str, lease: float) -> None:
         """P: ``req_id`` finished; its blocks stay put until D read them or ``lease`` s pass."""
         deadline = time.monotonic() + lease
+        log.debug("hold %s for %.1f s", req_id, lease)
         with self._lock:
             h = self._holds.get(req_id)
             if h is None:
@@ -388,6 +418,7 @@ class TransferAgent:
 
     def _on_claim(self, src: int, rid: str) -> None:
         now = time.monotonic()
+        log.debug("claim %s from cluster %d", rid, src)
         with self._lock:
             if rid in self._released:
                 granted = False
@@ -653,11 +684,14 @@ class TransferAgent:
         assert self._cm is not None
         start = time.monotonic()
         granted = False
+        log.debug("pull %s from cluster %d: start", rid, peer.cluster_id)
         try:
             await self._link(peer)
+            log.debug("pull %s: linked after %.3f s", rid, time.monotonic() - start)
             fut = self._expect(("grant", rid))
             await self._send(peer.cluster_id, _tag("claim", rid), must=True)
             answer = await asyncio.wait_for(fut, self.timeout)
+            log.debug("pull %s: %s after %.3f s", rid, answer, time.monotonic() - start)
             if answer != "grant":
                 raise _TransferFailed("the prefill instance's lease on its blocks expired")
             granted = True

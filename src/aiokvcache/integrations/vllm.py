@@ -106,6 +106,13 @@ def _config(extra: dict[str, Any] | None) -> dict[str, Any]:
     return cfg
 
 
+if os.environ.get("AIOKVCACHE_VLLM_DEBUG"):
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(name)s: %(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.DEBUG)
+
+
 def _layer_key(name: str) -> tuple[int, ...]:
     """Sort ``model.layers.10`` after ``model.layers.2``."""
     return tuple(int(x) for x in re.findall(r"\d+", name))
@@ -316,6 +323,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         for xid, aborted in meta.push_release.items():
             agent.push_release(xid + suffix, aborted)
         for rid, r in meta.recv.items():
+            log.debug("worker: load %s (%s, %d blocks)", rid, r.mode, len(r.local_block_ids))
             if len(r.peers) > self._rank:
                 p = r.peers[self._rank]
                 peer = Peer(str(p[0]), int(p[1]), int(p[2]))
@@ -398,6 +406,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         params = request.kv_transfer_params
+        log.debug("scheduler: %s asks for matches", request.request_id)
         if params and params.get("do_remote_prefill"):
             n = len(request.prompt_token_ids or ())
             if params.get("remote_num_tokens"):
@@ -416,6 +425,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             return
         rid = request.request_id
         if params.get("do_remote_prefill"):
+            log.debug("scheduler: %s allocated, %d tokens to load", rid, num_external_tokens)
             params["do_remote_prefill"] = False  # one transfer per request
             if num_external_tokens <= 0:
                 return
