@@ -217,3 +217,35 @@ def test_tensor_parallel_2_on_both_sides(model: str, prompts: list[list[int]]) -
             d.stop()
     finally:
         p.stop()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # vLLM's and torch's own imports
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_kv_layouts_and_config_errors() -> None:
+    """The layouts vLLM backends use map onto one blocks cache; others, and bad
+    extra config keys, are refused with an error naming them."""
+    import torch
+
+    from aiokvcache.integrations import vllm as conn
+
+    nb = 8
+    cpu = {f"model.layers.{i}.self_attn.attn": torch.zeros(nb, 2, 32, 128) for i in (10, 2)}
+    layout, names, parts = conn.kv_layout(cpu, nb, 32)
+    assert names == ["model.layers.2.self_attn.attn", "model.layers.10.self_attn.attn"]
+    assert (layout.num_layers, layout.tensors_per_layer) == (2, 1)
+    assert layout.block_bytes == 2 * 32 * 128 * 4 and len(parts) == 2
+    flash = {"layers.0.attn": torch.zeros(2, nb, 16, 4, 64, dtype=torch.bfloat16)}
+    layout, _, parts = conn.kv_layout(flash, nb, 16)
+    assert layout.tensors_per_layer == 2 and layout.block_bytes == 16 * 4 * 64 * 2
+    assert parts[1].data_ptr() - parts[0].data_ptr() == nb * layout.block_bytes
+    with pytest.raises(ValueError, match=r"kv_caches\['x'\]: unsupported KV layout"):
+        conn.kv_layout({"x": torch.zeros(4, nb, 16)}, nb, 16)
+    with pytest.raises(ValueError, match="differs in layout"):
+        conn.kv_layout({"a.0": torch.zeros(nb, 4), "a.1": torch.zeros(nb, 8)}, nb, 16)
+    with pytest.raises(ValueError, match=r"\['mode'\] must be 'pull' or 'push'"):
+        conn._config({"mode": "pul"})
+    with pytest.raises(ValueError, match=r"\['timeout'\] must be a positive number"):
+        conn._config({"timeout": 0})
+    with pytest.raises(ValueError, match=r"\['port'\] must be a port"):
+        conn._config({"port": 70000})
