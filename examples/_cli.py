@@ -1,7 +1,8 @@
-"""What the three two-process examples share (not part of the package): the
-checks of ``--listen`` / ``--peer``, the ``--peer`` value the listening side
-prints for the other one, a digest of a request's tensors, and running the
-chosen role with every failure turned into one ``error:`` line.
+"""What the three two-process examples share (not part of the package): their
+command line's common options, the checks of ``--listen`` / ``--peer``, the
+``--peer`` value the listening side prints for the other one, a digest of a
+request's tensors, and running the chosen role with every failure turned
+into one ``error:`` line.
 
 Each example runs as a script (``python examples/push_flow.py``), so this
 file is found beside it on ``sys.path``.
@@ -32,6 +33,53 @@ def digest(tensors: list[np.ndarray]) -> str:
     for t in tensors:
         h.update(np.ascontiguousarray(t).tobytes())
     return h.hexdigest()
+
+
+def base_parser(
+    prog: str, doc: str | None, listener: str, connector: str, listener_noun: str
+) -> argparse.ArgumentParser:
+    """The options every two-process example has: ``--role`` (``both``, the
+    ``listener`` side or the ``connector`` side), ``--listen``, ``--peer`` and
+    ``--transport``; the module docstring up to "run it:" is the description,
+    the rest the epilog. ``listener_noun`` names the listening side in help."""
+    description, sep, epilog = str(doc).partition("run it:\n")
+    ap = argparse.ArgumentParser(
+        prog=prog,
+        description=description.strip(),
+        epilog=sep + epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--role",
+        choices=["both", listener, connector],
+        default="both",
+        help=f"both: the whole flow on this machine; {listener} / {connector}: one side, for two "
+        "hosts (default: %(default)s)",
+    )
+    ap.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help=f"{listener}: the address to listen on; port 0 picks a free one "
+        "(default: %(default)s)",
+    )
+    ap.add_argument(
+        "--peer",
+        metavar="IPV4:PORT",
+        help=f"{connector} (required): {listener_noun}'s address, as {listener_noun} printed it",
+    )
+    return ap
+
+
+def add_transport(ap: argparse.ArgumentParser) -> None:
+    """``--transport``, in the place each example's help lists it."""
+    ap.add_argument(
+        "--transport",
+        choices=["auto", "shm", "tcp", "rdma"],
+        default="auto",
+        help="the UCX transports for the bytes: auto lets UCX choose (shared memory on "
+        "one host); shm, tcp or rdma (InfiniBand verbs) forces one (default: %(default)s)",
+    )
 
 
 def check_address(ap: argparse.ArgumentParser, option: str, value: str) -> None:

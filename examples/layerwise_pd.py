@@ -25,7 +25,7 @@ import sys
 import time
 
 import numpy as np
-from _cli import Failed, peer_argument, run_role
+from _cli import Failed, add_transport, base_parser, peer_argument, run_role
 
 import aiokvcache as kv
 from aiokvcache.testing import Child, PeerExited
@@ -240,38 +240,8 @@ def both(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    description, sep, epilog = str(__doc__).partition("run it:\n")
-    ap = argparse.ArgumentParser(
-        prog="layerwise_pd.py",
-        description=description.strip(),
-        epilog=sep + epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument(
-        "--role",
-        choices=["both", "decode", "prefill"],
-        default="both",
-        help="both: the whole flow on this machine; decode / prefill: one side, for two "
-        "hosts (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--listen",
-        default="127.0.0.1:0",
-        metavar="HOST:PORT",
-        help="decode: the address to listen on; port 0 picks a free one (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--peer",
-        metavar="IPV4:PORT",
-        help="prefill (required): the decode side's address, as the decode side printed it",
-    )
-    ap.add_argument(
-        "--transport",
-        choices=["auto", "shm", "tcp", "rdma"],
-        default="auto",
-        help="the UCX transports for the bytes: auto lets UCX choose (shared memory on "
-        "one host); shm, tcp or rdma (InfiniBand verbs) forces one (default: %(default)s)",
-    )
+    ap = base_parser("layerwise_pd.py", __doc__, "decode", "prefill", "the decode side")
+    add_transport(ap)
     ap.add_argument(
         "--timeout",
         type=float,

@@ -26,7 +26,7 @@ import signal
 import sys
 
 import numpy as np
-from _cli import Failed, digest, peer_argument, run_role
+from _cli import Failed, add_transport, base_parser, digest, peer_argument, run_role
 
 import aiokvcache as kv
 from aiokvcache.testing import Child, PeerExited
@@ -147,38 +147,8 @@ def both(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    description, sep, epilog = str(__doc__).partition("run it:\n")
-    ap = argparse.ArgumentParser(
-        prog="pull_flow.py",
-        description=description.strip(),
-        epilog=sep + epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument(
-        "--role",
-        choices=["both", "prompt", "decoder"],
-        default="both",
-        help="both: the whole flow on this machine; prompt / decoder: one side, for two "
-        "hosts (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--listen",
-        default="127.0.0.1:0",
-        metavar="HOST:PORT",
-        help="prompt: the address to listen on; port 0 picks a free one (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--peer",
-        metavar="IPV4:PORT",
-        help="decoder (required): the prompt's address, as the prompt printed it",
-    )
-    ap.add_argument(
-        "--transport",
-        choices=["auto", "shm", "tcp", "rdma"],
-        default="auto",
-        help="the UCX transports for the bytes: auto lets UCX choose (shared memory on "
-        "one host); shm, tcp or rdma (InfiniBand verbs) forces one (default: %(default)s)",
-    )
+    ap = base_parser("pull_flow.py", __doc__, "prompt", "decoder", "the prompt")
+    add_transport(ap)
     ap.add_argument(
         "--protocol",
         action="store_true",

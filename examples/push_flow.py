@@ -26,7 +26,7 @@ import asyncio
 import sys
 
 import numpy as np
-from _cli import Failed, digest, peer_argument, run_role
+from _cli import Failed, add_transport, base_parser, digest, peer_argument, run_role
 
 import aiokvcache as kv
 from aiokvcache.testing import Child, PeerExited
@@ -164,31 +164,7 @@ def both(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    description, sep, epilog = str(__doc__).partition("run it:\n")
-    ap = argparse.ArgumentParser(
-        prog="push_flow.py",
-        description=description.strip(),
-        epilog=sep + epilog,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument(
-        "--role",
-        choices=["both", "decoder", "prompt"],
-        default="both",
-        help="both: the whole flow on this machine; decoder / prompt: one side, for two "
-        "hosts (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--listen",
-        default="127.0.0.1:0",
-        metavar="HOST:PORT",
-        help="decoder: the address to listen on; port 0 picks a free one (default: %(default)s)",
-    )
-    ap.add_argument(
-        "--peer",
-        metavar="IPV4:PORT",
-        help="prompt (required): the decoder's address, as the decoder printed it",
-    )
+    ap = base_parser("push_flow.py", __doc__, "decoder", "prompt", "the decoder")
     ap.add_argument(
         "--req-id",
         type=int,
@@ -197,13 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the request id in the CacheKey both sides use; give both the same "
         "(default: %(default)s)",
     )
-    ap.add_argument(
-        "--transport",
-        choices=["auto", "shm", "tcp", "rdma"],
-        default="auto",
-        help="the UCX transports for the bytes: auto lets UCX choose (shared memory on "
-        "one host); shm, tcp or rdma (InfiniBand verbs) forces one (default: %(default)s)",
-    )
+    add_transport(ap)
     ap.add_argument(
         "--timeout",
         type=float,
