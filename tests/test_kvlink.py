@@ -121,11 +121,11 @@ def test_push_layer_by_layer(sides: tuple[Side, Side], order: str) -> None:
     # Two prefill chunks: tokens [0, 6) then [6, 10) (blocks of 4 tokens).
     p.agent.push_step("x1", "p-req", pblocks, BS, 6, final=False)
     for layer in range(LAYERS):
-        p.agent.layer_saved("x1", layer)
+        p.agent.layer_saved(["x1"], layer)
     p.agent.push_step("x1", "p-req", pblocks, BS, 10, final=True)
     for layer in range(LAYERS):
-        p.agent.layer_saved("x1", layer)
-    p.agent.push_release("x1")
+        p.agent.layer_saved(["x1"], layer)
+    p.agent.push_release("x1", "p-req")
     if order == "prefill-first":
         d.agent.expect_push("d-req", p.peer, "x1", dblocks)
     wait_for(lambda: "d-req" in d.poll().finished_recving)
@@ -134,6 +134,14 @@ def test_push_layer_by_layer(sides: tuple[Side, Side], order: str) -> None:
     assert d.agent.stats["layers_received"] >= LAYERS
     assert d.agent.stats["pushes_received"] == 1 and p.agent.stats["pushes_sent"] == 1
     wait_for(lambda: "p-req" in p.poll().finished_sending)
+
+
+def test_push_released_before_any_step_frees_at_once(sides: tuple[Side, Side]) -> None:
+    # The engine finished the request before it was scheduled here: nothing
+    # was pushed, and its blocks are reported sent without waiting.
+    p, _ = sides
+    p.agent.push_release("x3", "p-req", aborted=True)
+    wait_for(lambda: "p-req" in p.poll().finished_sending, timeout=2)
 
 
 def test_push_nobody_computes_fails_on_time_and_frees(sides: tuple[Side, Side]) -> None:

@@ -212,7 +212,6 @@ class _PushState:
     deadline: float | None = None
     ended: bool = False  # pushed or failed: nothing more will be written
     released: bool = False  # the engine is done with the request (may report it)
-    failed: str | None = None
 
 
 class TransferAgent:
@@ -454,14 +453,16 @@ class TransferAgent:
         (``final``: its last prefill chunk); ``blocks`` are all its block ids."""
         self._post(self._push_step, xid, req_id, list(blocks), block_size, end, final)
 
-    def layer_saved(self, xid: str, layer: int) -> None:
-        """P: layer ``layer`` of this step's tokens of ``xid`` is in its blocks."""
-        self._post(self._layer_saved, xid, layer)
+    def layer_saved(self, xids: Sequence[str], layer: int) -> None:
+        """P: layer ``layer`` of this step's tokens of each of ``xids`` is in
+        their blocks (one post for the whole batch: this runs once per layer)."""
+        self._post(self._layer_saved, list(xids), layer)
 
-    def push_release(self, xid: str, aborted: bool = False) -> None:
-        """P: the engine finished ``xid``'s request and waits for it to be reported
-        sent (``aborted``: it ended before its prefill did: stop pushing)."""
-        self._post(self._push_release, xid, aborted)
+    def push_release(self, xid: str, req_id: str, aborted: bool = False) -> None:
+        """P: the engine finished request ``req_id`` (transfer ``xid``) and waits
+        for it to be reported sent (``aborted``: it ended before its prefill
+        did: stop pushing)."""
+        self._post(self._push_release, xid, req_id, aborted)
 
     def _push_state(self, xid: str) -> _PushState:
         st = self._pushes.get(xid)
@@ -479,17 +480,22 @@ class TransferAgent:
         if final:
             st.final_end = end
 
-    def _layer_saved(self, xid: str, layer: int) -> None:
-        st = self._pushes.get(xid)
-        if st is None or st.ended:
-            return
-        st.saved[layer] = st.step_end
-        if st.reg_ids is not None:
-            self._push_layer(st, layer)
+    def _layer_saved(self, xids: list[str], layer: int) -> None:
+        for xid in xids:
+            st = self._pushes.get(xid)
+            if st is None or st.ended:
+                continue
+            st.saved[layer] = st.step_end
+            if st.reg_ids is not None:
+                self._push_layer(st, layer)
 
-    def _push_release(self, xid: str, aborted: bool) -> None:
+    def _push_release(self, xid: str, req_id: str, aborted: bool) -> None:
         st = self._pushes.get(xid)
         if st is None:
+            # Never stepped here (finished before it was scheduled): nothing
+            # was pushed, so its blocks go back at once.
+            with self._lock:
+                self._release(req_id)
             return
         st.released = True
         if aborted and not st.ended:
@@ -578,7 +584,6 @@ class TransferAgent:
         if st.ended:
             return
         st.ended = True
-        st.failed = why
         self.stats["push_failures"] += 1
         log.warning("aiokvcache: push %s failed: %s", st.xid, why)
         tails = [t for t in st.tails.values() if not t.done()]
@@ -607,8 +612,7 @@ class TransferAgent:
         st = self._pushes.get(xid)
         if st is not None and st.reg_ids is None and not st.ended:
             st.ended = True
-            st.failed = "no decode instance registered for it"
-            log.warning("aiokvcache: push %s: %s", xid, st.failed)
+            log.warning("aiokvcache: push %s: no decode instance registered for it", xid)
             self._maybe_report(st)
             if st.req_id is None:
                 self._pushes.pop(xid, None)

@@ -212,7 +212,8 @@ class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     holds: dict[str, float] = field(default_factory=dict)  # P pull: req id -> lease (s)
     # P push: req id -> (transfer id, block ids, token end of this step, last chunk)
     push_steps: dict[str, tuple[str, list[int], int, bool]] = field(default_factory=dict)
-    push_release: dict[str, bool] = field(default_factory=dict)  # transfer id -> aborted
+    # P push: req id -> (transfer id, aborted), once the engine finished the request
+    push_release: dict[str, tuple[str, bool]] = field(default_factory=dict)
 
 
 def _flat(block_ids: Any) -> list[int]:
@@ -320,8 +321,8 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         for rid, (xid, blocks, end, final) in meta.push_steps.items():
             agent.push_step(xid + suffix, rid, blocks, self._block_size, end, final)
             self._step_pushes.append(xid + suffix)
-        for xid, aborted in meta.push_release.items():
-            agent.push_release(xid + suffix, aborted)
+        for rid, (xid, aborted) in meta.push_release.items():
+            agent.push_release(xid + suffix, rid, aborted)
         for rid, r in meta.recv.items():
             log.debug("worker: load %s (%s, %d blocks)", rid, r.mode, len(r.local_block_ids))
             if len(r.peers) > self._rank:
@@ -358,8 +359,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         layer = self._layer_index.get(layer_name)
         if layer is None:
             return
-        for xid in self._step_pushes:
-            self._agent.layer_saved(xid, layer)
+        self._agent.layer_saved(self._step_pushes, layer)
 
     def wait_for_save(self) -> None:
         """Pushes run on the connector's thread; their source blocks stay
@@ -496,7 +496,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 return False, None  # never scheduled: nothing was pushed
             xid = entry[1]
             # Held until its pushes ended (quiescent), whether it finished or not.
-            self._staged.push_release[xid] = not ok
+            self._staged.push_release[rid] = (xid, not ok)
             self._unreported_push.add(rid)
             return True, (self._params(request, ids, xid, mode) if ok else None)
         if not ok or not ids:
