@@ -134,6 +134,11 @@ PYBIND11_MODULE(_native, m) {
 #undef AKV_STATUS
   m.attr("STATUSES") = py::tuple(statuses);
   m.attr("MAX_PAYLOAD") = akv::Engine::kMaxPayload;
+  m.attr("NOTE_KEY_LEN") = akv::Engine::kNoteKeyLen;
+  m.attr("INLINE_COPIED") = akv::Engine::kInlineCopied;
+  m.attr("INLINE_NO") = akv::Engine::kInlineNo;
+  m.attr("INLINE_RETIRED") = akv::Engine::kInlineRetired;
+  m.attr("MAX_QUEUED_NOTES") = akv::Engine::kMaxQueuedNotes;
 
   akv::ucx_log_install();
   m.def("ucx_log_pending", &akv::ucx_log_pending);
@@ -144,6 +149,11 @@ PYBIND11_MODULE(_native, m) {
     for (const auto& l : lines) out.append(py::make_tuple(l.level, l.component, l.where, l.text));
     return py::make_tuple(out, dropped);
   });
+  m.def(
+      "ucx_log_emit",
+      [](int level, const std::string& text) { akv::ucx_log_emit(level, text); },
+      py::arg("level"), py::arg("text"),
+      "Emit one line through UCX's own log dispatcher (as UCX itself would), at ucs_log_level_t level.");
   m.def("ucx_version", []() {
     unsigned major, minor, release;
     ucp_get_version(&major, &minor, &release);
@@ -187,6 +197,7 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("event_fd", &Engine::event_fd)
       .def_property_readonly("worker_address", [](const PyEngine& e) { return py::bytes(e.worker_address()); })
       .def_property_readonly("closed", &Engine::closed)
+      .def_property_readonly("closing", &Engine::closing)
       .def("info", &Engine::info, py::call_guard<py::gil_scoped_release>())
       .def("ucx_config", &Engine::ucx_config)
       .def("mem_alloc", &Engine::mem_alloc, py::arg("length"), py::call_guard<py::gil_scoped_release>())
@@ -244,6 +255,14 @@ PYBIND11_MODULE(_native, m) {
           },
           py::arg("worker_address"), py::arg("peer_errors") = true)
       .def("disconnect", &Engine::disconnect, py::arg("ep_id"), py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_note_keys",
+          [](PyEngine& e, uint64_t ep, const py::bytes& send_key, const py::bytes& recv_key, uint64_t peer_id) {
+            std::string s = send_key, r = recv_key;
+            py::gil_scoped_release nogil;
+            e.set_note_keys(ep, s, r, peer_id);
+          },
+          py::arg("ep_id"), py::arg("send_key"), py::arg("recv_key"), py::arg("peer_id"))
       .def("fail_endpoint", &Engine::fail_endpoint, py::arg("ep_id"), py::call_guard<py::gil_scoped_release>())
       .def("endpoint_closed", &Engine::endpoint_closed, py::arg("ep_id"),
            py::call_guard<py::gil_scoped_release>())
@@ -271,19 +290,29 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "submit_many",
           [](PyEngine& e, const py::list& jobs) {
-            // (op, ep_id, segments, payload, timeout_ms) rows: one crossing.
+            // (op, ep_id, segments, payload, timeout_ms[, guard]) rows: one
+            // crossing. guard: None or (rkey id, address, expected word).
             std::vector<akv::JobSpec> specs;
             specs.reserve(jobs.size());
             for (size_t i = 0; i < jobs.size(); ++i) {
               auto row = jobs[i].cast<py::tuple>();
-              if (row.size() != 5) throw akv::InvalidArgument("a job is (op, ep_id, segments, payload, timeout_ms)");
+              if (row.size() != 5 && row.size() != 6) {
+                throw akv::InvalidArgument("a job is (op, ep_id, segments, payload, timeout_ms[, guard])");
+              }
               int op = row[0].cast<int>();
               if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
                 throw akv::InvalidArgument("op must be OP_PUT or OP_GET");
               }
+              akv::GuardIn guard{};
+              if (row.size() == 6 && !row[5].is_none()) {
+                auto g = row[5].cast<py::tuple>();
+                if (g.size() != 3) throw akv::InvalidArgument("a guard is (rkey id, address, expected word)");
+                guard = akv::GuardIn{g[0].cast<uint64_t>(), g[1].cast<uint64_t>(), g[2].cast<uint64_t>()};
+                if (guard.rkey_id == 0) throw akv::InvalidArgument("a guard's rkey id must not be 0");
+              }
               specs.push_back(akv::JobSpec{static_cast<akv::Op>(op), row[1].cast<uint64_t>(),
                                            segments_from(row[2].cast<py::buffer>()),
-                                           row[3].cast<std::string>(), row[4].cast<uint64_t>()});
+                                           row[3].cast<std::string>(), row[4].cast<uint64_t>(), guard});
             }
             // The GIL stays held: this never blocks (a short lock), and a
             // release would let the service thread in for a context switch.
@@ -292,16 +321,22 @@ PYBIND11_MODULE(_native, m) {
           py::arg("jobs"))
       .def(
           "copy_inline",
-          [](PyEngine& e, int op, uint64_t ep, const py::list& tables, uint64_t max_bytes) {
+          [](PyEngine& e, int op, uint64_t ep, const py::list& tables, uint64_t max_bytes, const py::object& guard) {
             if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
               throw akv::InvalidArgument("op must be OP_PUT or OP_GET");
             }
             std::vector<std::vector<akv::SegmentIn>> jobs;
             jobs.reserve(tables.size());
             for (const auto& t : tables) jobs.push_back(segments_from(t.cast<py::buffer>()));
-            return e.copy_inline(static_cast<akv::Op>(op), ep, jobs, max_bytes);
+            akv::GuardIn g{};
+            if (!guard.is_none()) {
+              auto t = guard.cast<py::tuple>();
+              if (t.size() != 3) throw akv::InvalidArgument("a guard is (rkey id, address, expected word)");
+              g = akv::GuardIn{t[0].cast<uint64_t>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>()};
+            }
+            return e.copy_inline(static_cast<akv::Op>(op), ep, jobs, max_bytes, g);
           },
-          py::arg("op"), py::arg("ep_id"), py::arg("tables"), py::arg("max_bytes"))
+          py::arg("op"), py::arg("ep_id"), py::arg("tables"), py::arg("max_bytes"), py::arg("guard") = py::none())
       .def("cancel", &Engine::cancel, py::arg("job_id"))
       .def(
           "cancel_many", [](PyEngine& e, const py::handle& ids) { e.cancel_many(job_ids_from(ids)); },
@@ -347,6 +382,8 @@ PYBIND11_MODULE(_native, m) {
              d["bytes_direct"] = s.bytes_direct;
              d["unconfirmed_bytes"] = s.unconfirmed_bytes;
              d["inline_copies"] = s.inline_copies;
+             d["notifications_dropped"] = s.notifications_dropped;
+             d["copy_faults"] = s.copy_faults;
              return d;
            })
       .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());

@@ -199,17 +199,39 @@ uint64_t Engine::connect(const std::string& address, bool peer_errors) {
   });
 }
 
-void Engine::disconnect(uint64_t ep_id) {
-  call<void>([this, ep_id]() {
+std::vector<uint64_t> Engine::disconnect(uint64_t ep_id) {
+  return call<std::vector<uint64_t>>([this, ep_id]() {
+    std::vector<uint64_t> live;
     auto it = eps_.find(ep_id);
-    if (it == eps_.end()) return;
+    if (it == eps_.end()) return live;
     Endpoint* ep = it->second.get();
     ep->closing = true;
     forget_inline_ep(ep_id);
+    note_keys_.erase(ep->note_key);  // its notifications are no longer ours to take
     for (auto& kv : jobs_) {
       Job* j = kv.second.get();
-      if (j->ep == ep) cancel_job(j, Status::kLINK_FAILED);
+      if (j->ep == ep) {
+        cancel_job(j, Status::kLINK_FAILED);
+        live.push_back(j->id);
+      }
     }
+    return live;
+  });
+}
+
+void Engine::set_note_keys(uint64_t ep_id, const std::string& send_key, const std::string& recv_key,
+                           uint64_t peer_id) {
+  if (send_key.size() != kNoteKeyLen || recv_key.size() != kNoteKeyLen) {
+    throw InvalidArgument("notification keys must be " + std::to_string(kNoteKeyLen) + " bytes");
+  }
+  call<void>([this, ep_id, send_key, recv_key, peer_id]() {
+    auto it = eps_.find(ep_id);
+    if (it == eps_.end()) throw InvalidArgument("unknown endpoint id");
+    Endpoint* ep = it->second.get();
+    if (!ep->note_key.empty()) note_keys_.erase(ep->note_key);
+    ep->note_header = send_key;
+    ep->note_key = recv_key;
+    note_keys_[recv_key] = peer_id;
   });
 }
 
@@ -223,7 +245,16 @@ void Engine::fail_endpoint(uint64_t ep_id) {
 }
 
 bool Engine::endpoint_closed(uint64_t ep_id) {
-  if (closed_.load()) return true;  // close() closed every endpoint
+  if (closed_.load()) return true;    // close() finished: every endpoint is gone
+  if (closing_.load()) return false;  // close() is still draining them
+  try {
+    return endpoint_closed_now(ep_id);
+  } catch (const ClosedError&) {
+    return closed_.load();  // close() began meanwhile
+  }
+}
+
+bool Engine::endpoint_closed_now(uint64_t ep_id) {
   return call<bool>([this, ep_id]() {
     // Closed = UCX reported the close done: nothing more goes out or comes in
     // on it. A record retired while its close was stuck (a frozen peer) is
@@ -344,10 +375,14 @@ void Engine::reap_endpoints() {
     // endpoint any more, and UCX offers no second, forced close of an
     // endpoint already closing: the record retires, and the close request,
     // whose callback names it, keeps it allocated until the worker goes.
-    bool stuck = ep->closing && ep->close_posted && !ep->close_done && ep->jobs == 0 && now >= ep->close_by;
+    // A broken endpoint goes like a disconnected one: Python may keep its
+    // link (a peer that force-unlinked us), but the record serves nothing.
+    bool ending = ep->closing || ep->broken;
+    bool stuck = ending && ep->close_posted && !ep->close_done && ep->jobs == 0 && now >= ep->close_by;
     if ((done || stuck) && ep->jobs == 0) {
       destroy_idle_keys(ep);  // normally none left: see close_endpoint()
-      if (ep->closing) {
+      if (ending) {
+        note_keys_.erase(ep->note_key);
         for (RemoteKey* rk : ep->rkeys) rkeys_.erase(rk->id);
         ep->rkeys.clear();
         confirm(ep, ep->unconfirmed);  // the record goes, and its count with it

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "engine_internal.hpp"
+#include "fault_guard.hpp"
 
 namespace akv {
 namespace {
@@ -161,6 +162,8 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
     ev.data.fd = fd;
     if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0) fail(Error("epoll_ctl failed"));
   }
+  // Copies through peers' mappings survive a peer that shrinks its segment.
+  install_fault_guard();
   if (cfg_.copy_lanes == 0) {
     unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     cfg_.copy_lanes = std::clamp(cores / 2, 1u, 8u);
@@ -173,7 +176,14 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
 Engine::~Engine() { close(); }
 
 void Engine::check_open() const {
-  if (closed_.load()) throw ClosedError();
+  if (closing_.load()) throw ClosedError();
+}
+
+std::vector<Completion> Engine::counted(std::vector<Completion>&& items) {
+  uint64_t notes = 0;
+  for (const Completion& c : items) notes += c.kind == EntryKind::kNotify ? 1 : 0;
+  if (notes != 0) notes_queued_.fetch_sub(notes);
+  return std::move(items);
 }
 
 // ---------------------------------------------------------------- API side
@@ -183,7 +193,8 @@ EngineStats Engine::stats() const {
                      jobs_failed_.load(),    bytes_put_.load(),      bytes_get_.load(),
                      notes_sent_.load(),     notes_received_.load(), n_eps_.load(),
                      ep_errors_.load(),      n_regions_.load(),      inflight_snapshot_.load(),
-                     bytes_direct_.load(),   unconfirmed_snapshot_.load(), inline_copies_.load()};
+                     bytes_direct_.load(),   unconfirmed_snapshot_.load(), inline_copies_.load(),
+                     notes_dropped_.load(),  copy_faults_.load()};
 }
 
 std::string Engine::info() {
@@ -200,8 +211,8 @@ void Engine::close() {
     std::lock_guard<std::mutex> lk(close_mu_);
     {
       std::lock_guard<std::mutex> lk2(cmd_mu_);
-      if (closed_.load()) return;
-      closed_.store(true);
+      if (closing_.load()) return;
+      closing_.store(true);
     }
     stop_.store(true);
     wake();
@@ -235,14 +246,17 @@ void Engine::close() {
   ucp_cleanup(context_);
   worker_ = nullptr;
   context_ = nullptr;
+  // Only now is the engine closed: until here the progress thread drained
+  // and peers' bytes could still land in registered memory.
+  closed_.store(true);
 }
 
 // ---------------------------------------------------------- progress thread
 
 void Engine::shutdown_all() {
-  run_commands();  // nothing can be queued after this: closed_ is set
+  run_commands();  // nothing can be queued after this: closing_ is set
   {
-    // No copy_inline from here on (they also check closed_ first).
+    // No copy_inline from here on (they also check closing_ first).
     std::lock_guard<std::mutex> lk(inline_mu_);
     inline_keys_.clear();
   }

@@ -81,6 +81,11 @@ struct Endpoint {
   int32_t ucs_status = 0;
   int jobs = 0;
   std::vector<RemoteKey*> rkeys;
+  // Notifications (active messages) this endpoint sends carry note_header,
+  // the key the peer gave us for them; the peer attributes a notification
+  // to the link whose key it carries, never to what its payload claims.
+  std::string note_header;
+  std::string note_key;  // the key we gave the peer (our note_keys_ entry)
   // Created with UCX peer-failure handling: only then does UCX accept a
   // forced close (without it ucp_ep_close_nbx refuses FORCE outright).
   bool err_handling = false;
@@ -105,6 +110,8 @@ struct EngineStats {
   uint64_t bytes_direct;  // moved by memcpy into mapped shared memory
   uint64_t unconfirmed_bytes;  // sum of the endpoints' unconfirmed bytes
   uint64_t inline_copies;  // transfers copy_inline did on the caller's thread
+  uint64_t notifications_dropped;  // unattributed, or over the queue's cap
+  uint64_t copy_faults;  // direct copies a peer's vanished memory stopped (SIGBUS)
 };
 
 // Its definition is split by responsibility: engine.cpp (setup, stats,
@@ -140,10 +147,17 @@ class Engine {
   // support it (UCX then refuses the endpoint), so same-host peers connect
   // without it and rely on the control plane to notice a dead peer.
   uint64_t connect(const std::string& worker_address, bool peer_errors);
-  void disconnect(uint64_t ep_id);
+  // Returns the ids of the jobs still live on it (cancelled now): the
+  // caller waits for their release before it calls the peer quiescent.
+  std::vector<uint64_t> disconnect(uint64_t ep_id);
   void fail_endpoint(uint64_t ep_id);
-  // True once the endpoint is closed at the transport (or unknown).
+  // True once the endpoint is closed at the transport (or unknown, or the
+  // engine fully closed); false while close() is still draining.
   bool endpoint_closed(uint64_t ep_id);
+  // Notification keys of a link: notifications we send on ep_id carry
+  // send_key; those that arrive with recv_key are reported as peer_id's.
+  void set_note_keys(uint64_t ep_id, const std::string& send_key, const std::string& recv_key,
+                     uint64_t peer_id);
 
   // Jobs (jobs.cpp). Segments are (local, remote, len, rkey id) rows.
   uint64_t submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, std::string&& payload,
@@ -153,10 +167,13 @@ class Engine {
   std::vector<uint64_t> submit_many(std::vector<JobSpec>&& specs);
   // Small same-host transfers on the caller's thread: when every segment's
   // key maps the peer's memory (direct copy) and the total is at most
-  // max_bytes, copy now and return true; else copy nothing, return false.
-  // The copy happens under the lock that unmapping takes.
-  bool copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<SegmentIn>>& jobs,
-                   uint64_t max_bytes);
+  // max_bytes, copy now. The guard (rkey 0: none) is read first, through its
+  // mapping. Returns kInlineCopied, kInlineNo (nothing copied: use jobs) or
+  // kInlineRetired (the guard says the peer retired the cache; nothing
+  // copied). The copy happens under the lock that unmapping takes.
+  static constexpr int kInlineCopied = 0, kInlineNo = 1, kInlineRetired = 2;
+  int copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<SegmentIn>>& jobs, uint64_t max_bytes,
+                  const GuardIn& guard);
   void cancel(uint64_t job_id);
   void cancel_many(std::vector<uint64_t> job_ids);  // one command for all
   // Blocks until none of job_ids is live (submitted, completion not yet
@@ -164,12 +181,21 @@ class Engine {
   bool wait_released(const std::vector<uint64_t>& job_ids, double timeout_s);
   // Payloads of notifications go out as eager active messages: keep them small.
   static constexpr size_t kMaxPayload = 4096;
+  // Notification keys (set_note_keys) are this long.
+  static constexpr size_t kNoteKeyLen = 16;
+  // Notifications queued for Python at most; more are dropped (and counted)
+  // while the owner's loop does not drain: a peer cannot grow our memory.
+  static constexpr size_t kMaxQueuedNotes = 65536;
 
-  std::vector<Completion> drain() { return cq_.drain(); }
-  std::vector<Completion> take() { return cq_.take(); }  // reset the eventfd, then drain
+  std::vector<Completion> drain() { return counted(cq_.drain()); }
+  std::vector<Completion> take() { return counted(cq_.take()); }  // reset the eventfd, then drain
   EngineStats stats() const;
   void close();
+  // True once close() has finished: the progress thread and the lanes are
+  // joined and the worker is destroyed, so nothing moves a byte any more.
+  // (closing_ is set first, when close() begins: no command is taken then.)
   bool closed() const { return closed_.load(); }
+  bool closing() const { return closing_.load(); }
 
  private:
   // Progress-thread side, except call(), post_command(), wake() and
@@ -188,6 +214,8 @@ class Engine {
 
   // Lifecycle (engine.cpp).
   void shutdown_all();
+  // What drain() / take() hand out: notifications leave the queue's count.
+  std::vector<Completion> counted(std::vector<Completion>&& items);
   void check_open() const;
 
   // Regions and remote keys (registry.cpp).
@@ -198,6 +226,7 @@ class Engine {
 
   // Endpoints (endpoints.cpp).
   void close_endpoint(Endpoint* ep, bool force);
+  bool endpoint_closed_now(uint64_t ep_id);
   void reap_endpoints();
   void endpoint_failed(Endpoint* ep, ucs_status_t st);
   static void on_ep_error(void* arg, ucp_ep_h ep, ucs_status_t status);
@@ -231,6 +260,15 @@ class Engine {
   static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
   void op_done(RequestCtx* ctx, ucs_status_t status);
+  // The retirement guard of a job (Job::guard): read or fetch the word.
+  bool post_guard(Job* j);
+  // A direct copy through a peer's mapping hit SIGBUS (the peer shrank its
+  // segment): the endpoint is failed, its keys no longer map.
+  void copy_fault(Endpoint* ep);
+  // Notifications: key -> peer id (progress thread only), and the count of
+  // notification entries now in the completion queue.
+  std::unordered_map<std::string, uint64_t> note_keys_;
+  std::atomic<uint64_t> notes_queued_{0}, notes_dropped_{0}, copy_faults_{0};
 
   // UCX and the loop's file descriptors (engine.cpp, progress.cpp).
   EngineConfig cfg_;
@@ -252,7 +290,8 @@ class Engine {
   std::atomic<bool> cmd_pending_{false};  // commands_ non-empty, read without the lock
   std::chrono::steady_clock::time_point spin_until_{};  // progress thread: poll until then
   std::mutex close_mu_;
-  std::atomic<bool> closed_{false};
+  std::atomic<bool> closing_{false};  // close() began: no new command
+  std::atomic<bool> closed_{false};   // close() finished
   std::atomic<bool> stop_{false};
   std::thread thread_;
 
@@ -299,6 +338,7 @@ class Engine {
     uint64_t n;
     Job* job;
     bool copied;
+    bool faulted;  // SIGBUS: the peer's memory under the mapping went away
   };
   std::vector<std::thread> lanes_;
   std::mutex lane_mu_;

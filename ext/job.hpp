@@ -27,12 +27,25 @@ struct SegmentIn {
 };
 
 // One job of a submit_many() group, as the caller describes it.
+// A job's retirement guard: a word in the peer's memory (its control
+// region) that holds `expect` while the cache the job names is live. The
+// engine reads it after the job starts — directly when the key maps, else
+// with a get posted beside the job's own operations — and a job that finds
+// another value fails with RETIRED: a transfer that starts after the owner
+// retired the cache is told so, whatever the invalidation's progress.
+struct GuardIn {
+  uint64_t rkey_id = 0;  // 0: no guard
+  uint64_t addr = 0;
+  uint64_t expect = 0;
+};
+
 struct JobSpec {
   Op op;
   uint64_t ep_id;
   std::vector<SegmentIn> segs;
   std::string payload;
   uint64_t timeout_ms;
+  GuardIn guard{};
 };
 
 struct RemoteKey {
@@ -72,6 +85,10 @@ struct Job {
   Endpoint* ep = nullptr;
   std::vector<Segment> segs;
   std::vector<SegmentIn> raw;  // as submitted; resolved on the progress thread
+  GuardIn guard_in{};          // as submitted
+  RemoteKey* guard_key = nullptr;  // resolved (counted in keys)
+  uint64_t guard_word = 0;         // where a guard get lands
+  bool guard_posted = false;
   std::string payload;         // sent to the peer after a put has landed
   std::chrono::steady_clock::time_point deadline{};
   bool has_deadline = false;
@@ -90,7 +107,11 @@ struct Job {
 
   size_t seg_idx = 0;
   uint64_t seg_off = 0;
+  // UCX operations in flight (the stuck detector and forced closes look at
+  // these) and chunks queued to copy lanes (local work that always ends;
+  // the job is never released while one is queued or copying).
   uint64_t inflight_ops = 0;
+  uint64_t lane_ops = 0;
   uint64_t inflight_bytes = 0;
   uint64_t bytes_done = 0;
   bool posted_any = false;  // a UCX operation was posted (a put then needs a flush)
@@ -113,7 +134,7 @@ struct Job {
 
 // What a UCX request carries in its reserved area (ucp_params.request_size).
 struct RequestCtx {
-  enum Kind : uint8_t { kData, kFlush, kWindow, kNotify, kClose, kWireup } kind;
+  enum Kind : uint8_t { kData, kFlush, kWindow, kNotify, kClose, kWireup, kGuard } kind;
   Job* job;
   Endpoint* ep;
   // kData: bytes; kFlush, kWindow: the put bytes it confirms; kWireup: the

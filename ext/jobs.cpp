@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "engine_internal.hpp"
+#include "fault_guard.hpp"
 
 namespace akv {
 namespace {
@@ -47,6 +48,7 @@ std::unique_ptr<Job> Engine::make_job(JobSpec&& spec) {
   j->ep_id = spec.ep_id;
   j->raw = std::move(spec.segs);
   j->payload = std::move(spec.payload);
+  j->guard_in = spec.guard;
   j->cancel_grace = kCancelGrace;
   j->fail_grace = kFailGrace;
   if (spec.timeout_ms > 0) {
@@ -104,7 +106,7 @@ std::vector<uint64_t> Engine::submit_many(std::vector<JobSpec>&& specs) {
 
 void Engine::cancel(uint64_t job_id) {
   // Cancelling after close is a no-op: close already released every job.
-  if (closed_.load()) return;
+  if (closing_.load()) return;
   try {
     post_command([this, job_id]() {
       auto it = jobs_.find(job_id);
@@ -117,7 +119,7 @@ void Engine::cancel(uint64_t job_id) {
 
 void Engine::cancel_many(std::vector<uint64_t> job_ids) {
   // As cancel(): a no-op after close.
-  if (job_ids.empty() || closed_.load()) return;
+  if (job_ids.empty() || closing_.load()) return;
   try {
     post_command([this, ids = std::move(job_ids)]() {
       for (uint64_t job_id : ids) {
@@ -158,7 +160,10 @@ void Engine::admit(std::unique_ptr<Job> j) {
   jobs_[job->id] = std::move(j);
   auto eit = eps_.find(job->ep_id);
   if (eit == eps_.end()) {
-    job->fail(Status::kINVALID);
+    // An id we issued belongs to an endpoint that ended (its record is
+    // gone once it closed): the link failed. Any other id is a bad argument.
+    bool ended = job->ep_id != 0 && job->ep_id < next_ep_;
+    job->fail(ended ? Status::kLINK_FAILED : Status::kINVALID);
   } else {
     job->ep = eit->second.get();
     job->ep->jobs++;
@@ -197,6 +202,21 @@ void Engine::admit(std::unique_ptr<Job> j) {
       job->segs.push_back(Segment{s.local, s.remote, s.len, rk});
     }
   }
+  if (job->status == Status::kOK && job->guard_in.rkey_id != 0 && !job->segs.empty()) {
+    auto kit = rkeys_.find(job->guard_in.rkey_id);
+    SegmentIn word{0, job->guard_in.addr, sizeof(uint64_t), job->guard_in.rkey_id};
+    if (kit == rkeys_.end() || kit->second->released || kit->second->ep_id != job->ep_id ||
+        kit->second->handle == nullptr || !segment_fits(word, kit->second->base, kit->second->len)) {
+      job->fail(Status::kINVALID);
+    } else {
+      RemoteKey* rk = kit->second.get();
+      job->guard_key = rk;
+      if (std::find(job->keys.begin(), job->keys.end(), rk) == job->keys.end()) {
+        job->keys.push_back(rk);
+        rk->users++;
+      }
+    }
+  }
   job->raw.clear();
   job->raw.shrink_to_fit();
   if (job->has_deadline) job->dl_it = deadlines_.emplace(job->deadline, job->id);
@@ -208,7 +228,63 @@ void Engine::admit(std::unique_ptr<Job> j) {
   }
 }
 
+bool Engine::post_guard(Job* j) {
+  RemoteKey* rk = j->guard_key;
+  uint64_t off = j->guard_in.addr - rk->base;
+  if (rk->mapped != nullptr) {
+    j->guard_posted = true;
+    uint64_t word = 0;
+    if (!guarded_load(reinterpret_cast<volatile uint64_t*>(rk->mapped + off), &word)) {
+      j->fail(Status::kLINK_FAILED, UCS_ERR_IO_ERROR);
+      copy_fault(j->ep);
+      return false;
+    }
+    if (word != j->guard_in.expect) j->fail(Status::kRETIRED);
+    return j->status == Status::kOK;
+  }
+  Endpoint* ep = j->ep;
+  if (ep->wiring) {
+    j->parked = true;
+    ep->parked.push_back(j);
+    return false;
+  }
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = &Engine::on_data_done;
+  p.user_data = this;
+  ucs_status_ptr_t r = ucp_get_nbx(ep->handle, &j->guard_word, sizeof(uint64_t), j->guard_in.addr, rk->handle, &p);
+  j->guard_posted = true;
+  posted_++;
+  if (UCS_PTR_IS_ERR(r)) {
+    ucs_status_t st = UCS_PTR_STATUS(r);
+    j->fail(ep->broken ? Status::kLINK_FAILED : status_from_ucs(st), st);
+    return false;
+  }
+  if (r == nullptr) {
+    if (j->guard_word != j->guard_in.expect) j->fail(Status::kRETIRED);
+    return j->status == Status::kOK;
+  }
+  auto* ctx = static_cast<RequestCtx*>(r);
+  ctx->kind = RequestCtx::kGuard;
+  ctx->job = j;
+  ctx->ep = ep;
+  ctx->len = 0;
+  ctx->batch = nullptr;
+  j->inflight_ops++;
+  return true;
+}
+
+void Engine::copy_fault(Endpoint* ep) {
+  copy_faults_.fetch_add(1);
+  if (ep != nullptr && !ep->broken) endpoint_failed(ep, UCS_ERR_IO_ERROR);
+}
+
 void Engine::post_job(Job* j) {
+  // The retirement guard goes first: before any of the job's bytes.
+  if (j->guard_key != nullptr && !j->guard_posted && !j->cancel && j->status == Status::kOK &&
+      !post_guard(j)) {
+    return;
+  }
   while (j->seg_idx < j->segs.size() && !j->cancel && j->status == Status::kOK) {
     const Segment& s = j->segs[j->seg_idx];
     uint64_t n = std::min(s.len - j->seg_off, cfg_.chunk_bytes);
@@ -225,8 +301,9 @@ void Engine::post_job(Job* j) {
       // lane); past that this thread copies the next chunk itself, below.
       uint8_t* peer = s.rkey->mapped + (remote - s.rkey->base);
       auto* mine = static_cast<uint8_t*>(local);
-      CopyTask t = j->op == Op::kPut ? CopyTask{peer, mine, n, j, false} : CopyTask{mine, peer, n, j, false};
-      j->inflight_ops++;
+      CopyTask t = j->op == Op::kPut ? CopyTask{peer, mine, n, j, false, false}
+                                     : CopyTask{mine, peer, n, j, false, false};
+      j->lane_ops++;
       j->inflight_bytes += n;
       inflight_bytes_ += n;
       j->copied_any = true;
@@ -253,12 +330,13 @@ void Engine::post_job(Job* j) {
       }
       copy_budget_ -= n;
       uint8_t* peer = s.rkey->mapped + (remote - s.rkey->base);
-      if (j->op == Op::kPut) {
-        std::memcpy(peer, local, n);
-      } else {
-        std::memcpy(local, peer, n);
-      }
+      bool copied = j->op == Op::kPut ? guarded_copy(peer, local, n) : guarded_copy(local, peer, n);
       j->copied_any = true;
+      if (!copied) {
+        j->fail(Status::kLINK_FAILED, UCS_ERR_IO_ERROR);
+        copy_fault(j->ep);
+        return;
+      }
       posted_++;
       bytes_direct_.fetch_add(n);
       j->bytes_done += n;
@@ -348,11 +426,11 @@ void Engine::lane_main() {
     }
     // After a stop only skip: stop_lanes() runs before any mapping goes.
     if (!stopping && !t.job->stop_copies.load(std::memory_order_relaxed)) {
-      std::memcpy(t.dst, t.src, t.n);
+      t.copied = guarded_copy(t.dst, t.src, t.n);
+      t.faulted = !t.copied;
       // Non-temporal stores included: visible before the completion (and
       // any notification the progress thread sends after it).
       std::atomic_thread_fence(std::memory_order_seq_cst);
-      t.copied = true;
     }
     {
       std::lock_guard<std::mutex> lk(lane_done_mu_);
@@ -374,10 +452,13 @@ bool Engine::drain_lanes() {
   for (const CopyTask& t : done) {
     lane_inflight_--;
     Job* j = t.job;
-    j->inflight_ops--;
-    if (j->abandoned) continue;  // reported long ago; kept allocated for us
+    j->lane_ops--;
     j->inflight_bytes -= t.n;
     inflight_bytes_ -= t.n;
+    if (t.faulted) {
+      j->fail(Status::kLINK_FAILED, UCS_ERR_IO_ERROR);
+      copy_fault(j->ep);
+    }
     if (t.copied) {
       j->bytes_done += t.n;
       bytes_direct_.fetch_add(t.n);
@@ -487,7 +568,7 @@ void Engine::process_touched() {
 
 void Engine::advance(Job* j) {
   // Each step starts only when the previous step has nothing in flight.
-  if (j->abandoned || j->inflight_ops > 0) return;
+  if (j->abandoned || j->inflight_ops > 0 || j->lane_ops > 0) return;
   if (j->phase == Phase::kPosting) {
     bool done_posting = j->seg_idx >= j->segs.size() || j->cancel || j->status != Status::kOK;
     if (!done_posting) return;
@@ -521,9 +602,12 @@ void Engine::advance(Job* j) {
           UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
       p.cb.send = &Engine::on_data_done;
       p.user_data = this;
-      p.flags = UCP_AM_SEND_FLAG_EAGER;
-      ucs_status_ptr_t r =
-          ucp_am_send_nbx(j->ep->handle, kAmId, nullptr, 0, j->payload.data(), j->payload.size(), &p);
+      // The header is the key the peer gave this link: it attributes the
+      // notification to us, whatever the payload says.
+      p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
+      const std::string& hdr = j->ep->note_header;
+      ucs_status_ptr_t r = ucp_am_send_nbx(j->ep->handle, kAmId, hdr.empty() ? nullptr : hdr.data(), hdr.size(),
+                                           j->payload.data(), j->payload.size(), &p);
       if (UCS_PTR_IS_ERR(r)) {
         ucs_status_t st = UCS_PTR_STATUS(r);
         j->fail(status_from_ucs(st), st);
@@ -665,6 +749,18 @@ void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
     ctx->ep->close_done = true;
     return;
   }
+  if (ctx->kind == RequestCtx::kGuard) {
+    Job* g = ctx->job;
+    g->inflight_ops--;
+    if (g->abandoned) return;
+    if (st != UCS_OK) {
+      g->fail(g->ep->broken || st == UCS_ERR_CANCELED ? Status::kLINK_FAILED : status_from_ucs(st), st);
+    } else if (g->guard_word != g->guard_in.expect) {
+      g->fail(Status::kRETIRED);
+    }
+    touch(g);
+    return;
+  }
   Job* j = ctx->job;
   j->inflight_ops--;
   // An abandoned job was reported long ago; its window share was returned.
@@ -701,16 +797,27 @@ void Engine::on_data_done(void* request, ucs_status_t status, void* user_data) {
   ucp_request_free(request);
 }
 
-ucs_status_t Engine::on_am(void* arg, const void* /*header*/, size_t /*header_length*/, void* data,
+ucs_status_t Engine::on_am(void* arg, const void* header, size_t header_length, void* data,
                            size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<Engine*>(arg);
   if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
     // Our peers send notifications eagerly; anything else is dropped
     // (returning UCS_OK releases a rendezvous descriptor).
+    self->notes_dropped_.fetch_add(1);
+    return UCS_OK;
+  }
+  // Attributed by the key in its header, which only the link's peer knows;
+  // anything else (no key, an unknown or retired one) is dropped.
+  auto it = header_length == kNoteKeyLen
+                ? self->note_keys_.find(std::string(static_cast<const char*>(header), header_length))
+                : self->note_keys_.end();
+  if (it == self->note_keys_.end() || self->notes_queued_.load() >= kMaxQueuedNotes) {
+    self->notes_dropped_.fetch_add(1);
     return UCS_OK;
   }
   self->notes_received_.fetch_add(1);
-  self->cq_.push(Completion{EntryKind::kNotify, 0, Status::kOK, 0, length,
+  self->notes_queued_.fetch_add(1);
+  self->cq_.push(Completion{EntryKind::kNotify, it->second, Status::kOK, 0, length,
                             std::string(static_cast<const char*>(data), length)});
   return UCS_OK;
 }
@@ -728,9 +835,11 @@ void Engine::check_deadlines() {
 }
 
 void Engine::cancel_job(Job* j, Status why) {
-  // Past the flush the bytes have landed (and the peer may be notified):
-  // the job's outcome stands.
-  if (j->phase == Phase::kNotifying || j->phase == Phase::kDone) return;
+  if (j->phase == Phase::kDone) return;
+  // Past the flush the bytes have landed; a job still sending its
+  // notification is cancelled all the same (it fails: the peer may or may
+  // not see the notification), so that its deadline, and the stuck
+  // detector behind a cancel, hold in this phase too.
   j->fail(why);
   j->stop_copies.store(true, std::memory_order_relaxed);
   if (!j->cancel) {
@@ -751,6 +860,8 @@ void Engine::check_stuck() {
   std::vector<Endpoint*> stuck;
   for (auto& kv : jobs_) {
     Job* j = kv.second.get();
+    // UCX operations only: chunks on copy lanes are local work that ends
+    // on its own (a starved lane is no sign of a dead peer).
     if (j->cancel && j->inflight_ops > 0 && j->ep != nullptr && !j->ep->broken &&
         now - j->cancelled_at > j->cancel_grace) {
       stuck.push_back(j->ep);
@@ -770,7 +881,10 @@ void Engine::check_stuck() {
   std::vector<Job*> gone;
   for (auto& kv : jobs_) {
     Job* j = kv.second.get();
-    if (j->inflight_ops > 0 && j->ep != nullptr && j->ep->forced &&
+    // Never while a lane still copies for it: that would report released a
+    // job whose buffer a lane is about to write (it is released once the
+    // lanes are done with it; only UCX's requests can outlive the release).
+    if (j->inflight_ops > 0 && j->lane_ops == 0 && j->ep != nullptr && j->ep->forced &&
         now - j->ep->forced_at > j->fail_grace) {
       gone.push_back(j);
     }

@@ -25,7 +25,7 @@ void Engine::post_command(std::function<void()> fn) {
     std::lock_guard<std::mutex> lk(cmd_mu_);
     // Checked under the lock close() takes, so nothing is queued after the
     // progress thread's last look at the queue.
-    if (closed_.load()) throw ClosedError();
+    if (closing_.load()) throw ClosedError();
     commands_.push_back(std::move(fn));
     cmd_pending_.store(true);
   }
@@ -61,6 +61,11 @@ int Engine::wait_timeout_ms() {
 bool Engine::step() {
   run_commands();
   bool busy = drain_lanes();
+  // Deadlines before posting: a thread that was not scheduled (a frozen or
+  // starved process) past a job's deadline must not post for it first.
+  check_deadlines();
+  if (!touched_.empty()) busy = true;
+  process_touched();
   busy = post_all() || busy;
   while (ucp_worker_progress(worker_) != 0) busy = true;
   reap_endpoints();

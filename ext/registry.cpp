@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "engine_internal.hpp"
+#include "fault_guard.hpp"
 
 namespace akv {
 namespace {
@@ -194,8 +195,8 @@ void Engine::forget_inline_ep(uint64_t ep_id) {
   }
 }
 
-bool Engine::copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<SegmentIn>>& jobs,
-                         uint64_t max_bytes) {
+int Engine::copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<SegmentIn>>& jobs,
+                        uint64_t max_bytes, const GuardIn& guard) {
   check_open();
   std::lock_guard<std::mutex> lk(inline_mu_);
   // Every segment first: all of it moves, or none.
@@ -204,12 +205,24 @@ bool Engine::copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<Se
     for (const SegmentIn& s : segs) {
       if (s.len == 0) continue;
       auto it = inline_keys_.find(s.rkey_id);
-      if (it == inline_keys_.end() || it->second.ep_id != ep_id) return false;
+      if (it == inline_keys_.end() || it->second.ep_id != ep_id) return kInlineNo;
       const InlineKey& k = it->second;
-      if (!segment_fits(s, k.base, k.len)) return false;
+      if (!segment_fits(s, k.base, k.len)) return kInlineNo;
       total += s.len;
-      if (total > max_bytes) return false;
+      if (total > max_bytes) return kInlineNo;
     }
+  }
+  bool faulted = false;
+  if (guard.rkey_id != 0) {
+    auto it = inline_keys_.find(guard.rkey_id);
+    SegmentIn word{0, guard.addr, sizeof(uint64_t), guard.rkey_id};
+    if (it == inline_keys_.end() || it->second.ep_id != ep_id || !segment_fits(word, it->second.base, it->second.len)) {
+      return kInlineNo;
+    }
+    uint64_t v = 0;
+    const InlineKey& k = it->second;
+    faulted = !guarded_load(reinterpret_cast<volatile uint64_t*>(k.mapped + (guard.addr - k.base)), &v);
+    if (!faulted && v != guard.expect) return kInlineRetired;
   }
   for (const auto& segs : jobs) {
     for (const SegmentIn& s : segs) {
@@ -217,10 +230,22 @@ bool Engine::copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<Se
       const InlineKey& k = inline_keys_.find(s.rkey_id)->second;
       uint8_t* peer = k.mapped + (s.remote - k.base);
       auto* local = reinterpret_cast<uint8_t*>(s.local);
-      if (op == Op::kPut) {
-        std::memcpy(peer, local, s.len);
-      } else {
-        std::memcpy(local, peer, s.len);
+      bool copied = !faulted && (op == Op::kPut ? guarded_copy(peer, local, s.len) : guarded_copy(local, peer, s.len));
+      if (!copied) {
+        // The peer shrank the memory under its key: no copy through its
+        // keys from here on, and its endpoint fails on the progress thread.
+        copy_faults_.fetch_add(1);
+        for (auto it = inline_keys_.begin(); it != inline_keys_.end();) {
+          it = it->second.ep_id == ep_id ? inline_keys_.erase(it) : std::next(it);
+        }
+        try {
+          post_command([this, ep_id]() {
+            auto eit = eps_.find(ep_id);
+            if (eit != eps_.end() && !eit->second->broken) endpoint_failed(eit->second.get(), UCS_ERR_IO_ERROR);
+          });
+        } catch (const ClosedError&) {
+        }
+        throw Error("the peer's memory went away under a copy (its segment shrank)");
       }
     }
   }
@@ -229,7 +254,7 @@ bool Engine::copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<Se
   bytes_direct_.fetch_add(total);
   (op == Op::kPut ? bytes_put_ : bytes_get_).fetch_add(total);
   inline_copies_.fetch_add(1);
-  return true;
+  return kInlineCopied;
 }
 
 void Engine::release_key_handle(RemoteKey* rk) {
@@ -245,7 +270,8 @@ bool Engine::key_busy(const RemoteKey* rk) const {
   if (rk->users == 0) return false;
   for (const auto& kv : jobs_) {
     const Job* j = kv.second.get();
-    if (j->inflight_ops > 0 && std::find(j->keys.begin(), j->keys.end(), rk) != j->keys.end()) return true;
+    bool busy = j->inflight_ops > 0 || j->lane_ops > 0;  // lanes copy through the mapping
+    if (busy && std::find(j->keys.begin(), j->keys.end(), rk) != j->keys.end()) return true;
   }
   return false;
 }

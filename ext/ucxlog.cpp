@@ -4,6 +4,7 @@
 // the module loads. UCX_LOG_LEVEL still chooses which levels UCX emits.
 #include "ucxlog.hpp"
 
+#include <ucs/config/global_opts.h>
 #include <ucs/debug/log_def.h>
 
 #include <atomic>
@@ -43,7 +44,10 @@ ucs_log_func_rc_t capture(const char* file, unsigned line, const char* /*functio
     g_lines.push_back(std::move(entry));
   }
   g_pending.store(true, std::memory_order_release);
-  return UCS_LOG_FUNC_RC_STOP;  // not printed by UCX's default handler
+  // A fatal line precedes UCX aborting the process, before anyone could
+  // drain the queue: UCX's default handler prints it to stderr as well.
+  // Every other line reaches only the aiokvcache.ucx logger.
+  return level == UCS_LOG_LEVEL_FATAL ? UCS_LOG_FUNC_RC_CONTINUE : UCS_LOG_FUNC_RC_STOP;
 }
 
 }  // namespace
@@ -51,6 +55,11 @@ ucs_log_func_rc_t capture(const char* file, unsigned line, const char* /*functio
 void ucx_log_install() {
   static std::once_flag once;
   std::call_once(once, [] { ucs_log_push_handler(&capture); });
+}
+
+void ucx_log_emit(int level, const std::string& text) {
+  ucs_log_dispatch("aiokvcache", 0, "ucx_log_emit", static_cast<ucs_log_level_t>(level),
+                   &ucs_global_opts.log_component, "%s", text.c_str());
 }
 
 bool ucx_log_pending() { return g_pending.load(std::memory_order_acquire); }

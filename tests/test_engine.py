@@ -75,6 +75,11 @@ def make_side(transport: str, size: int = 0, **kw: Any) -> Side:
 def link(a: Side, b: Side, transport: str) -> Link:
     ep = a.engine.connect(b.engine.worker_address, False)
     rkey = a.engine.rkey_unpack(ep, b.engine.rkey_pack(b.region), b.addr, b.size)
+    # Notifications a sends on ep carry the key b accepts them with, as a link does.
+    back = b.engine.connect(a.engine.worker_address, False)
+    key = os.urandom(native.NOTE_KEY_LEN)
+    a.engine.set_note_keys(ep, key, os.urandom(native.NOTE_KEY_LEN), 2)
+    b.engine.set_note_keys(back, os.urandom(native.NOTE_KEY_LEN), key, 1)
     return Link(a, b, ep, rkey)
 
 
@@ -180,7 +185,8 @@ async def test_notification_carries_payload_after_data(pair: Link) -> None:
     seen: list[tuple[bytes, bool]] = []
     expected: dict[bytes, str] = {}
 
-    def on_notify(payload: bytes) -> None:
+    def on_notify(src: int, payload: bytes) -> None:
+        assert src == 1  # the key's peer, whatever the payload says
         # The data must already be in memory when the notification is seen.
         off, n = (int(x) for x in payload.split(b":"))
         seen.append((payload, sha(pair.b.view()[off : off + n]) == expected[payload]))
@@ -395,6 +401,10 @@ async def remote(transport: str) -> AsyncIterator[tuple[Side, Peer, Link]]:
             ep, bytes.fromhex(peer.hello["rkey"]), peer.hello["addr"], peer.hello["size"]
         )
         b = Side(None, a.bridge, 0, peer.hello["addr"], peer.hello["size"])  # addresses only
+        # Our notifications carry the key the peer accepts (as a link's do).
+        key = os.urandom(native.NOTE_KEY_LEN)
+        a.engine.set_note_keys(ep, key, os.urandom(native.NOTE_KEY_LEN), 2)
+        peer.call("accept_notes", worker=a.engine.worker_address.hex(), key=key.hex())
         yield a, peer, Link(a, b, ep, rkey)
         a.bridge.close()
     assert a.engine.stats()["live_jobs"] == 0

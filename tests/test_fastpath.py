@@ -116,15 +116,16 @@ def test_copy_inline_refuses_what_it_cannot_map() -> None:
         rkey = a.rkey_unpack(ep, b.rkey_pack(region), addr, 1 << 16)
         src = np.arange(4096, dtype=np.uint8)
         row = np.array([[src.ctypes.data, addr, 4096, rkey]], np.uint64)
-        assert a.copy_inline(native.OP_PUT, ep, [row], 1 << 16)
+        assert a.copy_inline(native.OP_PUT, ep, [row], 1 << 16) == native.INLINE_COPIED
         got = np.frombuffer(native.buffer_from_address(addr, 4096), np.uint8)
         assert np.array_equal(got, src)
-        assert not a.copy_inline(native.OP_PUT, ep, [row], 1024)  # over the size bound
+        no = native.INLINE_NO
+        assert a.copy_inline(native.OP_PUT, ep, [row], 1024) == no  # over the size bound
         past = np.array([[src.ctypes.data, addr + (1 << 16) - 100, 4096, rkey]], np.uint64)
-        assert not a.copy_inline(native.OP_PUT, ep, [row, past], 1 << 16)  # outside: nothing moves
-        assert not a.copy_inline(native.OP_PUT, ep + 1, [row], 1 << 16)  # another endpoint's key
+        assert a.copy_inline(native.OP_PUT, ep, [row, past], 1 << 16) == no  # outside: nothing
+        assert a.copy_inline(native.OP_PUT, ep + 1, [row], 1 << 16) == no  # another endpoint's key
         a.rkey_release(rkey)
-        assert not a.copy_inline(native.OP_PUT, ep, [row], 1 << 16)  # released: gone
+        assert a.copy_inline(native.OP_PUT, ep, [row], 1 << 16) == no  # released: gone
         assert a.stats()["inline_copies"] == 1
     finally:
         a.close()

@@ -125,12 +125,14 @@ async def handshake_then_garbage(host: str, port: int) -> None:
                 kind, _, reply = await control._read_frame(reader)
                 assert kind is control._Kind.HELLO_REPLY, kind
                 ids = control._transcript(hello, reply)
-                mine = control._identity(local)
+                mine = control._identity(local, secrets.token_bytes(control.NOTE_KEY_LEN))
                 mac = control._mac(
                     local.auth_token, b"aiokvcache-c", reply["nonce"], nonce, ids, mine
                 )
-                writer.write(control._pack_frame(control._Kind.AUTH, 0, {"mac": mac, **mine}))
-                kind, _, _ = await control._read_frame(reader)
+                tx, rx = control._session(local.auth_token, nonce, reply["nonce"], ids)
+                auth = control._pack_frame(control._Kind.AUTH, 0, {"mac": mac, **mine}, tx)
+                writer.write(auth)
+                kind, _, _ = await control._read_frame(reader, rx)
                 assert kind is control._Kind.AUTH_OK, kind
                 garbage = [
                     secrets.token_bytes(512),  # not a frame at all

@@ -62,6 +62,7 @@ def test_status_values_are_stable() -> None:
         "ENGINE_CLOSED": 4,
         "ERROR": 5,
         "INVALID": 6,
+        "RETIRED": 7,
     }
 
 

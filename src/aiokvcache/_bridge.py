@@ -45,8 +45,10 @@ KIND_ENDPOINT: int = native.KIND_ENDPOINT
 #: Human words per native status, from the engine's own status table.
 WORDS: dict[int, str] = {value: words for value, _name, words, _llm in native.STATUSES}
 
-#: One job as the engine takes it: (op, endpoint id, segments, payload, timeout_ms).
-Job = tuple[int, int, Any, bytes, int]
+#: One job as the engine takes it: (op, endpoint id, segments, payload,
+#: timeout_ms), optionally followed by its retirement guard (rkey id, address,
+#: expected word) or None (see ext/job.hpp).
+Job = tuple[Any, ...]
 Jobs = Sequence[Job]
 
 
@@ -176,8 +178,9 @@ class Bridge:
         self._fd: int = engine.event_fd
         self._groups: dict[int, JobGroup] = {}
         self._closed = False
-        #: Called with each notification payload a peer sent us.
-        self.on_notify: Callable[[bytes], None] | None = None
+        #: Called with (the sending link's cluster id, payload) for each
+        #: notification a linked peer sent us.
+        self.on_notify: Callable[[int, bytes], None] | None = None
         #: Called with (endpoint id, UCX status) when an endpoint fails.
         self.on_endpoint_error: Callable[[int, int], None] | None = None
         self._loop.add_reader(self._fd, self._on_readable)
@@ -194,6 +197,11 @@ class Bridge:
     def closed(self) -> bool:
         """True after :meth:`close`."""
         return self._closed
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop whose futures this bridge resolves."""
+        return self._loop
 
     @property
     def pending_jobs(self) -> int:
@@ -231,7 +239,7 @@ class Bridge:
                     self._job_done(JobResult(ident, status, ucs, nbytes))
                 elif kind == KIND_NOTIFY:
                     if self.on_notify is not None:
-                        self.on_notify(payload)
+                        self.on_notify(ident, payload)
                 elif kind == KIND_ENDPOINT:
                     if self.on_endpoint_error is not None:
                         self.on_endpoint_error(ident, ucs)
@@ -279,17 +287,27 @@ class Bridge:
         ``checked``: the caller built the jobs from a checked plan, so their
         form is not checked again.
         """
+        loop = self._loop
+        if asyncio.get_running_loop() is not loop:
+            # Completions are resolved on the loop that made the bridge:
+            # a group awaited anywhere else could never be woken.
+            raise RuntimeError(
+                "aiokvcache transfers must run on the event loop that ran init(); "
+                "this is another loop"
+            )
         if timeout is not None:
             cap = max(1, math.ceil(timeout * 1000))
-            jobs = [(op, ep, sg, pl, cap if t <= 0 else min(t, cap)) for op, ep, sg, pl, t in jobs]
+            jobs = [
+                (op, ep, sg, pl, cap if t <= 0 else min(t, cap), *rest)
+                for op, ep, sg, pl, t, *rest in jobs
+            ]
         elif not isinstance(jobs, list):
             jobs = list(jobs)
         if not checked:
-            for i, (op, _ep, segs, payload, _t) in enumerate(jobs):
+            for i, (op, _ep, segs, payload, *_rest) in enumerate(jobs):
                 _check_job(i, op, segs, payload)
         if self._closed:
             raise native.EngineClosedError("the engine is closed")
-        loop = self._loop
         group = JobGroup([None] * len(jobs), len(jobs), loop.create_future())
         if not jobs:
             group.first.set_result(None)

@@ -20,11 +20,17 @@ ST_LINK_FAILED: int  # 3 -> LLM_LINK_FAILED
 ST_ENGINE_CLOSED: int  # 4 -> LLM_ENGINE_FINALIZED
 ST_ERROR: int  # 5 -> LLM_FAILED
 ST_INVALID: int  # 6 -> LLM_PARAM_INVALID
+ST_RETIRED: int  # 7 -> LLM_KV_CACHE_NOT_EXIST
 # (value, "NAME", "words", "LLM_NAME") per status, in table order.
 STATUSES: tuple[tuple[int, str, str, str], ...]
 # END GENERATED
 
 MAX_PAYLOAD: int
+NOTE_KEY_LEN: int
+MAX_QUEUED_NOTES: int
+INLINE_COPIED: int
+INLINE_NO: int
+INLINE_RETIRED: int
 
 class NativeError(RuntimeError):
     """A failure of the native engine."""
@@ -43,6 +49,9 @@ class UcxError(NativeError):
 def ucx_version() -> str: ...
 def ucx_log_pending() -> bool: ...
 def ucx_log_take() -> tuple[list[tuple[int, str, str, str]], int]: ...
+def ucx_log_emit(level: int, text: str) -> None:
+    """Emit one line through UCX's own log dispatcher (as UCX would), at a ucs_log_level_t."""
+
 def ucs_status_string(status: int) -> str: ...
 def buffer_from_address(address: int, length: int, readonly: bool = False) -> memoryview: ...
 
@@ -67,7 +76,11 @@ class Engine:
     @property
     def worker_address(self) -> bytes: ...
     @property
-    def closed(self) -> bool: ...
+    def closed(self) -> bool:
+        """True once close() has finished: threads joined, worker destroyed."""
+    @property
+    def closing(self) -> bool:
+        """True once close() has begun (no call that needs the progress thread is taken)."""
     def info(self) -> str: ...
     def ucx_config(self) -> str:
         """The UCX configuration the engine was created from, one NAME=value a line.
@@ -94,16 +107,31 @@ class Engine:
         the whole claimed range inside the mapping it created, or
         InvalidArgumentError.
         """
-    def disconnect(self, ep_id: int) -> None: ...
+    def disconnect(self, ep_id: int) -> list[int]:
+        """Close the endpoint once its jobs end; cancels them and returns their ids."""
+    def set_note_keys(self, ep_id: int, send_key: bytes, recv_key: bytes, peer_id: int) -> None:
+        """Notifications sent on ep_id carry send_key; those arriving with recv_key
+        are reported with peer_id (NOTE_KEY_LEN bytes each)."""
     def fail_endpoint(self, ep_id: int) -> None: ...
     def endpoint_closed(self, ep_id: int) -> bool:
-        """True once the endpoint is closed at the transport (or unknown, or the engine closed)."""
+        """True once the endpoint is closed at the transport (or unknown, or the engine
+        fully closed); False while close() is still draining."""
     def rkey_release(self, rkey_id: int) -> None: ...
     def submit(
         self, op: int, ep_id: int, segments: Any, payload: bytes = b"", timeout_ms: int = 0
     ) -> int: ...
-    def submit_many(self, jobs: list[tuple[int, int, Any, bytes, int]]) -> list[int]: ...
-    def copy_inline(self, op: int, ep_id: int, tables: list[Any], max_bytes: int) -> bool: ...
+    def submit_many(self, jobs: list[tuple[Any, ...]]) -> list[int]:
+        """(op, ep_id, segments, payload, timeout_ms[, guard]) rows; guard: None or
+        (rkey id, address, expected word)."""
+    def copy_inline(
+        self,
+        op: int,
+        ep_id: int,
+        tables: list[Any],
+        max_bytes: int,
+        guard: tuple[int, int, int] | None = None,
+    ) -> int:
+        """INLINE_COPIED, INLINE_NO (nothing copied) or INLINE_RETIRED."""
     def cancel(self, job_id: int) -> None: ...
     def cancel_many(self, job_ids: Sequence[int] | NDArray[np.uint64]) -> None:
         """cancel() for each id, in one command; unknown ids and a closed engine are ignored."""

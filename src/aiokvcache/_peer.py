@@ -277,6 +277,14 @@ async def _engine(args: argparse.Namespace) -> None:
                 rng = np.random.default_rng(int(req["seed"]))
                 mem[:] = rng.integers(0, 256, size, dtype=np.uint8)
                 return {"ok": True}
+            if op == "accept_notes":
+                # Notifications carrying this key come from the caller (a
+                # bare engine attributes them by key, as a link does).
+                back = eng.connect(bytes.fromhex(str(req["worker"])), False)
+                eng.set_note_keys(
+                    back, os.urandom(native.NOTE_KEY_LEN), bytes.fromhex(str(req["key"])), 1
+                )
+                return {"ok": True}
             if op == "notes":
                 want = int(req["count"])
                 deadline = time.monotonic() + 10

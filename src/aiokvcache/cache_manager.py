@@ -72,10 +72,16 @@ class CacheManager:
         self._check_ready = check_ready
 
     def stats(self) -> dict[str, int]:
-        """Counters: native engine stats plus cache and notification bookkeeping."""
+        """Counters: native engine stats plus cache and notification bookkeeping.
+
+        ``regions`` counts the memory regions of caches (allocated, or
+        registered user memory) not yet released; the engine's own control
+        region (probe slots, retirement words) is not among them.
+        """
         st = self._rt.state
         rcv = self._rt.receiver
         out = dict(st.engine.stats())
+        out["regions"] = max(0, out["regions"] - 1)  # the control region
         with st.lock:
             out.update(caches=len(st.registry.caches), allocated_bytes=st.registry.allocated_bytes)
         out.update(
@@ -230,6 +236,7 @@ class CacheManager:
         happens, nothing is read or written after this returns or raises.
         """
         self._check_ready()
+        self._rt.check_loop()
         check_isinstance("dst_cache_key", dst_cache_key, (CacheKeyByIdAndIndex, CacheKey))
         src = self._tr.local("src_cache", src_cache)
         sb = check_int("src_batch_index", src_batch_index, 0, 2**31 - 1)
@@ -269,6 +276,7 @@ class CacheManager:
         tensor. Same failure and quiescence rules as :meth:`push_cache`.
         """
         self._check_ready()
+        self._rt.check_loop()
         check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
         dst = self._tr.local("cache", cache)
         db = check_int("batch_index", batch_index, 0, 2**31 - 1)
@@ -347,6 +355,7 @@ class CacheManager:
         ids (see :class:`Notification`).
         """
         self._check_ready()
+        self._rt.check_loop()
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey)
         src = self._tr.local("src_cache", src_cache)
         src_ids = planner.block_ids("src_blocks", src_blocks)
@@ -391,6 +400,7 @@ class CacheManager:
         Same checks, failure and quiescence rules as :meth:`push_blocks`.
         """
         self._check_ready()
+        self._rt.check_loop()
         check_isinstance(
             "src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
         )
@@ -542,6 +552,7 @@ class CacheManager:
         go on.
         """
         self._check_ready()
+        self._rt.check_loop()
         return await layerwise.transfer_cache_async(
             self._tr,
             self._tr.local("src_cache", src_cache),
@@ -554,21 +565,36 @@ class CacheManager:
         )
 
     async def wait_for_layers(
-        self, tag: str | bytes, layers: Iterable[int], timeout: float | None = None
+        self,
+        tag: str | bytes,
+        layers: Iterable[int],
+        timeout: float | None = None,
+        *,
+        src_cluster_id: int | None = None,
     ) -> None:
         """Return once every layer in ``layers`` of pushes tagged ``tag`` has landed.
 
         Layers that landed before the call count. The tag's record is
         dropped when this returns. Raises :class:`LLMTimeoutError` on timeout.
+        **[ours]** ``src_cluster_id``: count only notifications that arrived
+        on the link to that cluster (a notification's source is the link it
+        came on, never what its payload claims); None counts every linked
+        peer's, so any peer that knows the tag can complete the wait.
         """
         self._check_ready()
+        self._rt.check_loop()
         if tag is None:
             raise TypeError("tag must be str or bytes, got NoneType")
         check_tag("tag", tag)
         if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
             raise TypeError(f"layers must be an iterable of ints, got {type(layers).__name__}")
         want = {check_int("layers[]", x, 0, 2**31 - 1) for x in layers}
-        await self._rt.receiver.wait_for_layers(tag, want, check_timeout(timeout))
+        src = (
+            None
+            if src_cluster_id is None
+            else check_int("src_cluster_id", src_cluster_id, 0, 2**64 - 1)
+        )
+        await self._rt.receiver.wait_for_layers(tag, want, check_timeout(timeout), src)
 
     async def notify(
         self, cluster_id: int, tag: str | bytes, *, timeout: float | None = None
@@ -583,6 +609,7 @@ class CacheManager:
         for a missing or broken link and :class:`LLMTimeoutError` on timeout.
         """
         self._check_ready()
+        self._rt.check_loop()
         cid = check_int("cluster_id", cluster_id, 0, 2**64 - 1)
         if tag is None:
             raise TypeError("tag must be str or bytes, got NoneType")
@@ -598,6 +625,7 @@ class CacheManager:
     async def notifications(self) -> AsyncIterator[Notification]:
         """Every notification that arrives from now on, as an async iterator."""
         self._check_ready()
+        self._rt.check_loop()
         async for note in self._rt.receiver.subscribe():
             yield note
 

@@ -7,6 +7,7 @@ that serves peers even while this loop is blocked.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -32,6 +33,16 @@ def _check_role(role: Any) -> LLMRole:
         return LLMRole(role)
     except ValueError:
         raise ValueError(f"role is out of range: {role}") from None
+
+
+def _loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class LLMDataDist:
@@ -120,6 +131,15 @@ class LLMDataDist:
             except BaseException:
                 await self.finalize()
                 raise
+            if opts.auth_token is None and not _loopback(opts.listen_host):
+                log.warning(
+                    "aiokvcache: cluster %d listens on %s without an auth_token: anyone who "
+                    "can reach that address can link, read and write its remote-accessible "
+                    "caches (set aiokvcache.authToken; see docs/design.md, 'What a reachable "
+                    "peer can do')",
+                    self._cluster_id,
+                    self.listen_address,
+                )
 
     async def finalize(self) -> None:
         """Stop everything: fail in-flight transfers with ENGINE_FINALIZED,

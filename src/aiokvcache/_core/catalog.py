@@ -12,7 +12,7 @@ import contextlib
 from typing import Any
 
 from .._loader import native
-from .errors import LLMException, LLMStatusCode, make_error
+from .errors import LLMStatusCode, make_error
 from .state import Link, LocalCache, RemoteCache, State
 from .types import CacheDesc, DataType, Placement
 
@@ -43,7 +43,8 @@ def desc_from_wire(d: dict[str, Any]) -> CacheDesc:
 
 
 def metadata(state: State, rec: LocalCache) -> dict[str, Any]:
-    """What a peer needs to use ``rec``: addresses, descriptor, packed keys."""
+    """What a peer needs to use ``rec``: addresses, descriptor, packed keys,
+    and where its retirement word is (in our control region)."""
     rkeys = rec.rkeys
     if rkeys is None:
         # Packing waits for the progress thread: outside the lock.
@@ -59,7 +60,73 @@ def metadata(state: State, rec: LocalCache) -> dict[str, Any]:
             for (_, base, length), rk in zip(rec.regions, rkeys, strict=True)
         ],
         "tensor_region": list(rec.tensor_region),
+        "guard": {"addr": state.ctl.guard_addr(rec.guard_slot), "word": rec.cache_id},
     }
+
+
+def _u64(value: Any, what: str) -> int:
+    if type(value) is not int or not 0 <= value < 2**64:
+        raise ValueError(f"{what} must be an unsigned 64-bit int")
+    return value
+
+
+def _parse(
+    link: Link, meta: Any
+) -> tuple[
+    int, CacheDesc, list[int], list[dict[str, Any]], list[int], bool, tuple[int, int] | None
+]:
+    """A peer's cache metadata, checked field by field (ValueError otherwise)."""
+    if not isinstance(meta, dict):
+        raise ValueError("not a dict")
+    cid = _u64(meta.get("cache_id"), "cache_id")
+    d = meta.get("desc")
+    if not isinstance(d, dict):
+        raise ValueError("desc must be a dict")
+    desc = desc_from_wire(d)
+    if any(dim < 1 for dim in desc.shape) or desc.size < 1:
+        raise ValueError(f"desc.shape {list(desc.shape)} has an empty dimension")
+    raw_addrs, raw_regions, raw_map = (meta.get(k) for k in ("addrs", "regions", "tensor_region"))
+    if not (
+        isinstance(raw_addrs, list) and isinstance(raw_regions, list) and isinstance(raw_map, list)
+    ):
+        raise ValueError("addrs, regions and tensor_region must be lists")
+    addrs = [_u64(a, "addrs[]") for a in raw_addrs]
+    tensor_region = [_u64(i, "tensor_region[]") for i in raw_map]
+    is_blocks = meta.get("is_blocks", False)
+    if not isinstance(is_blocks, bool):
+        raise ValueError("is_blocks must be a bool")
+    if len(addrs) != desc.num_tensors or len(tensor_region) != desc.num_tensors:
+        raise ValueError("tensor count mismatch")
+    if not raw_regions or len(raw_regions) > desc.num_tensors:
+        raise ValueError("bad region count")
+    regions = []
+    for reg in raw_regions:
+        if not isinstance(reg, dict) or not isinstance(reg.get("rkey"), bytes) or not reg["rkey"]:
+            raise ValueError("a region must be {base, len, rkey}")
+        base, length = _u64(reg.get("base"), "region base"), _u64(reg.get("len"), "region len")
+        if length == 0 or base == 0 or base + length >= 2**64:
+            raise ValueError("a region is empty or wraps")
+        regions.append({"base": base, "len": length, "rkey": reg["rkey"]})
+    for a, r in zip(addrs, tensor_region, strict=True):
+        if r >= len(regions):
+            raise ValueError("tensor_region names no region")
+        reg = regions[r]
+        if not reg["base"] <= a or a + desc.size > reg["base"] + reg["len"]:
+            raise ValueError("tensor outside its region")
+    guard = meta.get("guard")
+    word: tuple[int, int] | None = None
+    if guard is not None:
+        if not isinstance(guard, dict):
+            raise ValueError("guard must be a dict")
+        addr, value = _u64(guard.get("addr"), "guard addr"), _u64(guard.get("word"), "guard word")
+        base, span = link.ctl_span
+        # Before the link's probe installed the peer's control-region key
+        # (a lookup racing the set-up) the guard cannot be used: none then.
+        if link.ctl_rkey is not None:
+            if not (base <= addr and addr + 8 <= base + span) or value == 0:
+                raise ValueError("guard outside the peer's control region")
+            word = (addr, value)
+    return cid, desc, addrs, regions, tensor_region, is_blocks, word
 
 
 def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCache:
@@ -69,21 +136,8 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
     twice). Bad metadata raises LLM_FAILED, a broken link LLM_LINK_FAILED.
     """
     try:
-        cid = int(meta["cache_id"])
-        desc = desc_from_wire(meta["desc"])
-        addrs = [int(a) for a in meta["addrs"]]
-        regions = meta["regions"]
-        tensor_region = [int(i) for i in meta["tensor_region"]]
-        is_blocks = meta.get("is_blocks", False)
-        if not isinstance(is_blocks, bool):
-            raise ValueError("is_blocks must be a bool")
-        if len(addrs) != desc.num_tensors or len(tensor_region) != desc.num_tensors:
-            raise ValueError("tensor count mismatch")
-        for a, r in zip(addrs, tensor_region, strict=True):
-            reg = regions[r]
-            if not reg["base"] <= a or a + desc.size > reg["base"] + reg["len"]:
-                raise ValueError("tensor outside its region")
-    except (KeyError, TypeError, ValueError, IndexError, LLMException) as exc:
+        cid, desc, addrs, regions, tensor_region, is_blocks, word = _parse(link, meta)
+    except Exception as exc:  # whatever a hostile peer sends: an LLM error, never a crash
         raise make_error(
             LLMStatusCode.LLM_FAILED,
             f"cluster {link.cluster_id} sent bad cache metadata: {exc}",
@@ -101,7 +155,7 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
     try:
         for reg in regions:
             rkey_ids.append(engine.rkey_unpack(link.ep, reg["rkey"], reg["base"], reg["len"]))
-    except native.NativeError as exc:
+    except (native.NativeError, OverflowError) as exc:
         release_keys(state, rkey_ids)
         raise make_error(
             LLMStatusCode.LLM_LINK_FAILED, f"cannot use cluster {link.cluster_id}'s keys: {exc}"
@@ -109,6 +163,8 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
     rc = RemoteCache(
         cid, desc, addrs, [rkey_ids[r] for r in tensor_region], rkey_ids, bool(is_blocks)
     )
+    if word is not None and link.ctl_rkey is not None:
+        rc.guard = (link.ctl_rkey, word[0], word[1])
     with state.lock:
         existing = link.remote.get(cid)
         if existing is None and not link.broken:
@@ -140,5 +196,8 @@ def forget_link(state: State, link: Link) -> None:
     with state.lock:
         remotes = list(link.remote.values())
         link.remote.clear()
+        ctl, link.ctl_rkey = link.ctl_rkey, None
     for rc in remotes:
         retire_remote(state, rc)
+    if ctl is not None:
+        release_keys(state, [ctl])

@@ -17,11 +17,24 @@ The side that calls :func:`connect` (the initiator) and the side whose
 With a shared ``auth_token`` each side proves it with an HMAC-SHA256 over
 both nonces and both sides' identities; without one the macs are empty but
 the same four messages flow. What lets a peer touch memory — the UCX worker
-address, the host id — travels only after the other side has proven the
-token: the initiator sends its own in AUTH, once the acceptor's HELLO_REPLY
-proved it; the acceptor sends its own in AUTH_OK, once the initiator's AUTH
-proved it. Each is bound into the sender's mac, so it cannot be swapped in
-flight. (Protocol version 2; version 1 sent worker addresses in the hellos.)
+address, the host id, the key that attributes notifications to the link —
+travels only after the other side has proven the token: the initiator sends
+its own in AUTH, once the acceptor's HELLO_REPLY proved it; the acceptor
+sends its own in AUTH_OK, once the initiator's AUTH proved it. Each is bound
+into the sender's mac, so it cannot be swapped in flight.
+
+**Session.** With a token, both sides derive a session secret from the token,
+both nonces and the transcript, and from it one AES-256-GCM key per
+direction. AUTH, AUTH_OK and every frame after them are sealed with those keys
+(nonce = a per-direction frame counter, so a frame cannot be replayed,
+reordered or dropped unnoticed). A party in the middle that relays the bytes
+of a handshake between two token holders learns nothing of what follows —
+no worker address, no cache metadata, no remote key — and can change none of
+it. The initiator names the cluster it means to reach (``expected_cluster_id``)
+and sends nothing but HELLO to an acceptor that claims another id; an
+acceptor refuses a HELLO that claims its own cluster id. Without a token
+nothing is sealed: the control plane then trusts its network (see
+docs/design.md, "What a reachable peer can do"). (Protocol version 3.)
 
 After the handshake the connection is symmetric: either end sends REQUESTs (answered by RESPONSE or
 ERROR_RESPONSE with the same request id) and EVENTs, and either end says
@@ -46,6 +59,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from .errors import LLMException, LLMStatusCode, LLMTimeoutError, make_error
 
 __all__ = [
@@ -63,7 +79,7 @@ __all__ = [
 
 _log = logging.getLogger("aiokvcache.control")
 
-PROTOCOL_VERSION: int = 2
+PROTOCOL_VERSION: int = 3
 """Version byte carried by every frame and by HELLO / HELLO_REPLY."""
 
 MAX_FRAME: int = 1 << 20
@@ -93,7 +109,16 @@ out a peer, whose HELLO follows its connect at once."""
 MAX_CONNECTIONS = 1024
 """Established connections per server; a handshake beyond that is refused."""
 
+MAX_BACKLOG = 32 << 20
+"""Bytes of frames queued for one connection's socket at most. A peer that
+stops reading while it keeps asking (or while we keep pinging it) would
+otherwise grow our memory without bound: past this the connection closes."""
+
+NOTE_KEY_LEN = 16
+"""Bytes of the key each side gives the other for its notifications."""
+
 _NONCE_LEN = 32
+_TAG_LEN = 16  # AES-GCM's tag on a sealed frame
 _MAX_MESSAGE = 4096  # error / bye text sent to a peer is cut to this
 _HEADER = struct.Struct(">BBI")
 _LEN = struct.Struct(">I")
@@ -295,20 +320,77 @@ def decode(data: bytes) -> object:
 # Frames
 
 
-def _pack_frame(kind: _Kind, rid: int, payload: dict[str, Any]) -> bytes:
+class _Seal:
+    """One direction of a session: AES-256-GCM with a frame counter as nonce."""
+
+    __slots__ = ("_aead", "_count")
+
+    def __init__(self, key: bytes) -> None:
+        self._aead = AESGCM(key)
+        self._count = 0
+
+    def _nonce(self) -> bytes:
+        nonce = self._count.to_bytes(12, "big")
+        self._count += 1
+        return nonce
+
+    def seal(self, body: bytes) -> bytes:
+        return self._aead.encrypt(self._nonce(), body, None)
+
+    def open(self, data: bytes) -> bytes:
+        try:
+            return self._aead.decrypt(self._nonce(), data, None)
+        except InvalidTag:
+            raise ProtocolError(
+                "authentication failed: a sealed frame did not verify (the auth tokens differ, "
+                "or it was altered on the way)"
+            ) from None
+
+
+def _session(
+    token: bytes | None, client_nonce: bytes, server_nonce: bytes, ids: bytes
+) -> tuple[_Seal, _Seal] | tuple[None, None]:
+    """(client -> server, server -> client) seals of a session, or Nones without a token."""
+    if token is None:
+        return None, None
+    secret = hmac.new(
+        bytes(token), b"aiokvcache-session" + client_nonce + server_nonce + ids, hashlib.sha256
+    ).digest()
+    c2s = hmac.new(secret, b"client->server", hashlib.sha256).digest()
+    s2c = hmac.new(secret, b"server->client", hashlib.sha256).digest()
+    return _Seal(c2s), _Seal(s2c)
+
+
+def _body(kind: _Kind, rid: int, payload: dict[str, Any]) -> bytes:
     body = _HEADER.pack(PROTOCOL_VERSION, kind, rid) + encode(payload)
     if len(body) > MAX_FRAME:
         raise ValueError(f"frame of {len(body)} bytes exceeds MAX_FRAME ({MAX_FRAME})")
-    return _LEN.pack(len(body)) + body
+    return body
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> tuple[_Kind, int, dict[str, Any]]:
+def _wire(body: bytes, seal: _Seal | None) -> bytes:
+    data = body if seal is None else seal.seal(body)
+    return _LEN.pack(len(data)) + data
+
+
+def _pack_frame(kind: _Kind, rid: int, payload: dict[str, Any], seal: _Seal | None = None) -> bytes:
+    return _wire(_body(kind, rid, payload), seal)
+
+
+async def _read_frame(
+    reader: asyncio.StreamReader, opener: _Seal | None = None
+) -> tuple[_Kind, int, dict[str, Any]]:
     (length,) = _LEN.unpack(await reader.readexactly(4))
-    if length > MAX_FRAME:
+    limit = MAX_FRAME + (0 if opener is None else _TAG_LEN)
+    if length > limit:
         raise ProtocolError(f"announced frame length {length} exceeds MAX_FRAME")
     if length < _HEADER.size:
         raise ProtocolError(f"frame length {length} shorter than header")
     body = await reader.readexactly(length)
+    if opener is not None:
+        body = opener.open(body)
+        if len(body) < _HEADER.size:
+            raise ProtocolError("sealed frame shorter than header")
     version, kind, rid = _HEADER.unpack_from(body)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {version}")
@@ -430,6 +512,10 @@ class ControlConnection:
     peer_host_id: bytes
     peer_address: tuple[str, int]
     initiator: bool
+    #: The key the peer's notifications to us carry (we gave it to the peer),
+    #: and the one ours to the peer must carry (the peer gave it to us).
+    local_note_key: bytes
+    peer_note_key: bytes
 
     def __init__(
         self,
@@ -442,21 +528,32 @@ class ControlConnection:
         peer_role: int,
         peer_worker_address: bytes,
         peer_host_id: bytes = b"",
+        local_note_key: bytes = b"",
+        peer_note_key: bytes = b"",
+        tx: _Seal | None = None,
+        rx: _Seal | None = None,
     ) -> None:
         self.peer_cluster_id = peer_cluster_id
         self.peer_host_id = peer_host_id
         self.peer_role = peer_role
         self.peer_worker_address = peer_worker_address
+        self.local_note_key = local_note_key
+        self.peer_note_key = peer_note_key
         self.peer_address = _peer_address(writer)
         self.initiator = initiator
         self._reader = reader
         self._writer = writer
         self._handler = handler
+        self._tx = tx  # seals what we send (None: no session, plaintext)
+        self._rx = rx  # opens what we receive
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._serving: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._next_id = 1
+        # Frame bodies, sealed and framed by the write loop in write order
+        # (the session's counter is the order on the wire).
         self._outq: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._backlog = 0  # bytes queued in _outq
         self._reader_task: asyncio.Task[None] | None = None
         self._writer_task: asyncio.Task[None] | None = None
         self._close_task: asyncio.Task[None] | None = None
@@ -474,6 +571,9 @@ class ControlConnection:
         hello: dict[str, Any],
         *,
         initiator: bool,
+        local_note_key: bytes,
+        tx: _Seal | None,
+        rx: _Seal | None,
     ) -> ControlConnection:
         """A connection to the peer that sent ``hello`` (checked by _check_hello)."""
         return cls(
@@ -485,6 +585,10 @@ class ControlConnection:
             peer_role=hello["role"],
             peer_worker_address=hello["worker_address"],
             peer_host_id=hello["host_id"],
+            local_note_key=local_note_key,
+            peer_note_key=hello["note_key"],
+            tx=tx,
+            rx=rx,
         )
 
     def __repr__(self) -> str:
@@ -526,7 +630,7 @@ class ControlConnection:
         frame = self._pack_user(_Kind.REQUEST, rid, op, body)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
-        self._outq.put_nowait(frame)
+        self._enqueue(frame)
         try:
             async with asyncio.timeout(timeout):
                 return await fut
@@ -549,13 +653,28 @@ class ControlConnection:
         """
         if self._closing:
             return
-        self._outq.put_nowait(self._pack_user(_Kind.EVENT, 0, op, body))
+        self._enqueue(self._pack_user(_Kind.EVENT, 0, op, body))
+
+    def _enqueue(self, body: bytes) -> None:
+        """Queue a frame body for the write loop; past MAX_BACKLOG, close."""
+        if self._closing:
+            return
+        if self._backlog + len(body) > MAX_BACKLOG:
+            _log.warning(
+                "closing control connection to %s: it does not read what we send (%d bytes queued)",
+                _fmt(self.peer_address),
+                self._backlog,
+            )
+            self._begin_close("the peer does not read its connection", send_bye=False)
+            return
+        self._backlog += len(body)
+        self._outq.put_nowait(body)
 
     def _pack_user(self, kind: _Kind, rid: int, op: str, body: dict[str, Any]) -> bytes:
         if not isinstance(op, str) or not isinstance(body, dict):
             raise LLMException("op must be str and body a dict", LLMStatusCode.LLM_PARAM_INVALID)
         try:
-            return _pack_frame(kind, rid, {"op": op, "body": body})
+            return _body(kind, rid, {"op": op, "body": body})
         except (TypeError, ValueError) as e:
             raise LLMException(
                 f"cannot encode {kind.name.lower()} {op!r}: {e}", LLMStatusCode.LLM_PARAM_INVALID
@@ -633,7 +752,7 @@ class ControlConnection:
                 if send_bye:
                     with contextlib.suppress(ValueError):
                         self._outq.put_nowait(
-                            _pack_frame(_Kind.BYE, 0, {"reason": reason[:_MAX_MESSAGE]})
+                            _body(_Kind.BYE, 0, {"reason": reason[:_MAX_MESSAGE]})
                         )
                 self._outq.put_nowait(None)
                 done, _ = await asyncio.wait({self._writer_task}, timeout=CLOSE_TIMEOUT)
@@ -661,17 +780,19 @@ class ControlConnection:
     async def _write_loop(self) -> None:
         try:
             while True:
-                frame = await self._outq.get()
-                if frame is None:
+                body = await self._outq.get()
+                if body is None:
                     return
-                self._writer.write(frame)
+                self._backlog -= len(body)
+                self._writer.write(_wire(body, self._tx))
                 # Coalesce whatever is queued already into one drain.
                 while not self._outq.empty():
                     more = self._outq.get_nowait()
                     if more is None:
                         await self._writer.drain()
                         return
-                    self._writer.write(more)
+                    self._backlog -= len(more)
+                    self._writer.write(_wire(more, self._tx))
                 await self._writer.drain()
         except (ConnectionError, OSError) as e:
             self._begin_close(f"write failed: {e!r}", send_bye=False)
@@ -681,7 +802,7 @@ class ControlConnection:
         send_bye = True
         try:
             while True:
-                kind, rid, payload = await _read_frame(self._reader)
+                kind, rid, payload = await _read_frame(self._reader, self._rx)
                 if kind is _Kind.REQUEST:
                     self._dispatch(rid, payload)
                 elif kind is _Kind.RESPONSE:
@@ -727,7 +848,7 @@ class ControlConnection:
             raise ProtocolError(f"request id {rid} reused while outstanding")
         if len(self._serving) >= MAX_INFLIGHT_REQUESTS:
             busy = LLMException("too many outstanding requests", LLMStatusCode.LLM_LINK_BUSY)
-            self._outq.put_nowait(_pack_frame(_Kind.ERROR_RESPONSE, rid, _error_payload(busy)))
+            self._enqueue(_body(_Kind.ERROR_RESPONSE, rid, _error_payload(busy)))
             return
         self._serving.add(rid)
         task = asyncio.get_running_loop().create_task(self._serve(rid, op, body))
@@ -740,15 +861,14 @@ class ControlConnection:
                 result = await self._handler.handle_request(self, op, body)
                 if not isinstance(result, dict):
                     raise TypeError(f"handle_request returned {type(result).__name__}, not dict")
-                frame = _pack_frame(_Kind.RESPONSE, rid, {"body": result})
+                frame = _body(_Kind.RESPONSE, rid, {"body": result})
             except LLMException as e:
-                frame = _pack_frame(_Kind.ERROR_RESPONSE, rid, _error_payload(e))
+                frame = _body(_Kind.ERROR_RESPONSE, rid, _error_payload(e))
             except Exception as e:
                 _log.exception("handler for request %r from %s failed", op, _fmt(self.peer_address))
                 failed = LLMException(f"{type(e).__name__}: {e}", LLMStatusCode.LLM_FAILED)
-                frame = _pack_frame(_Kind.ERROR_RESPONSE, rid, _error_payload(failed))
-            if not self._closing:
-                self._outq.put_nowait(frame)
+                frame = _body(_Kind.ERROR_RESPONSE, rid, _error_payload(failed))
+            self._enqueue(frame)
         except asyncio.CancelledError:
             pass  # the connection is closing; nobody is left to answer
         except Exception:  # cannot happen: error frames always encode
@@ -801,9 +921,14 @@ def _check_hello(kind: _Kind, payload: dict[str, Any]) -> dict[str, Any]:
 MAX_WORKER_ADDRESS = 1 << 16
 
 
-def _identity(local: LocalInfo) -> dict[str, Any]:
-    """What a proven peer may learn: how to reach our transfer engine."""
-    return {"worker_address": bytes(local.worker_address), "host_id": bytes(local.host_id)}
+def _identity(local: LocalInfo, note_key: bytes) -> dict[str, Any]:
+    """What a proven peer may learn: how to reach our transfer engine, and the
+    key its notifications to us must carry (one per connection)."""
+    return {
+        "worker_address": bytes(local.worker_address),
+        "host_id": bytes(local.host_id),
+        "note_key": note_key,
+    }
 
 
 def _check_identity(kind: _Kind, payload: dict[str, Any]) -> dict[str, Any]:
@@ -812,7 +937,13 @@ def _check_identity(kind: _Kind, payload: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(f"{kind.name}: worker_address of {len(address)} bytes")
     if len(_get(payload, "host_id", bytes, kind)) > 256:
         raise ProtocolError(f"{kind.name}: host_id too long")
-    return {"worker_address": address, "host_id": payload["host_id"]}
+    if len(_get(payload, "note_key", bytes, kind)) != NOTE_KEY_LEN:
+        raise ProtocolError(f"{kind.name}: note_key must be {NOTE_KEY_LEN} bytes")
+    return {
+        "worker_address": address,
+        "host_id": payload["host_id"],
+        "note_key": payload["note_key"],
+    }
 
 
 def _transcript(client: dict[str, Any], server: dict[str, Any]) -> bytes:
@@ -831,7 +962,11 @@ def _mac(
 ) -> bytes:
     if token is None:
         return b""
-    extra = b"" if identity is None else encode([identity["worker_address"], identity["host_id"]])
+    extra = (
+        b""
+        if identity is None
+        else encode([identity["worker_address"], identity["host_id"], identity["note_key"]])
+    )
     return hmac.new(bytes(token), label + first + second + ids + extra, hashlib.sha256).digest()
 
 
@@ -848,17 +983,24 @@ def _link_failed(message: str) -> LLMException:
 
 
 async def _send_now(
-    writer: asyncio.StreamWriter, kind: _Kind, rid: int, payload: dict[str, Any]
+    writer: asyncio.StreamWriter,
+    kind: _Kind,
+    rid: int,
+    payload: dict[str, Any],
+    seal: _Seal | None = None,
 ) -> None:
-    writer.write(_pack_frame(kind, rid, payload))
+    writer.write(_pack_frame(kind, rid, payload, seal))
     await writer.drain()
 
 
-async def _refuse(writer: asyncio.StreamWriter, exc: LLMException) -> None:
-    # Best effort: tell the initiator why before closing.
+async def _refuse(
+    writer: asyncio.StreamWriter, exc: LLMException, seal: _Seal | None = None
+) -> None:
+    # Best effort: tell the initiator why before closing (sealed once a
+    # session exists: the initiator then reads only sealed frames).
     try:
         async with asyncio.timeout(CLOSE_TIMEOUT):
-            await _send_now(writer, _Kind.ERROR_RESPONSE, 0, _error_payload(exc))
+            await _send_now(writer, _Kind.ERROR_RESPONSE, 0, _error_payload(exc), seal)
     except (TimeoutError, ConnectionError, OSError, ValueError):
         pass
 
@@ -876,6 +1018,9 @@ async def _accept_handshake(
     ``hello_seen[0]`` becomes True once a well-formed HELLO arrived.
     """
     peer = _fmt(_peer_address(writer))
+    tx: _Seal | None = None  # server -> client, once the nonces are known
+    rx: _Seal | None = None
+    note_key = secrets.token_bytes(NOTE_KEY_LEN)
     try:
         async with asyncio.timeout(HANDSHAKE_TIMEOUT if timeout is None else timeout):
             kind, _, hello = await _read_frame(reader)
@@ -886,6 +1031,8 @@ async def _accept_handshake(
                 hello_seen[0] = True
             if hello["version"] != PROTOCOL_VERSION:
                 raise _link_failed(f"unsupported protocol version {hello['version']}")
+            if hello["cluster_id"] == local.cluster_id:
+                raise _link_failed("the peer claims our own cluster id")
             mismatch = _auth_mismatch(local.auth_token is not None, hello["auth"])
             if mismatch:
                 raise _link_failed(mismatch)
@@ -894,7 +1041,8 @@ async def _accept_handshake(
             ids = _transcript(hello, reply)
             reply["mac"] = _mac(local.auth_token, b"aiokvcache-s", hello["nonce"], nonce, ids)
             await _send_now(writer, _Kind.HELLO_REPLY, 0, reply)
-            kind, _, auth = await _read_frame(reader)
+            rx, tx = _session(local.auth_token, hello["nonce"], nonce, ids)
+            kind, _, auth = await _read_frame(reader, rx)
             if kind is _Kind.BYE:
                 why = auth.get("reason")
                 raise _link_failed(
@@ -916,7 +1064,7 @@ async def _accept_handshake(
         return None
     except LLMException as e:
         _log.warning("refusing control connection from %s: %s", peer, e.message)
-        await _refuse(writer, e)
+        await _refuse(writer, e, tx)
         await _close_writer(writer)
         return None
     except ProtocolError as e:
@@ -932,7 +1080,9 @@ async def _accept_handshake(
         _abort(writer)
         return None
 
-    conn = ControlConnection._from_hello(reader, writer, handler, hello, initiator=False)
+    conn = ControlConnection._from_hello(
+        reader, writer, handler, hello, initiator=False, local_note_key=note_key, tx=tx, rx=rx
+    )
     try:
         handler.on_connected(conn)
     except Exception as e:
@@ -946,16 +1096,17 @@ async def _accept_handshake(
         else:
             _log.exception("on_connected failed for %s", peer)
         conn._abandon(refusal.message)
-        await _refuse(writer, refusal)
+        await _refuse(writer, refusal, tx)
         await _close_writer(writer)
         return None
     # Written now, not queued: AUTH_OK must precede anything on_connected
-    # queued, and the writer task that sends those only starts here.  No
-    # await between on_connected and _start, so on_closed is never lost.
-    # Our identity goes out only now: the initiator has proven the token.
-    mine = _identity(local)
+    # queued (and, sealed, take the session's first counter), and the writer
+    # task that sends those only starts here. No await between on_connected
+    # and _start, so on_closed is never lost. Our identity goes out only
+    # now: the initiator has proven the token.
+    mine = _identity(local, note_key)
     ok = {"mac": _mac(local.auth_token, b"aiokvcache-a", hello["nonce"], nonce, ids, mine), **mine}
-    writer.write(_pack_frame(_Kind.AUTH_OK, 0, ok))
+    writer.write(_pack_frame(_Kind.AUTH_OK, 0, ok, tx))
     conn._start()
     return conn
 
@@ -966,8 +1117,13 @@ async def connect(
     local: LocalInfo,
     handler: Handler,
     timeout: float,
+    *,
+    expected_cluster_id: int | None = None,
 ) -> ControlConnection:
     """Open a control connection to ``host:port`` and run the handshake.
+
+    ``expected_cluster_id``: the cluster we mean to reach; an acceptor that
+    claims another id gets nothing past HELLO (LLM_LINK_FAILED).
 
     Raises ``LLMException(LLM_LINK_FAILED)`` when the peer refuses the TCP
     connection, is unreachable, breaks the protocol or fails authentication;
@@ -979,6 +1135,9 @@ async def connect(
     _validate_local(local)
     target = f"{host}:{port}"
     writer: asyncio.StreamWriter | None = None
+    tx: _Seal | None = None  # client -> server, once the nonces are known
+    rx: _Seal | None = None
+    note_key = secrets.token_bytes(NOTE_KEY_LEN)
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
@@ -994,6 +1153,10 @@ async def connect(
             server_mac = _get(reply, "mac", bytes, kind)
             if reply["version"] != PROTOCOL_VERSION:
                 raise _link_failed(f"peer speaks protocol version {reply['version']}")
+            if expected_cluster_id is not None and reply["cluster_id"] != expected_cluster_id:
+                raise _link_failed(
+                    f"it is cluster {reply['cluster_id']}, not cluster {expected_cluster_id}"
+                )
             mismatch = _auth_mismatch(local.auth_token is not None, reply["auth"])
             if mismatch:
                 raise _link_failed(mismatch)
@@ -1003,11 +1166,12 @@ async def connect(
             expected = _mac(local.auth_token, b"aiokvcache-s", nonce, reply["nonce"], ids)
             if not hmac.compare_digest(server_mac, expected):
                 raise _link_failed("authentication failed: bad server proof (auth token differs)")
+            tx, rx = _session(local.auth_token, nonce, reply["nonce"], ids)
             # The acceptor proved the token: it may learn our identity now.
-            mine = _identity(local)
+            mine = _identity(local, note_key)
             client_mac = _mac(local.auth_token, b"aiokvcache-c", reply["nonce"], nonce, ids, mine)
-            await _send_now(writer, _Kind.AUTH, 0, {"mac": client_mac, **mine})
-            kind, _, ok = await _read_frame(reader)
+            await _send_now(writer, _Kind.AUTH, 0, {"mac": client_mac, **mine}, tx)
+            kind, _, ok = await _read_frame(reader, rx)
             if kind is _Kind.ERROR_RESPONSE:
                 raise _error_from_payload(ok)
             if kind is not _Kind.AUTH_OK:
@@ -1021,7 +1185,7 @@ async def connect(
             reply = {**reply, **peer_identity}
     except LLMException as e:
         if writer is not None:
-            _say_bye_and_close(writer, e.message)
+            _say_bye_and_close(writer, e.message, tx)
         raise make_error(e.status_code, f"link to {target} failed: {e.message}") from None
     except TimeoutError as e:
         if writer is not None:
@@ -1046,23 +1210,27 @@ async def connect(
             _abort(writer)
         raise
 
-    conn = ControlConnection._from_hello(reader, writer, handler, reply, initiator=True)
+    conn = ControlConnection._from_hello(
+        reader, writer, handler, reply, initiator=True, local_note_key=note_key, tx=tx, rx=rx
+    )
     try:
         handler.on_connected(conn)
     except BaseException as e:
         why = e.message if isinstance(e, LLMException) else "refused"
         conn._abandon(why)
-        _say_bye_and_close(writer, why)
+        _say_bye_and_close(writer, why, tx)
         raise
     conn._start()
     return conn
 
 
-def _say_bye_and_close(writer: asyncio.StreamWriter, reason: str) -> None:
+def _say_bye_and_close(
+    writer: asyncio.StreamWriter, reason: str, seal: _Seal | None = None
+) -> None:
     # No await: connect() must not outlive its timeout for a courtesy.  The
     # transport flushes the small BYE, then closes on its own.
     try:
-        writer.write(_pack_frame(_Kind.BYE, 0, {"reason": reason[:_MAX_MESSAGE]}))
+        writer.write(_pack_frame(_Kind.BYE, 0, {"reason": reason[:_MAX_MESSAGE]}, seal))
     except (ConnectionError, OSError, RuntimeError):
         pass
     writer.close()

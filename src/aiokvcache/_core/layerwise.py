@@ -142,6 +142,8 @@ class _Layer:
     dst_layer: int
     cache_id: int
     batch_index: int | None
+    #: The retirement guard of the (first) remote cache it writes.
+    guard: tuple[int, int, int] | None = None
 
 
 @dataclass(eq=False)
@@ -411,6 +413,7 @@ class _Prepare:
                 dl,
                 remote.cache_id,
                 batch,
+                remote.guard,
             )
         return self._target(i, config, link, src_range, plan, layers, [remote])
 
@@ -471,6 +474,7 @@ class _Prepare:
                 t0 // n,
                 rc0.cache_id,
                 batch,
+                rc0.guard,
             )
         return self._target(i, config, link, src_range, plan, layers, list(remotes.values()))
 
@@ -487,20 +491,17 @@ class _Prepare:
         tag = config.tag
         block_list: bytes | bool | None = False
         if self.dst_ids is not None:
-            block_list = notify.block_list(self.cm.state.cluster_id, tag, self.dst_ids)
+            block_list = notify.block_list(tag, self.dst_ids)
         t = _Target(i, config, link, src_range, plan, layers, remotes, tag, block_list)
         # Fail now, not mid-transfer, if the tag does not fit a notification.
         self._payload(t, next(iter(layers.values())))
         return t
 
     def _payload(self, t: _Target, layer: _Layer) -> bytes:
-        cluster = self.cm.state.cluster_id
         if t.block_list is False:
-            return notify.payload(
-                cluster, t.tag, layer.cache_id, layer.batch_index, layer.dst_layer
-            )
+            return notify.payload(t.tag, layer.cache_id, layer.batch_index, layer.dst_layer)
         assert not isinstance(t.block_list, bool)
-        return notify.payload(cluster, t.tag, layer.cache_id, None, layer.dst_layer, t.block_list)
+        return notify.payload(t.tag, layer.cache_id, None, layer.dst_layer, t.block_list)
 
 
 def _opt_ids(name: str, value: Any) -> npt.NDArray[np.int64] | None:
@@ -735,7 +736,10 @@ class _Pipeline:
                 payload = self.prep._payload(t, spec)
                 try:
                     group = self.runner.start(
-                        [(OP_PUT, t.link.ep, rows, payload, per_job_ms)], None, self.src, t.remotes
+                        [(OP_PUT, t.link.ep, rows, payload, per_job_ms, spec.guard)],
+                        None,
+                        self.src,
+                        t.remotes,
                     )
                 except LLMException as exc:  # a cache went away: this destination stops
                     t.error = t.error or exc
@@ -781,8 +785,8 @@ class _Pipeline:
 
     def _untrack(self) -> None:
         for t in self.targets:
-            for _, _, ids in t.groups:
-                self.runner.release(ids, self.src, t.remotes)
+            for g, _, _ in t.groups:
+                self.runner.release(g)
 
     # ------------------------------------------------------------ results
 

@@ -3,7 +3,11 @@
 The sender encodes one small payload per layer (:func:`payload`), which the
 engine sends as an eager active message after the layer's bytes landed. The
 receiver's :class:`Receiver` lives on the owner's event loop: the bridge hands
-it each payload as the loop drains the completion queue.
+it each payload as the loop drains the completion queue, with the cluster id
+of the link it arrived on. That id is the notification's source: the engine
+attributes each message by the key in its header, which only that link's
+peer was given (ext/engine.hpp ``set_note_keys``); the payload names no
+sender, so no peer can speak for another.
 """
 
 from __future__ import annotations
@@ -75,7 +79,6 @@ class Notification(NamedTuple):
 
 
 def payload(
-    cluster_id: int,
     tag: str | bytes | None,
     cache_id: int,
     batch_index: int | None,
@@ -85,7 +88,7 @@ def payload(
     """One layer's notification (empty without a tag); ``blocks`` from :func:`block_list`."""
     if tag is None:
         return b""
-    d: dict[str, Any] = {"t": tag, "c": cluster_id, "i": cache_id, "b": batch_index, "l": layer}
+    d: dict[str, Any] = {"t": tag, "i": cache_id, "b": batch_index, "l": layer}
     if not isinstance(blocks, _NoBlocks):
         d["k"] = blocks
     out = control.encode(d)
@@ -96,13 +99,11 @@ def payload(
     return out
 
 
-def block_list(
-    cluster_id: int, tag: str | bytes | None, ids: npt.NDArray[np.int64]
-) -> bytes | None:
+def block_list(tag: str | bytes | None, ids: npt.NDArray[np.int64]) -> bytes | None:
     """Destination block ids in the compact form that fits next to ``tag``, or None."""
     if tag is None:
         return None
-    base = len(payload(cluster_id, tag, 2**63 - 1, None, 2**31 - 1, b""))
+    base = len(payload(tag, 2**63 - 1, None, 2**31 - 1, b""))
     return encode_block_ids(ids, native.MAX_PAYLOAD - base)
 
 
@@ -152,11 +153,17 @@ def decode_block_ids(data: bytes) -> tuple[int, ...]:
 
 
 class Receiver:
-    """Notifications that arrived, per tag, and who waits for them (owner loop only)."""
+    """Notifications that arrived, per tag and source, and who waits for them
+    (owner loop only)."""
 
     def __init__(self) -> None:
-        self._records: collections.OrderedDict[str | bytes, set[int]] = collections.OrderedDict()
-        self._waiters: dict[str | bytes, list[tuple[set[int], asyncio.Future[None]]]] = {}
+        # tag -> source cluster id -> layers landed
+        self._records: collections.OrderedDict[str | bytes, dict[int, set[int]]] = (
+            collections.OrderedDict()
+        )
+        self._waiters: dict[
+            str | bytes, list[tuple[set[int], int | None, asyncio.Future[None]]]
+        ] = {}
         self._subscribers: list[asyncio.Queue[Notification]] = []
         self.dropped_records = 0
         self.dropped_notifications = 0
@@ -167,8 +174,9 @@ class Receiver:
         """Tags with a record."""
         return len(self._records)
 
-    def on_notify(self, data: bytes) -> None:
-        """The bridge's callback for every notification payload a peer sent."""
+    def on_notify(self, src: int, data: bytes) -> None:
+        """The bridge's callback for every notification a linked peer sent:
+        ``src`` is the cluster id of the link it arrived on."""
         try:
             d = control.decode(data)
             if not isinstance(d, dict):
@@ -178,7 +186,7 @@ class Receiver:
                 where = None if d["k"] is None else decode_block_ids(d["k"])
             else:
                 where = None if d["b"] is None else int(d["b"])
-            note = Notification(d["t"], int(d["c"]), int(d["i"]), where, int(d["l"]))
+            note = Notification(d["t"], int(src), int(d["i"]), where, int(d["l"]))
             if not isinstance(note.tag, (str, bytes)):
                 raise control.ProtocolError("bad tag")
         except (control.ProtocolError, KeyError, TypeError, ValueError, IndexError):
@@ -193,11 +201,21 @@ class Receiver:
                 self.dropped_notifications += 1
             q.put_nowait(note)
 
+    @staticmethod
+    def _landed(rec: dict[int, set[int]] | None, src: int | None) -> set[int]:
+        if not rec:
+            return set()
+        if src is not None:
+            return rec.get(src, set())
+        if len(rec) == 1:
+            return next(iter(rec.values()))
+        return set().union(*rec.values())
+
     def _record(self, note: Notification) -> None:
-        """Count a landed layer for its tag and wake who waits for it."""
+        """Count a landed layer for its tag and source; wake who waits for it."""
         rec = self._records.get(note.tag)
         if rec is None:
-            rec = set()
+            rec = {}
             self._records[note.tag] = rec
             while len(self._records) > MAX_TAG_RECORDS:
                 # Oldest first, but never what someone waits for (few: skip them).
@@ -206,25 +224,26 @@ class Receiver:
                     break
                 del self._records[victim]
                 self.dropped_records += 1
-        rec.add(note.layer)
-        for want, fut in self._waiters.get(note.tag, []):
-            if not fut.done() and want <= rec:
-                fut.set_result(None)
+        rec.setdefault(note.src_cluster_id, set()).add(note.layer)
+        for want, src, fut in self._waiters.get(note.tag, []):
+            if not fut.done() and (src is None or src == note.src_cluster_id):
+                if want <= self._landed(rec, src):
+                    fut.set_result(None)
 
     async def wait_for_layers(
-        self, tag: str | bytes, want: set[int], timeout: float | None
+        self, tag: str | bytes, want: set[int], timeout: float | None, src: int | None = None
     ) -> None:
-        """Return once every layer in ``want`` of ``tag`` has landed; drop the record then."""
-        rec = self._records.get(tag)
-        if rec is None or not want <= rec:
+        """Return once every layer in ``want`` of ``tag`` has landed (from
+        cluster ``src``, or from any linked peer when None); drop the record then."""
+        if not want <= self._landed(self._records.get(tag), src):
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            entry = (want, fut)
+            entry = (want, src, fut)
             self._waiters.setdefault(tag, []).append(entry)
             try:
                 async with asyncio.timeout(timeout):
                     await fut
             except TimeoutError:
-                have = sorted(self._records.get(tag, set()) & want)
+                have = sorted(self._landed(self._records.get(tag), src) & want)
                 raise LLMTimeoutError(
                     f"wait_for_layers({tag!r}) timed out; landed: {have or 'none'}"
                 ) from None
@@ -254,7 +273,7 @@ class Receiver:
     def close(self) -> None:
         """finalize(): every waiter fails with ENGINE_FINALIZED."""
         for waiters in self._waiters.values():
-            for _, fut in waiters:
+            for _, _, fut in waiters:
                 if not fut.done():
                     fut.set_exception(
                         make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "finalized while waiting")

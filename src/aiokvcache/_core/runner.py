@@ -18,7 +18,7 @@ from typing import Any
 from .._bridge import Bridge, BridgeError, GroupFailed, JobGroup, JobResult, Jobs
 from .._loader import native
 from .errors import InternalError, LLMException, LLMStatusCode, make_error
-from .state import LocalCache, RemoteCache, State
+from .state import Lease, LocalCache, RemoteCache, State
 
 __all__ = [
     "STATUS_CODE",
@@ -42,8 +42,14 @@ def status_code(status: int) -> LLMStatusCode:
     return STATUS_CODE.get(status, LLMStatusCode.LLM_FAILED)
 
 
+#: Longer timeouts are no limit at all (None): past this the native
+#: deadline's clock arithmetic would overflow, and no transfer waits a century.
+MAX_TIMEOUT_S = 1e9
+
+
 def check_timeout(timeout: Any) -> float | None:
-    """A whole-call ``timeout=`` in seconds: None, or a positive number."""
+    """A whole-call ``timeout=`` in seconds: None (or ``inf``: no limit), or a
+    positive number."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
@@ -53,7 +59,7 @@ def check_timeout(timeout: Any) -> float | None:
     value = float(timeout)
     if not value > 0:  # also rejects NaN
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    return value
+    return None if value >= MAX_TIMEOUT_S else value
 
 
 def time_left(timeout: float | None, start: float) -> float | None:
@@ -128,9 +134,12 @@ async def run_jobs(
 class Runner:
     """Runs job groups on caches, holding a lease on each cache while jobs live."""
 
+    __slots__ = ("_bridge", "_leases", "_state")
+
     def __init__(self, state: State, bridge: Bridge) -> None:
         self._state = state
         self._bridge = bridge
+        self._leases: dict[int, Lease] = {}  # id(group) -> its lease
 
     @property
     def bridge(self) -> Bridge:
@@ -145,31 +154,24 @@ class Runner:
         remotes: Iterable[RemoteCache],
         checked: bool = False,
     ) -> JobGroup:
-        """Submit ``jobs`` and lease ``local`` and ``remotes`` for them
+        """Submit ``jobs`` under a lease on ``local`` and ``remotes``
         (``checked``: built from a checked plan, see Bridge.submit_group).
 
         Refuses with KV_CACHE_NOT_EXIST when one of the caches was retired
-        meanwhile: the check and the submit share one critical section, so a
-        retirement either sees these jobs or this call sees the retirement.
+        meanwhile (:meth:`.state.State.lease`: the check and the submit share
+        one critical section). Give the lease back with :meth:`release`.
         """
-        remotes = list(remotes)
-        with self._state.lock:
-            if not local.valid:
-                raise make_error(
-                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                    f"the local cache {local.cache_id} was deallocated",
-                )
-            for rc in remotes:
-                if not rc.valid:
-                    raise make_error(
-                        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                        f"the remote cache {rc.cache_id} was deallocated",
-                    )
+        made: list[JobGroup] = []
+
+        def submit() -> list[int]:
             group = _submit(self._bridge, jobs, timeout, checked)
-            ids = group.job_ids
-            local.jobs.update(ids)
-            for rc in remotes:
-                rc.jobs.update(ids)
+            made.append(group)
+            return group.job_ids
+
+        lease = self._state.lease((local, *remotes), submit)
+        group = made[0]
+        if lease.jobs:
+            self._leases[id(group)] = lease
         return group
 
     async def finish(
@@ -179,15 +181,13 @@ class Runner:
         local: LocalCache,
         remotes: Iterable[RemoteCache],
     ) -> None:
-        """Await ``group``; map its failure; give the leases back (always)."""
-        remotes = list(remotes)
-        ids = list(group.index)
+        """Await ``group``; map its failure; give the lease back (always)."""
         try:
             await _wait(self._bridge, group, labels)
         except LLMException as exc:
-            raise self.explain(exc, local, remotes) from exc
+            raise self.explain(exc, local, list(remotes)) from exc
         finally:
-            self.release(ids, local, remotes)
+            self.release(group)
 
     async def run(
         self,
@@ -206,12 +206,11 @@ class Runner:
         """Await ``group`` (LLM-DataDist errors, no lease bookkeeping)."""
         return await _wait(self._bridge, group, labels)
 
-    def release(self, ids: list[int], local: LocalCache, remotes: Iterable[RemoteCache]) -> None:
-        """Give back the leases of jobs ``ids`` (all released by now)."""
-        with self._state.lock:
-            local.jobs.difference_update(ids)
-            for rc in remotes:
-                rc.jobs.difference_update(ids)
+    def release(self, group: JobGroup) -> None:
+        """Give back the lease of ``group`` (every job of it released by now)."""
+        lease = self._leases.pop(id(group), None)
+        if lease is not None:
+            self._state.end_lease(lease)
 
     @staticmethod
     def explain(

@@ -133,6 +133,15 @@ class Runtime:
         """The native engine."""
         return self.state.engine  # type: ignore[no-any-return]
 
+    def check_loop(self) -> None:
+        """Transfers and notifications belong to the loop that ran init():
+        a clear error from any other, before anything is submitted."""
+        if asyncio.get_running_loop() is not self.bridge.loop:
+            raise RuntimeError(
+                "aiokvcache: this LLMDataDist's transfers and notifications must be awaited "
+                "on the event loop that ran init(), not on another loop"
+            )
+
     def _on_endpoint_error(self, ep: int, ucs_status: int) -> None:
         reason = f"transport error: {native.ucs_status_string(ucs_status)}"
         self.service.endpoint_failed(ep, reason)
@@ -151,11 +160,15 @@ class Runtime:
         with st.lock:
             for rec in st.registry.caches.values():
                 rec.valid = False
+                st.ctl.guard_retire(rec.guard_slot)
         self.receiver.close()
         # Tell peers first, so the transport errors they are about to see
         # read as a shutdown, not a failure.
         with contextlib.suppress(Exception):
             await self.service.call(self.service.announce_finalizing())
+        # Nothing in Python touches the control region once the engine may
+        # unmap it.
+        st.ctl.close()
         # Joins the progress thread: every in-flight job is reported released
         # (ENGINE_FINALIZED) before memory goes.
         self.bridge.close()

@@ -13,26 +13,57 @@ rule is one lock, :attr:`State.lock`:
 * nothing else is shared: each ``asyncio`` object belongs to one loop (the
   bridge's futures to the owner's, control connections to the service's).
 
-A transfer records the native job ids it submitted in the ``jobs`` set of
-every cache it touches, under the lock and in the same critical section as
-the submit. Whoever retires a cache marks it invalid and takes a snapshot of
-that set under the lock, so no job can start on it afterwards and every job
-that started is in the snapshot: it cancels them and waits, natively, until
-the engine has released each one before memory or keys go.
+**Leases.** Every use of a cache's memory holds a :class:`Lease` on it,
+taken through one API, :meth:`State.lease`: native jobs (transfers, link
+probes), work on another thread (local copies) and copies done inside the
+critical section itself (inline copies). ``lease`` checks that every cache is
+still valid and starts the work in one critical section of the lock, so a
+retirement either sees the lease or the user sees the retirement. Whoever
+retires a cache marks it invalid and snapshots its leases under the lock: no
+use can start afterwards and every use that started is in the snapshot; it
+cancels the native ones and waits until the engine released them and the
+thread work ended (:meth:`State.leases_done`) before memory or keys go.
+
+**Exposure.** A cache's metadata (addresses, keys) handed to a peer lets that
+peer write it without us. Each cache remembers every link its metadata went
+out on (:attr:`LocalCache.exposed`, recorded in the same critical section as
+the lookup that served it); retirement waits for each of those links to be
+proven quiescent — the peer confirmed the invalidation, or confirmed an
+unlink after its own jobs were released, or our endpoint to it closed at the
+transport — whether or not the link is still in :attr:`State.links`.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._loader import native
 from .control import ControlConnection, LocalInfo
-from .errors import LLMStatusCode, make_error
+from .ctlregion import ControlRegion
+from .errors import LLMException, LLMStatusCode, make_error
 from .options import EngineOptions
 from .types import BlocksCacheKey, Cache, CacheDesc, CacheKey
 
-__all__ = ["Link", "LocalCache", "Registry", "RemoteCache", "State"]
+__all__ = ["Lease", "Link", "LocalCache", "Registry", "RemoteCache", "State"]
+
+
+@dataclass(eq=False, slots=True)
+class Lease:
+    """One use of cache memory, held from its start until it is over.
+
+    ``jobs``: the native jobs of the use (released by the engine; a
+    retirement cancels them). ``done``: set when work on another thread
+    ended (None for native jobs). ``holders``: the records it is held on.
+    """
+
+    jobs: list[int]
+    done: threading.Event | None
+    holders: tuple[Any, ...]
 
 
 @dataclass(eq=False)
@@ -47,10 +78,15 @@ class LocalCache:
     remote_accessible: bool
     allocated: bool
     keys: dict[CacheKey, int] = field(default_factory=dict)  # key -> batch index
-    jobs: set[int] = field(default_factory=set)  # live native jobs using it
+    leases: set[Lease] = field(default_factory=set)  # live uses of its memory
     valid: bool = True
     rkeys: list[bytes] | None = None  # packed, per region (lazily)
     blocks_key: BlocksCacheKey | None = None
+    #: Links its metadata was served on (see the module docstring, "Exposure").
+    exposed: set[Link] = field(default_factory=set)
+    #: Its retirement word in the control region (see :mod:`.ctlregion`):
+    #: slot index, or -1 without one.
+    guard_slot: int = -1
 
     @property
     def cache_id(self) -> int:
@@ -73,8 +109,11 @@ class RemoteCache:
     tensor_rkey: list[int]  # native rkey id per tensor
     rkey_ids: list[int]
     is_blocks: bool = False
-    jobs: set[int] = field(default_factory=set)  # live native jobs using it
+    leases: set[Lease] = field(default_factory=set)  # live uses of its memory
     valid: bool = True
+    #: (control-region rkey id, address, expected word): the job guard that
+    #: tells a transfer the owner retired this cache (see ext/job.hpp).
+    guard: tuple[int, int, int] | None = None
     # Checked transfer plans between it and our caches (transfers.Plan),
     # owner loop only; they go with the record.
     plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)
@@ -94,8 +133,31 @@ class Link:
     broken: bool = False
     reason: str = ""
     remote: dict[int, RemoteCache] = field(default_factory=dict)  # by remote cache id
-    #: (region id, address) of the small buffer the link's data-path probes use.
-    probe: tuple[int, int] | None = None
+    #: Our rkey id for the peer's control region (its probe slots and
+    #: retirement words), unpacked when the link is probed.
+    ctl_rkey: int | None = None
+    #: (base, length) of the peer's control region.
+    ctl_span: tuple[int, int] = (0, 0)
+    #: Set once the link's data path moved bytes both ways.
+    up: bool = False
+    #: Set once nothing the peer posted on this link can still reach our
+    #: memory: it confirmed an unlink after its jobs were released, or our
+    #: endpoint to it closed at the transport.
+    quiescent: bool = False
+
+
+#: How many tensor spans before an address cache_at() looks at.
+_OVERLAP_LOOKBACK = 64
+
+
+def _retired(holder: Any) -> LLMException:
+    if isinstance(holder, RemoteCache):
+        what = f"the remote cache {holder.cache_id} was deallocated"
+    elif isinstance(holder, LocalCache):
+        what = f"the local cache {holder.cache_id} was deallocated"
+    else:
+        what = "the engine is closing"
+    return make_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, what)
 
 
 class Registry:
@@ -107,6 +169,9 @@ class Registry:
         self.blocks_keys: dict[BlocksCacheKey, int] = {}  # key -> cache id
         self.allocated_bytes = 0
         self._next_id = 1
+        # Sorted [start, end) spans of remote-accessible tensors, for
+        # cache_by_addr: bisect instead of a scan of every cache.
+        self._spans: list[tuple[int, int, int]] = []  # (start, end, cache id)
 
     def new_cache_id(self) -> int:
         """The next cache id (one counter per instance, from 1)."""
@@ -126,6 +191,9 @@ class Registry:
             self.blocks_keys[blocks_key] = rec.cache_id
         if rec.allocated:
             self.allocated_bytes += sum(r[2] for r in rec.regions)
+        if rec.remote_accessible:
+            for a in rec.addrs:
+                bisect.insort(self._spans, (a, a + rec.desc.size, rec.cache_id))
 
     def drop(self, rec: LocalCache) -> None:
         """Take ``rec`` out of every lookup (its memory is the caller's business)."""
@@ -138,6 +206,27 @@ class Registry:
             del self.blocks_keys[rec.blocks_key]
         if rec.allocated:
             self.allocated_bytes -= sum(r[2] for r in rec.regions)
+        if rec.remote_accessible:
+            for a in rec.addrs:
+                i = bisect.bisect_left(self._spans, (a, a + rec.desc.size, rec.cache_id))
+                if i < len(self._spans) and self._spans[i][2] == rec.cache_id:
+                    del self._spans[i]
+
+    def cache_at(self, addr: int) -> LocalCache | None:
+        """The live, remote-accessible cache one of whose tensors holds ``addr``.
+
+        O(log n): a bisect, then a look back over at most
+        :data:`_OVERLAP_LOOKBACK` spans (only memory a user registered twice
+        overlaps).
+        """
+        i = bisect.bisect_right(self._spans, (addr, 2**64, 2**64))
+        for j in range(i - 1, max(i - 1 - _OVERLAP_LOOKBACK, -1), -1):
+            start, end, cid = self._spans[j]
+            if start <= addr < end:
+                rec = self.caches.get(cid)
+                if rec is not None and rec.valid:
+                    return rec
+        return None
 
     def served(self, cache_id: int, remote_access: bool) -> LocalCache:
         """The cache a peer may use, or the error it gets."""
@@ -169,6 +258,57 @@ class State:
         self.linking: set[int] = set()
         #: Set once finalize() begins; read by both threads.
         self.finalized = False
+        #: Probe slots and retirement words (see :mod:`.ctlregion`).
+        self.ctl = ControlRegion(engine)
+
+    # ------------------------------------------------------------- leases
+
+    def lease(self, holders: Iterable[Any], start: Callable[[], list[int]] | None = None) -> Lease:
+        """Hold ``holders`` (cache records, the control region) for one use.
+
+        The check that every holder is still valid and ``start`` run in one
+        critical section of the lock, so a retirement either sees the lease
+        or this call sees the retirement (KV_CACHE_NOT_EXIST naming the
+        first retired holder). ``start`` submits the use's native jobs and
+        returns their ids, or does the whole use itself (an inline copy) and
+        returns ``[]``: then nothing is held afterwards. ``start=None``: the
+        use is work on another thread; end it with :meth:`end_lease`.
+        """
+        holders = tuple(holders)
+        with self.lock:
+            for h in holders:
+                if not h.valid:
+                    raise _retired(h)
+            jobs = start() if start is not None else []
+            lease = Lease(jobs, None if start is not None else threading.Event(), holders)
+            if jobs or start is None:
+                for h in holders:
+                    h.leases.add(lease)
+        return lease
+
+    def end_lease(self, lease: Lease) -> None:
+        """The use is over (its jobs released, its thread work done)."""
+        with self.lock:
+            for h in lease.holders:
+                h.leases.discard(lease)
+        if lease.done is not None:
+            lease.done.set()
+
+    def cancel_leases(self, leases: Iterable[Lease]) -> None:
+        """Cancel the native jobs of ``leases`` (thread work cannot be stopped)."""
+        ids = [j for lease in leases for j in lease.jobs]
+        if ids:
+            with contextlib.suppress(native.EngineClosedError):
+                self.engine.cancel_many(ids)
+
+    def leases_over(self, leases: Iterable[Lease]) -> bool:
+        """True once every job of ``leases`` is released and all their thread work ended."""
+        ids: list[int] = []
+        for lease in leases:
+            if lease.done is not None and not lease.done.is_set():
+                return False
+            ids.extend(lease.jobs)
+        return not ids or self.engine.closed or bool(self.engine.wait_released(ids, 0.0))
 
     def check_open(self) -> None:
         """ENGINE_FINALIZED once finalize() has begun."""

@@ -93,13 +93,26 @@ def _copy_all(views: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]]) 
         np.copyto(d, s)
 
 
-async def _in_thread(fn: Any, *args: Any) -> None:
-    # Host copies run in a worker thread; a cancelled caller still waits for
-    # the copy to finish, so nothing is written after we return.
-    work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+async def _in_thread(state: State, holders: Sequence[LocalCache], fn: Any, *args: Any) -> None:
+    """Copy in a worker thread under a lease on ``holders``.
+
+    A retirement of either cache waits for the lease, so memory is not
+    released under the copy; a cancelled caller still waits for the copy to
+    finish, so nothing is written after we return.
+    """
+    lease = state.lease(holders)
+    try:
+        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    except BaseException:
+        state.end_lease(lease)
+        raise
     try:
         await settle(work)
     finally:
+        if work.done():
+            state.end_lease(lease)
+        else:  # not reached: settle() returns only once the copy is done
+            work.add_done_callback(lambda _: state.end_lease(lease))
         if work.done() and not work.cancelled():
             work.result()  # the copy's own error, if any, comes first
 
@@ -192,14 +205,20 @@ class Transfers:
         except native.NativeError as exc:
             raise make_error(LLMStatusCode.LLM_OUT_OF_MEMORY, f"{what} failed: {exc}") from exc
         addrs = [base + i * desc.size for i in range(desc.num_tensors)]
-        with st.lock:
-            cache = Cache(
-                st.registry.new_cache_id(), desc, addrs, is_blocks, arrays=_views(desc, addrs)
-            )
-            rec = LocalCache(
-                cache, desc, addrs, [(region, base, total)], [0] * desc.num_tensors, True, True
-            )
-            st.registry.add(rec, keys, blocks_key)
+        try:
+            with st.lock:
+                cache_id = st.registry.new_cache_id()
+                slot = st.ctl.guard_alloc(cache_id)
+                cache = Cache(cache_id, desc, addrs, is_blocks, arrays=_views(desc, addrs))
+                rec = LocalCache(
+                    cache, desc, addrs, [(region, base, total)], [0] * desc.num_tensors, True, True
+                )
+                rec.guard_slot = slot
+                st.registry.add(rec, keys, blocks_key)
+        except BaseException:
+            with contextlib.suppress(native.NativeError):
+                st.engine.mem_release(region)  # nobody saw it yet
+            raise
         return cache
 
     def register(
@@ -220,12 +239,17 @@ class Transfers:
             )
         owners: list[Any] = []
         addr_list: list[int] = []
+        # Per tensor: the object whose buffer the engine registers with an
+        # export held (so it cannot be resized or freed while registered),
+        # or None for a plain address.
+        exports: list[Any] = []
         for i, a in enumerate(addrs):
             if isinstance(a, numbers.Integral) and not isinstance(a, bool):
                 v = check_int(f"addrs[{i}]", a, 0, 2**64 - 1)
                 if v == 0:
                     raise param_invalid(f"addrs[{i}] is 0")
                 addr_list.append(v)
+                exports.append(None)
             else:
                 arr = _as_array(f"addrs[{i}]", a)
                 if arr.nbytes != desc.size:
@@ -234,11 +258,18 @@ class Transfers:
                     )
                 owners.append(a)
                 addr_list.append(int(arr.ctypes.data))
+                exports.append(arr)
         engine = self.state.engine
         regions: list[tuple[int, int, int]] = []
         try:
-            for a in addr_list:
-                regions.append((engine.mem_register(a, desc.size), a, desc.size))
+            for a, arr in zip(addr_list, exports, strict=True):
+                if arr is None:
+                    regions.append((engine.mem_register(a, desc.size), a, desc.size))
+                else:
+                    # The engine keeps a memoryview of it until the region is
+                    # released: the export outlives every use of the memory.
+                    rid, _, _ = engine.mem_register_buffer(arr)
+                    regions.append((rid, a, desc.size))
         except BaseException as exc:
             for rid, _, _ in regions:
                 with contextlib.suppress(native.NativeError):
@@ -249,25 +280,28 @@ class Transfers:
                 raise make_error(LLMStatusCode.LLM_FAILED, f"register_cache failed: {exc}") from exc
             raise
         arrays = _views(desc, addr_list)
-        with self.state.lock:
-            cache = Cache(
-                self.state.registry.new_cache_id(),
-                desc,
-                addr_list,
-                is_blocks,
-                arrays=arrays,
-                owner=owners,
-            )
-            rec = LocalCache(
-                cache,
-                desc,
-                addr_list,
-                regions,
-                list(range(desc.num_tensors)),
-                remote_accessible is not False,
-                False,
-            )
-            self.state.registry.add(rec, keys, blocks_key)
+        st = self.state
+        try:
+            with st.lock:
+                cache_id = st.registry.new_cache_id()
+                slot = st.ctl.guard_alloc(cache_id)
+                cache = Cache(cache_id, desc, addr_list, is_blocks, arrays=arrays, owner=owners)
+                rec = LocalCache(
+                    cache,
+                    desc,
+                    addr_list,
+                    regions,
+                    list(range(desc.num_tensors)),
+                    remote_accessible is not False,
+                    False,
+                )
+                rec.guard_slot = slot
+                st.registry.add(rec, keys, blocks_key)
+        except BaseException:
+            for rid, _, _ in regions:
+                with contextlib.suppress(native.NativeError):
+                    engine.mem_release(rid)
+            raise
         return cache
 
     def check_keys(self, cache_keys: Any, batch_size: int) -> list[CacheKey]:
@@ -403,35 +437,53 @@ class Transfers:
         ep = link.ep
         if tag is None and plan.inline is not False and self._copy_inline(op, link, plan, remote):
             return
+        guard = remote.guard
         if tag is None:
-            jobs = [(op, ep, rows, b"", per_job_ms) for rows, _ in plan.layers]
+            jobs = [(op, ep, rows, b"", per_job_ms, guard) for rows, _ in plan.layers]
         else:
-            cid, rid = self.state.cluster_id, remote.cache_id
+            rid = remote.cache_id
             jobs = [
-                (op, ep, rows, notify.payload(cid, tag, rid, remote_batch, dst), per_job_ms)
+                (op, ep, rows, notify.payload(tag, rid, remote_batch, dst), per_job_ms, guard)
                 for rows, dst in plan.layers
             ]
         await self.runner.run(jobs, plan.labels, timeout, local, remote, checked=True)
 
     def _copy_inline(self, op: int, link: Link, plan: Plan, remote: RemoteCache) -> bool:
-        """Copy a small same-host transfer now, under the lease lock (so no
-        retirement can free either side meanwhile); False: use jobs."""
+        """Copy a small same-host transfer now, inside the lease's critical
+        section (so no retirement can free either side meanwhile); False: use
+        jobs."""
         if plan.nbytes > INLINE_COPY_MAX:
             plan.inline = False
             return False
         st = self.state
-        local = plan.local
-        with st.lock:
-            if not local.valid or not remote.valid or link.broken:
-                return False  # the job path reports it
-            try:
-                done = bool(
-                    st.engine.copy_inline(
-                        op, link.ep, [rows for rows, _ in plan.layers], INLINE_COPY_MAX
-                    )
+        outcome: int = native.INLINE_NO
+
+        def copy() -> list[int]:
+            nonlocal outcome
+            if link.broken:
+                return []  # the job path reports it
+            outcome = int(
+                st.engine.copy_inline(
+                    op, link.ep, [rows for rows, _ in plan.layers], INLINE_COPY_MAX, remote.guard
                 )
-            except native.EngineClosedError as exc:
-                raise engine_finalized() from exc
+            )
+            return []
+
+        try:
+            st.lease((plan.local, remote), copy)
+        except native.EngineClosedError as exc:
+            raise engine_finalized() from exc
+        except native.NativeError as exc:  # the peer's memory vanished under the copy
+            raise make_error(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"link to cluster {link.cluster_id} failed during a copy: {exc}",
+            ) from None
+        if outcome == native.INLINE_RETIRED:
+            raise make_error(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"the remote cache {remote.cache_id} was deallocated",
+            )
+        done = outcome == native.INLINE_COPIED
         if plan.inline is None:
             plan.inline = done
         return done
@@ -602,8 +654,7 @@ class Transfers:
         )
         size = planner.check_block_sizes(src.desc, remote.desc, "src_cache", "the remote cache")
         plan = planner.blocks_plan(src_ids, dst_ids, size)
-        cluster = self.state.cluster_id
-        block_list = notify.block_list(cluster, tag, dst_ids)
+        block_list = notify.block_list(tag, dst_ids)
         per_job_ms = self.state.options.sync_kv_timeout_ms
         jobs = []
         for sl, dl in pairs:
@@ -613,15 +664,15 @@ class Transfers:
                 remote.addrs[dl * n : (dl + 1) * n],
                 remote.tensor_rkey[dl * n : (dl + 1) * n],
             )
-            payload = notify.payload(cluster, tag, remote.cache_id, None, dl, block_list)
-            jobs.append((OP_PUT, link.ep, rows, payload, per_job_ms))
+            payload = notify.payload(tag, remote.cache_id, None, dl, block_list)
+            jobs.append((OP_PUT, link.ep, rows, payload, per_job_ms, remote.guard))
         await self.runner.run(jobs, [f"layer {dl}" for _, dl in pairs], tmo, src, remote)
 
     async def notify(self, cluster_id: int, tag: str | bytes, tmo: float | None) -> None:
         """``notify`` after its argument checks: one job that moves nothing
         and carries the notification (layer -1, cache id -1)."""
         link = self.state.link_for(cluster_id)
-        payload = notify.payload(self.state.cluster_id, tag, -1, None, -1)
+        payload = notify.payload(tag, -1, None, -1)
         job = (OP_PUT, link.ep, _NO_ROWS, payload, self.state.options.sync_kv_timeout_ms)
         await run_jobs(self.runner.bridge, [job], timeout=tmo, labels=["notification"])
 
@@ -674,7 +725,7 @@ class Transfers:
                 remote.addrs[sl * n : (sl + 1) * n],
                 remote.tensor_rkey[sl * n : (sl + 1) * n],
             )
-            jobs.append((OP_GET, link.ep, rows, b"", per_job_ms))
+            jobs.append((OP_GET, link.ep, rows, b"", per_job_ms, remote.guard))
         await self.runner.run(jobs, [f"layer {dl}" for _, dl in pairs], tmo, dst, remote)
 
     # ------------------------------------------------------------ local copies
@@ -704,7 +755,7 @@ class Transfers:
                 native.buffer_from_address(d.addrs[ts] + int(d_off[0]) + off, length), np.uint8
             )
             views.append((dst_v, src_v))
-        await _in_thread(_copy_all, views)
+        await _in_thread(self.state, (d, s), _copy_all, views)
 
     async def copy_blocks(
         self, rec: LocalCache, s_ids: npt.NDArray[np.int64], d_ids: npt.NDArray[np.int64]
@@ -713,7 +764,8 @@ class Transfers:
         nb = planner.num_blocks(rec.desc)
         bs = planner.block_bytes(rec.desc)
         views = [_block_view(a, nb, bs) for a in rec.addrs]
-        await _in_thread(_copy_blocks_all, [(v, v) for v in views], s_ids, d_ids)
+        pairs = [(v, v) for v in views]
+        await _in_thread(self.state, (rec,), _copy_blocks_all, pairs, s_ids, d_ids)
 
     async def swap_blocks(
         self,
@@ -729,4 +781,4 @@ class Transfers:
             (_block_view(da, d_nb, bs), _block_view(sa, s_nb, bs))
             for da, sa in zip(d.addrs, s.addrs, strict=True)
         ]
-        await _in_thread(_copy_blocks_all, pairs, s_ids, d_ids)
+        await _in_thread(self.state, (s, d), _copy_blocks_all, pairs, s_ids, d_ids)
