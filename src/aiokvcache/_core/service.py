@@ -372,6 +372,12 @@ class PeerService:
         except LLMException as exc:
             self.drop_link(link, f"data path check failed: {exc.message}")
             await conn.close("data path check failed")
+            with self._state.lock:
+                current = self._state.links.get(cid)
+            if current is not None and current is not link and not current.broken:
+                # The peer's simultaneous link replaced ours while we probed
+                # it (see on_connected): that one is ours too.
+                return LLMStatusCode.LLM_ALREADY_LINK, "the peer's link won"
             return exc.status_code, exc.message
         link.up = True
         return LLMStatusCode.LLM_SUCCESS, ""
@@ -873,8 +879,8 @@ class PeerService:
             timeout=METADATA_TIMEOUT_S,
         )
         sb = meta.get("batch_index")
-        if not isinstance(sb, int):
-            raise make_error(LLMStatusCode.LLM_FAILED, "peer sent no batch_index")
+        if type(sb) is not int or not 0 <= sb < 2**63:
+            raise make_error(LLMStatusCode.LLM_FAILED, "peer sent no valid batch_index")
         return install_remote(self._state, link, meta), sb
 
     async def remote_blocks(self, link: Link, key: BlocksCacheKey) -> Any:

@@ -1,0 +1,1 @@
+"""Helper programs of the adversarial tests (run as child processes)."""
