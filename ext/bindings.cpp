@@ -266,6 +266,8 @@ PYBIND11_MODULE(_native, m) {
       .def("fail_endpoint", &Engine::fail_endpoint, py::arg("ep_id"), py::call_guard<py::gil_scoped_release>())
       .def("endpoint_closed", &Engine::endpoint_closed, py::arg("ep_id"),
            py::call_guard<py::gil_scoped_release>())
+      .def("endpoint_unproven", &Engine::endpoint_unproven, py::arg("ep_id"),
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "rkey_unpack",
           [](PyEngine& e, uint64_t ep, const py::bytes& packed, uint64_t base, uint64_t len) {
@@ -306,8 +308,11 @@ PYBIND11_MODULE(_native, m) {
               akv::GuardIn guard{};
               if (row.size() == 6 && !row[5].is_none()) {
                 auto g = row[5].cast<py::tuple>();
-                if (g.size() != 3) throw akv::InvalidArgument("a guard is (rkey id, address, expected word)");
-                guard = akv::GuardIn{g[0].cast<uint64_t>(), g[1].cast<uint64_t>(), g[2].cast<uint64_t>()};
+                if (g.size() != 3 && g.size() != 4) {
+                  throw akv::InvalidArgument("a guard is (rkey id, address, expected word[, strict])");
+                }
+                guard = akv::GuardIn{g[0].cast<uint64_t>(), g[1].cast<uint64_t>(), g[2].cast<uint64_t>(),
+                                     g.size() == 4 && g[3].cast<bool>()};
                 if (guard.rkey_id == 0) throw akv::InvalidArgument("a guard's rkey id must not be 0");
               }
               specs.push_back(akv::JobSpec{static_cast<akv::Op>(op), row[1].cast<uint64_t>(),
@@ -331,8 +336,10 @@ PYBIND11_MODULE(_native, m) {
             akv::GuardIn g{};
             if (!guard.is_none()) {
               auto t = guard.cast<py::tuple>();
-              if (t.size() != 3) throw akv::InvalidArgument("a guard is (rkey id, address, expected word)");
-              g = akv::GuardIn{t[0].cast<uint64_t>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>()};
+              if (t.size() != 3 && t.size() != 4) {
+                throw akv::InvalidArgument("a guard is (rkey id, address, expected word[, strict])");
+              }
+              g = akv::GuardIn{t[0].cast<uint64_t>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>(), false};
             }
             return e.copy_inline(static_cast<akv::Op>(op), ep, jobs, max_bytes, g);
           },
@@ -386,5 +393,15 @@ PYBIND11_MODULE(_native, m) {
              d["copy_faults"] = s.copy_faults;
              return d;
            })
-      .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>());
+      .def(
+          "close",
+          [](PyEngine& e) {
+            {
+              py::gil_scoped_release nogil;
+              e.close();
+            }
+            // Closed means stopped: nothing touches a registered buffer any
+            // more, so the exports held for them go now, not with the object.
+            if (e.closed()) e.keep.clear();
+          });
 }

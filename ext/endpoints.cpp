@@ -254,6 +254,23 @@ bool Engine::endpoint_closed(uint64_t ep_id) {
   }
 }
 
+bool Engine::endpoint_unproven(uint64_t ep_id) {
+  if (closed_.load()) return false;
+  if (closing_.load()) return true;  // close() is still draining it
+  try {
+    return call<bool>([this, ep_id]() {
+      auto it = eps_.find(ep_id);
+      if (it != eps_.end()) return it->second->unproven && !it->second->close_done;
+      for (const auto& ep : ep_graveyard_) {
+        if (ep->id == ep_id) return ep->unproven && !ep->close_done;
+      }
+      return false;
+    });
+  } catch (const ClosedError&) {
+    return !closed_.load();
+  }
+}
+
 bool Engine::endpoint_closed_now(uint64_t ep_id) {
   return call<bool>([this, ep_id]() {
     // Closed = UCX reported the close done: nothing more goes out or comes in

@@ -81,6 +81,10 @@ struct Endpoint {
   int32_t ucs_status = 0;
   int jobs = 0;
   std::vector<RemoteKey*> rkeys;
+  // A job on it was reported released while UCX still held its requests
+  // (abandon(): a frozen peer over a transport that cannot force-close).
+  // Until the endpoint's close completes, that job's bytes may still move.
+  bool unproven = false;
   // Notifications (active messages) this endpoint sends carry note_header,
   // the key the peer gave us for them; the peer attributes a notification
   // to the link whose key it carries, never to what its payload claims.
@@ -154,6 +158,11 @@ class Engine {
   // True once the endpoint is closed at the transport (or unknown, or the
   // engine fully closed); false while close() is still draining.
   bool endpoint_closed(uint64_t ep_id);
+  // True while a job on the endpoint was reported released unproven (see
+  // Endpoint::unproven) and the endpoint's close has not completed: memory
+  // that job used must wait. False for an unknown endpoint, or once the
+  // engine fully closed.
+  bool endpoint_unproven(uint64_t ep_id);
   // Notification keys of a link: notifications we send on ep_id carry
   // send_key; those that arrive with recv_key are reported as peer_id's.
   void set_note_keys(uint64_t ep_id, const std::string& send_key, const std::string& recv_key,

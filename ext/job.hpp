@@ -33,10 +33,15 @@ struct SegmentIn {
 // with a get posted beside the job's own operations — and a job that finds
 // another value fails with RETIRED: a transfer that starts after the owner
 // retired the cache is told so, whatever the invalidation's progress.
+//
+// A strict guard (the peer's registered user memory, which its owner takes
+// back when unregister returns) is read before any of the job's bytes move:
+// over a transport that cannot map the word that costs one round trip.
 struct GuardIn {
   uint64_t rkey_id = 0;  // 0: no guard
   uint64_t addr = 0;
   uint64_t expect = 0;
+  bool strict = false;
 };
 
 struct JobSpec {
@@ -89,6 +94,7 @@ struct Job {
   RemoteKey* guard_key = nullptr;  // resolved (counted in keys)
   uint64_t guard_word = 0;         // where a guard get lands
   bool guard_posted = false;
+  bool guard_wait = false;  // strict guard in flight: out of the posting queue until it answers
   std::string payload;         // sent to the peer after a put has landed
   std::chrono::steady_clock::time_point deadline{};
   bool has_deadline = false;

@@ -271,6 +271,12 @@ bool Engine::post_guard(Job* j) {
   ctx->len = 0;
   ctx->batch = nullptr;
   j->inflight_ops++;
+  if (j->guard_in.strict) {
+    // Nothing moves before the word says the cache is live: the job leaves
+    // the posting queue (post_all) and comes back when the get answers.
+    j->guard_wait = true;
+    return false;
+  }
   return true;
 }
 
@@ -286,8 +292,19 @@ void Engine::post_job(Job* j) {
     return;
   }
   while (j->seg_idx < j->segs.size() && !j->cancel && j->status == Status::kOK) {
+    // The deadline, per chunk: a thread stopped mid-step (a frozen process,
+    // page faults) that resumes past it moves at most the chunk it was in.
+    if (j->has_deadline && std::chrono::steady_clock::now() >= j->deadline) {
+      cancel_job(j, Status::kTIMEOUT);
+      return;
+    }
     const Segment& s = j->segs[j->seg_idx];
     uint64_t n = std::min(s.len - j->seg_off, cfg_.chunk_bytes);
+    // Through UCX, a chunk never exceeds the confirmation window by itself:
+    // the window is then a bound, whatever chunk_bytes is.
+    if (s.rkey->mapped == nullptr && cfg_.max_unconfirmed_bytes > 0) {
+      n = std::min(n, cfg_.max_unconfirmed_bytes);
+    }
     if (inflight_bytes_ > 0 && inflight_bytes_ + n > cfg_.max_inflight_bytes) {
       window_full_ = true;
       return;
@@ -536,10 +553,10 @@ bool Engine::post_all() {
     post_job(j);
     any = any || posted_ != before;
     bool done_posting = j->seg_idx >= j->segs.size() || j->cancel || j->status != Status::kOK;
-    if (!done_posting && !j->parked) break;  // window full: keep FIFO order
+    if (!done_posting && !j->parked && !j->guard_wait) break;  // window full: keep FIFO order
     active_.pop_front();
     j->in_active = false;
-    if (!done_posting) continue;  // parked until its endpoint is wired up
+    if (!done_posting) continue;  // parked until wired up, or its strict guard answers
     touch(j);
     any = true;
   }
@@ -758,6 +775,13 @@ void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {
     } else if (g->guard_word != g->guard_in.expect) {
       g->fail(Status::kRETIRED);
     }
+    if (g->guard_wait) {
+      g->guard_wait = false;
+      if (g->status == Status::kOK && !g->cancel && !g->in_active) {
+        g->in_active = true;
+        active_.push_back(g);  // its bytes may move now
+      }
+    }
     touch(g);
     return;
   }
@@ -894,6 +918,7 @@ void Engine::check_stuck() {
 
 void Engine::abandon(Job* j) {
   j->abandoned = true;
+  j->ep->unproven = true;
   j->fail(Status::kLINK_FAILED, j->ep->ucs_status);
   detach(j);
   inflight_bytes_ -= j->inflight_bytes;

@@ -116,20 +116,23 @@ class Engine:
     def endpoint_closed(self, ep_id: int) -> bool:
         """True once the endpoint is closed at the transport (or unknown, or the engine
         fully closed); False while close() is still draining."""
+    def endpoint_unproven(self, ep_id: int) -> bool:
+        """True while a job on it was reported released with UCX requests still
+        outstanding (a frozen peer) and its close has not completed."""
     def rkey_release(self, rkey_id: int) -> None: ...
     def submit(
         self, op: int, ep_id: int, segments: Any, payload: bytes = b"", timeout_ms: int = 0
     ) -> int: ...
     def submit_many(self, jobs: list[tuple[Any, ...]]) -> list[int]:
         """(op, ep_id, segments, payload, timeout_ms[, guard]) rows; guard: None or
-        (rkey id, address, expected word)."""
+        (rkey id, address, expected word[, strict])."""
     def copy_inline(
         self,
         op: int,
         ep_id: int,
         tables: list[Any],
         max_bytes: int,
-        guard: tuple[int, int, int] | None = None,
+        guard: tuple[int, int, int, bool] | None = None,
     ) -> int:
         """INLINE_COPIED, INLINE_NO (nothing copied) or INLINE_RETIRED."""
     def cancel(self, job_id: int) -> None: ...

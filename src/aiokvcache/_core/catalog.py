@@ -60,7 +60,13 @@ def metadata(state: State, rec: LocalCache) -> dict[str, Any]:
             for (_, base, length), rk in zip(rec.regions, rkeys, strict=True)
         ],
         "tensor_region": list(rec.tensor_region),
-        "guard": {"addr": state.ctl.guard_addr(rec.guard_slot), "word": rec.cache_id},
+        # Registered memory goes back to its owner when unregister returns:
+        # a peer's job reads the word before its bytes move (strict).
+        "guard": {
+            "addr": state.ctl.guard_addr(rec.guard_slot),
+            "word": rec.cache_id,
+            "strict": not rec.allocated,
+        },
     }
 
 
@@ -72,9 +78,7 @@ def _u64(value: Any, what: str) -> int:
 
 def _parse(
     link: Link, meta: Any
-) -> tuple[
-    int, CacheDesc, list[int], list[dict[str, Any]], list[int], bool, tuple[int, int] | None
-]:
+) -> tuple[int, CacheDesc, list[int], list[dict[str, Any]], list[int], bool, tuple[int, int, bool]]:
     """A peer's cache metadata, checked field by field (ValueError otherwise)."""
     if not isinstance(meta, dict):
         raise ValueError("not a dict")
@@ -114,18 +118,18 @@ def _parse(
         if not reg["base"] <= a or a + desc.size > reg["base"] + reg["len"]:
             raise ValueError("tensor outside its region")
     guard = meta.get("guard")
-    word: tuple[int, int] | None = None
-    if guard is not None:
-        if not isinstance(guard, dict):
-            raise ValueError("guard must be a dict")
-        addr, value = _u64(guard.get("addr"), "guard addr"), _u64(guard.get("word"), "guard word")
-        base, span = link.ctl_span
-        # Before the link's probe installed the peer's control-region key
-        # (a lookup racing the set-up) the guard cannot be used: none then.
-        if link.ctl_rkey is not None:
-            if not (base <= addr and addr + 8 <= base + span) or value == 0:
-                raise ValueError("guard outside the peer's control region")
-            word = (addr, value)
+    if not isinstance(guard, dict):
+        raise ValueError("guard must be a dict")
+    addr, value = _u64(guard.get("addr"), "guard addr"), _u64(guard.get("word"), "guard word")
+    base, span = link.ctl_span
+    if link.ctl_rkey is None:  # installed before every lookup (PeerService._ensure_ctl)
+        raise ValueError("no key to the peer's control region")
+    if not (base <= addr and addr + 8 <= base + span) or value == 0:
+        raise ValueError("guard outside the peer's control region")
+    strict = guard.get("strict", False)
+    if not isinstance(strict, bool):
+        raise ValueError("guard strict must be a bool")
+    word = (addr, value, strict)
     return cid, desc, addrs, regions, tensor_region, is_blocks, word
 
 
@@ -163,15 +167,20 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
     rc = RemoteCache(
         cid, desc, addrs, [rkey_ids[r] for r in tensor_region], rkey_ids, bool(is_blocks)
     )
-    if word is not None and link.ctl_rkey is not None:
-        rc.guard = (link.ctl_rkey, word[0], word[1])
     with state.lock:
+        ctl = link.ctl_rkey
         existing = link.remote.get(cid)
-        if existing is None and not link.broken:
+        stored = existing is None and not link.broken and ctl is not None
+        if stored:
+            assert ctl is not None
+            rc.guard = (ctl, word[0], word[1], word[2])
             link.remote[cid] = rc
     if existing is not None:  # a concurrent install won
         release_keys(state, rkey_ids)
         return existing
+    if not stored:
+        release_keys(state, rkey_ids)
+        raise make_error(LLMStatusCode.LLM_LINK_FAILED, f"link to cluster {link.cluster_id} broke")
     return rc
 
 

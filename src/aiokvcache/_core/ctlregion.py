@@ -65,6 +65,7 @@ class ControlRegion:
         # A lease holder (State.lease): live until the engine closes.
         self.valid = True
         self.leases: set[Any] = set()
+        self.used_eps: set[int] = set()
 
     # ------------------------------------------------------------- probes
 

@@ -143,7 +143,7 @@ class _Layer:
     cache_id: int
     batch_index: int | None
     #: The retirement guard of the (first) remote cache it writes.
-    guard: tuple[int, int, int] | None = None
+    guard: tuple[int, int, int, bool] | None = None
 
 
 @dataclass(eq=False)

@@ -168,7 +168,7 @@ class Runner:
             made.append(group)
             return group.job_ids
 
-        lease = self._state.lease((local, *remotes), submit)
+        lease = self._state.lease((local, *remotes), submit, frozenset(j[1] for j in jobs))
         group = made[0]
         if lease.jobs:
             self._leases[id(group)] = lease

@@ -22,7 +22,7 @@ from .errors import LLMStatusCode, make_error
 from .notify import Receiver
 from .options import EngineOptions
 from .runner import Runner
-from .service import PeerService
+from .service import PeerService, until
 from .state import State
 from .transfers import Transfers
 
@@ -166,6 +166,16 @@ class Runtime:
         # read as a shutdown, not a failure.
         with contextlib.suppress(Exception):
             await self.service.call(self.service.announce_finalizing())
+        # Local copies run in worker threads and cannot be stopped: the
+        # engine unmaps every region when it closes, so wait for them first.
+        with st.lock:
+            copies = [
+                lease
+                for rec in st.registry.caches.values()
+                for lease in rec.leases
+                if lease.done is not None
+            ]
+        await until(lambda: st.leases_over(copies))
         # Nothing in Python touches the control region once the engine may
         # unmap it.
         st.ctl.close()

@@ -271,6 +271,8 @@ class PeerService:
                             break
                         await asyncio.sleep(_RELINK_PAUSE_S)
                         status, reason = await self._try_link(cid, host, port, left)
+                    if status == LLMStatusCode.LLM_ALREADY_LINK and self._linked(cid):
+                        return await self._await_up(cid, deadline)
                     if status in (
                         LLMStatusCode.LLM_SUCCESS,
                         LLMStatusCode.LLM_ALREADY_LINK,
@@ -355,6 +357,21 @@ class PeerService:
                 return LLMStatusCode.LLM_ALREADY_LINK, "the peer's link won"
             return LLMStatusCode.LLM_LINK_FAILED, "the link went away during its set-up"
         try:
+            return await self._check_data_path(cid, link, conn, deadline)
+        except BaseException:
+            # Cancelled (the caller's timeout, task.cancel()): no half link
+            # stays behind to answer later calls with "being set up".
+            if not link.up:
+                self.drop_link(link, "link set-up cancelled")
+                self.spawn(conn.close("link set-up cancelled"))
+            raise
+
+    async def _check_data_path(
+        self, cid: int, link: Link, conn: control.ControlConnection, deadline: float
+    ) -> tuple[LLMStatusCode, str]:
+        """Both halves of a new link's data path; the link is up after SUCCESS."""
+        loop = asyncio.get_running_loop()
+        try:
             left = max(deadline - loop.time(), 0.05)
             problem = await self.probe(link, left)
             if problem:
@@ -432,6 +449,8 @@ class PeerService:
         hold a lease on our control region like any transfer's on a cache.
         """
         st = self._state
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout  # the whole probe, every step
         try:
             info = await link.conn.request("probe_info", {}, timeout=timeout)
             peer_slot, rkey = self._install_ctl(link, info)
@@ -444,7 +463,8 @@ class PeerService:
         put = [[local, peer_slot, _NONCE_BYTES, rkey]]
         get = [[local + _NONCE_BYTES, peer_slot, _NONCE_BYTES, rkey]]
         for what, op, rows in (("put", OP_PUT, put), ("get", OP_GET, get)):
-            problem = await self._probe_job(link, what, op, rows, ms, timeout)
+            left = max(deadline - loop.time(), 0.001)
+            problem = await self._probe_job(link, what, op, rows, ms, left)
             if problem:
                 return problem
         if st.ctl.read(local + _NONCE_BYTES, _NONCE_BYTES) != nonce:
@@ -462,7 +482,7 @@ class PeerService:
         except (native.NativeError, LLMException) as exc:
             return f"the probe's {what} could not start ({exc})"
         try:
-            if not await until(lambda: st.leases_over((lease,)), timeout + 1):
+            if not await until(lambda: st.leases_over((lease,)), timeout):
                 return f"the probe's {what} did not end in time"
         finally:
             if st.leases_over((lease,)):
@@ -705,7 +725,10 @@ class PeerService:
             # released, before the peer's call returns: it may then treat the
             # link as quiescent (LLM-DataDist's disconnect waits so too).
             live = self.drop_link(link, "unlinked by peer")
+            engine = st.engine
             await until(lambda: self._released_now(live))
+            # A job released unproven may move bytes until the endpoint closed.
+            await until(lambda: not engine.endpoint_unproven(link.ep))
             return {}
         if op == "ping":
             return {}
@@ -846,10 +869,26 @@ class PeerService:
             self._loop.create_task(self._fetch(link, cache_id, key, fut))
         return await asyncio.shield(fut)
 
+    async def _ensure_ctl(self, link: Link) -> None:
+        """Our key to the peer's control region, before any of its metadata
+        is installed: every remote cache record then has its retirement
+        guard (a lookup can come before the link's probe installed the key)."""
+        if link.ctl_rkey is not None:
+            return
+        info = await link.conn.request("probe_info", {}, timeout=METADATA_TIMEOUT_S)
+        try:
+            self._install_ctl(link, info)
+        except (ValueError, native.NativeError) as exc:
+            raise make_error(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"cluster {link.cluster_id} sent a bad control region: {exc}",
+            ) from None
+
     async def _fetch(
         self, link: Link, cache_id: int, key: tuple[int, int], fut: asyncio.Future[Any]
     ) -> None:
         try:
+            await self._ensure_ctl(link)
             meta = await link.conn.request(
                 "cache_by_id", {"cache_id": cache_id}, timeout=METADATA_TIMEOUT_S
             )
@@ -868,6 +907,7 @@ class PeerService:
 
     async def remote_by_key(self, link: Link, key: CacheKey) -> tuple[Any, int]:
         """The peer's cache and batch index bound to ``key`` (asked every time)."""
+        await self._ensure_ctl(link)
         meta = await link.conn.request(
             "cache_by_key",
             {
@@ -885,6 +925,7 @@ class PeerService:
 
     async def remote_blocks(self, link: Link, key: BlocksCacheKey) -> Any:
         """The peer's blocks cache bound to ``key`` (asked every time: keys rebind)."""
+        await self._ensure_ctl(link)
         meta = await link.conn.request(
             "blocks_by_key",
             {"cluster_id": key.cluster_id, "model_id": key.model_id},
@@ -899,6 +940,7 @@ class PeerService:
 
     async def remotes_by_addr(self, link: Link, addrs: list[int]) -> None:
         """Ask the peer which caches hold ``addrs``; record every one it names."""
+        await self._ensure_ctl(link)
         for k in range(0, len(addrs), MAX_ADDRS_PER_REQUEST):
             resp = await link.conn.request(
                 "cache_by_addr",
@@ -936,6 +978,9 @@ class PeerService:
             rc.valid = False  # no job starts on it from here on
             leases = list(rc.leases)
         await self._over(leases)
+        # A job of ours released unproven may still move bytes until its
+        # endpoint closed: the owner must not hear "done" before.
+        await until(lambda: st.used_quiet(rc))
         retire_remote(st, rc)
 
     def retire_local(self, rec: LocalCache) -> None:
@@ -948,9 +993,15 @@ class PeerService:
         """
         st = self._state
         with st.lock:
+            # One retirement per cache, whatever threads race to release it.
+            if not rec.valid or st.registry.caches.get(rec.cache_id) is not rec:
+                raise make_error(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    f"cache {rec.cache_id} was already released",
+                )
             st.registry.drop(rec)  # out of every lookup, no new use of it
             leases = list(rec.leases)
-        st.ctl.guard_retire(rec.guard_slot)
+            st.ctl.guard_retire(rec.guard_slot)
         owners = rec.cache._owner
         rec.cache._invalidate()
         # Our own transfers on it stop now; the memory waits for them below.
@@ -974,6 +1025,9 @@ class PeerService:
         proven = False
         try:
             await until(lambda: st.leases_over(leases))
+            # A job of ours released unproven (its peer froze) may still move
+            # bytes of the cache until its endpoint's close completes.
+            await until(lambda: st.used_quiet(rec))
             await self._quiesce_exposure(rec)
             proven = True
         finally:

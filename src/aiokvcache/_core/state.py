@@ -59,11 +59,15 @@ class Lease:
     ``jobs``: the native jobs of the use (released by the engine; a
     retirement cancels them). ``done``: set when work on another thread
     ended (None for native jobs). ``holders``: the records it is held on.
+    ``eps``: the endpoints its jobs ran on — a job the engine released
+    unproven (a frozen peer) may still move bytes until its endpoint closed
+    (``Engine.endpoint_unproven``).
     """
 
     jobs: list[int]
     done: threading.Event | None
     holders: tuple[Any, ...]
+    eps: frozenset[int] = frozenset()
 
 
 @dataclass(eq=False)
@@ -79,6 +83,8 @@ class LocalCache:
     allocated: bool
     keys: dict[CacheKey, int] = field(default_factory=dict)  # key -> batch index
     leases: set[Lease] = field(default_factory=set)  # live uses of its memory
+    #: Every endpoint a job of ours on it ever ran on (see State.used_quiet).
+    used_eps: set[int] = field(default_factory=set)
     valid: bool = True
     rkeys: list[bytes] | None = None  # packed, per region (lazily)
     blocks_key: BlocksCacheKey | None = None
@@ -110,10 +116,12 @@ class RemoteCache:
     rkey_ids: list[int]
     is_blocks: bool = False
     leases: set[Lease] = field(default_factory=set)  # live uses of its memory
+    #: Every endpoint a job of ours on it ever ran on (see State.used_quiet).
+    used_eps: set[int] = field(default_factory=set)
     valid: bool = True
     #: (control-region rkey id, address, expected word): the job guard that
     #: tells a transfer the owner retired this cache (see ext/job.hpp).
-    guard: tuple[int, int, int] | None = None
+    guard: tuple[int, int, int, bool] | None = None
     # Checked transfer plans between it and our caches (transfers.Plan),
     # owner loop only; they go with the record.
     plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)
@@ -263,7 +271,12 @@ class State:
 
     # ------------------------------------------------------------- leases
 
-    def lease(self, holders: Iterable[Any], start: Callable[[], list[int]] | None = None) -> Lease:
+    def lease(
+        self,
+        holders: Iterable[Any],
+        start: Callable[[], list[int]] | None = None,
+        eps: frozenset[int] = frozenset(),
+    ) -> Lease:
         """Hold ``holders`` (cache records, the control region) for one use.
 
         The check that every holder is still valid and ``start`` run in one
@@ -273,6 +286,7 @@ class State:
         returns their ids, or does the whole use itself (an inline copy) and
         returns ``[]``: then nothing is held afterwards. ``start=None``: the
         use is work on another thread; end it with :meth:`end_lease`.
+        ``eps``: the endpoints the jobs run on (see :class:`Lease`).
         """
         holders = tuple(holders)
         with self.lock:
@@ -280,10 +294,12 @@ class State:
                 if not h.valid:
                     raise _retired(h)
             jobs = start() if start is not None else []
-            lease = Lease(jobs, None if start is not None else threading.Event(), holders)
+            lease = Lease(jobs, None if start is not None else threading.Event(), holders, eps)
             if jobs or start is None:
                 for h in holders:
                     h.leases.add(lease)
+                    if eps:
+                        h.used_eps.update(eps)
         return lease
 
     def end_lease(self, lease: Lease) -> None:
@@ -309,6 +325,16 @@ class State:
                 return False
             ids.extend(lease.jobs)
         return not ids or self.engine.closed or bool(self.engine.wait_released(ids, 0.0))
+
+    def used_quiet(self, holder: Any) -> bool:
+        """True once no endpoint a job of ours on ``holder`` ever ran on holds
+        a job the engine released unproven (a frozen peer: its requests may
+        still move bytes until the endpoint's close completes). Call once the
+        holder's leases are over: a lease ends when its jobs are released,
+        and an unproven release outlives it."""
+        with self.lock:
+            eps = list(holder.used_eps)
+        return not any(self.engine.endpoint_unproven(ep) for ep in eps)
 
     def check_open(self) -> None:
         """ENGINE_FINALIZED once finalize() has begun."""

@@ -96,9 +96,11 @@ def _copy_all(views: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]]) 
 async def _in_thread(state: State, holders: Sequence[LocalCache], fn: Any, *args: Any) -> None:
     """Copy in a worker thread under a lease on ``holders``.
 
-    A retirement of either cache waits for the lease, so memory is not
-    released under the copy; a cancelled caller still waits for the copy to
-    finish, so nothing is written after we return.
+    A retirement of either cache (or finalize) waits for the lease, so memory
+    is not released under the copy; a cancelled caller still waits for the
+    copy to finish, so nothing is written after we return. A copy one of
+    whose caches was deallocated meanwhile ran to its end, into memory not
+    yet released, and raises KV_CACHE_NOT_EXIST, as a transfer would.
     """
     lease = state.lease(holders)
     try:
@@ -107,14 +109,19 @@ async def _in_thread(state: State, holders: Sequence[LocalCache], fn: Any, *args
         state.end_lease(lease)
         raise
     try:
-        await settle(work)
+        await settle(work)  # returns only once the copy is done
     finally:
-        if work.done():
-            state.end_lease(lease)
-        else:  # not reached: settle() returns only once the copy is done
-            work.add_done_callback(lambda _: state.end_lease(lease))
+        state.end_lease(lease)
         if work.done() and not work.cancelled():
             work.result()  # the copy's own error, if any, comes first
+    if state.finalized:
+        raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "finalized during the copy")
+    gone = next((h for h in holders if not h.valid), None)
+    if gone is not None:
+        raise make_error(
+            LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+            f"cache {gone.cache_id} was deallocated during the copy",
+        )
 
 
 #: Plans kept per remote cache record (then the record's plans start over).
