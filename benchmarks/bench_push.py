@@ -158,7 +158,7 @@ def main() -> int:
         "--max-unconfirmed",
         type=int,
         default=None,
-        help="the pusher's max_unconfirmed_bytes (default: the library's, 4 MiB; 0: no bound)",
+        help="the pusher's max_unconfirmed_bytes (default: the library's, 2 MiB; 0: no bound)",
     )
     ap.add_argument(
         "--copy-lanes",

@@ -190,7 +190,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("transport") = "auto", py::arg("max_inflight_bytes") = 64ull << 20,
            py::arg("chunk_bytes") = 1ull << 20,
            py::arg("ucx_options") = std::map<std::string, std::string>{}, py::arg("direct_copy") = true,
-           py::arg("max_unconfirmed_bytes") = 4ull << 20, py::arg("copy_lanes") = 0u,
+           py::arg("max_unconfirmed_bytes") = 2ull << 20, py::arg("copy_lanes") = 0u,
            py::arg("progress_spin_us") = 100u)
       .def_property_readonly("copy_lanes", [](const PyEngine& e) { return e.copy_lanes(); })
       .def_property_readonly("progress_spin_us", [](const PyEngine& e) { return e.progress_spin_us(); })

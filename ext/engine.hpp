@@ -36,7 +36,7 @@ struct EngineConfig {
   // has not confirmed yet — puts not covered by a completed flush, gets not
   // completed. The bound on what a frozen peer can still apply after a job
   // was released unproven (docs/design.md, "Late writes"). 0: no bound.
-  uint64_t max_unconfirmed_bytes = 4ull << 20;
+  uint64_t max_unconfirmed_bytes = 2ull << 20;
   bool direct_copy = true;  // memcpy into same-host peers' mapped memory
   // How long the progress thread keeps polling after its last work before
   // it sleeps: a caller that awaits each small transfer then finds it
@@ -314,6 +314,7 @@ class Engine {
   DeadlineMap deadlines_;
   bool window_full_ = false;
   uint64_t copy_budget_ = 0;  // bytes of direct copies left in this step
+  bool guard_checked_ = false;  // the SIGBUS guard was put on top in this step
   uint64_t cancelling_ = 0;  // cancelled jobs not yet finished
   uint64_t posted_ = 0;      // data operations posted (UCX or direct copy)
   std::chrono::steady_clock::time_point next_stuck_check_{};

@@ -69,7 +69,6 @@ void ensure_installed() {
 void install_fault_guard() { ensure_installed(); }
 
 bool guarded_copy(void* dst, const void* src, size_t n) {
-  ensure_installed();  // one sigaction query: cheap beside a copy
   sigjmp_buf resume;
   tl_resume = nullptr;  // first touch of the TLS slot happens here
   if (sigsetjmp(resume, 0) != 0) return false;
@@ -82,7 +81,6 @@ bool guarded_copy(void* dst, const void* src, size_t n) {
 }
 
 bool guarded_load(const volatile uint64_t* p, uint64_t* out) {
-  ensure_installed();
   sigjmp_buf resume;
   tl_resume = nullptr;
   if (sigsetjmp(resume, 0) != 0) return false;

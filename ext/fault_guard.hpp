@@ -16,7 +16,10 @@
 
 namespace akv {
 
-// Installs the process-wide SIGBUS handler once (idempotent, thread-safe).
+// Puts the process-wide SIGBUS handler on top again if something installed
+// another after it (idempotent, thread-safe; one sigaction query when it is
+// already there). Callers run it once per batch of guarded copies: a copy
+// lane per chunk, the progress thread per step, an inline copy per call.
 void install_fault_guard();
 
 // memcpy(dst, src, n); false if a SIGBUS stopped it (the bytes before the

@@ -233,6 +233,10 @@ bool Engine::post_guard(Job* j) {
   uint64_t off = j->guard_in.addr - rk->base;
   if (rk->mapped != nullptr) {
     j->guard_posted = true;
+    if (!guard_checked_) {
+      install_fault_guard();
+      guard_checked_ = true;
+    }
     uint64_t word = 0;
     if (!guarded_load(reinterpret_cast<volatile uint64_t*>(rk->mapped + off), &word)) {
       j->fail(Status::kLINK_FAILED, UCS_ERR_IO_ERROR);
@@ -337,6 +341,10 @@ void Engine::post_job(Job* j) {
         j->seg_off = 0;
       }
       continue;
+    }
+    if (s.rkey->mapped != nullptr && !guard_checked_) {
+      install_fault_guard();
+      guard_checked_ = true;
     }
     if (s.rkey->mapped != nullptr) {
       // Copies run on this thread: yield to commands (cancel) and deadlines
@@ -443,6 +451,7 @@ void Engine::lane_main() {
     }
     // After a stop only skip: stop_lanes() runs before any mapping goes.
     if (!stopping && !t.job->stop_copies.load(std::memory_order_relaxed)) {
+      install_fault_guard();
       t.copied = guarded_copy(t.dst, t.src, t.n);
       t.faulted = !t.copied;
       // Non-temporal stores included: visible before the completion (and
@@ -548,6 +557,7 @@ bool Engine::post_all() {
   // With lane threads, one chunk per step: the lanes' queues are refilled
   // between this thread's own chunks, so they never wait for it.
   copy_budget_ = (lanes_.empty() ? 4 : 1) * cfg_.chunk_bytes;
+  guard_checked_ = false;  // install_fault_guard() before this step's first mapped copy
   while (!active_.empty() && !window_full_) {
     Job* j = active_.front();
     post_job(j);

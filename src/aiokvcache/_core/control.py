@@ -888,6 +888,11 @@ async def _close_writer(writer: asyncio.StreamWriter) -> None:
         pass  # the socket is gone either way; close must not fail
 
 
+def _buffered(reader: asyncio.StreamReader) -> bool:
+    """Whether bytes wait in ``reader`` (the peer sent something)."""
+    return bool(getattr(reader, "_buffer", b""))
+
+
 def _abort(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
@@ -1249,8 +1254,10 @@ class ControlServer:
         self._handler = handler
         self._server: asyncio.Server | None = None
         self._address: tuple[str, int] | None = None
-        # Pending handshakes, oldest first: socket, and whether HELLO came.
-        self._handshakes: dict[asyncio.Task[Any], tuple[asyncio.StreamWriter, list[bool]]] = {}
+        # Pending handshakes, oldest first: socket, whether HELLO came, reader.
+        self._handshakes: dict[
+            asyncio.Task[Any], tuple[asyncio.StreamWriter, list[bool], asyncio.StreamReader]
+        ] = {}
         self.handshake_timeout = HANDSHAKE_TIMEOUT
         self.max_pending = MAX_PENDING_HANDSHAKES
         self.max_connections = MAX_CONNECTIONS
@@ -1295,6 +1302,23 @@ class ControlServer:
         """Accepted connections that are currently open."""
         return frozenset(self._conns)
 
+    def _victim(self) -> asyncio.Task[Any]:
+        """The pending handshake to evict: one whose peer already hung up,
+        else the oldest that has sent nothing (not even bytes its task has
+        not read yet: a peer's HELLO follows its connect at once, and on a
+        busy loop it may wait unread), else the oldest with no HELLO, else
+        the oldest."""
+        items = list(self._handshakes.items())
+        for pick in (
+            lambda w, h, r: r.at_eof() or w.is_closing(),
+            lambda w, h, r: not h[0] and not _buffered(r),
+            lambda w, h, r: not h[0],
+        ):
+            for task, (w, h, r) in items:
+                if pick(w, h, r):
+                    return task
+        return items[0][0]
+
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = _fmt(_peer_address(writer))
         if self._closing or len(self._conns) >= self.max_connections:
@@ -1306,9 +1330,8 @@ class ControlServer:
             _abort(writer)
             return
         while len(self._handshakes) >= self.max_pending:
-            idle = (t for t, (_, hello) in self._handshakes.items() if not hello[0])
-            oldest = next(idle, None) or next(iter(self._handshakes))
-            sock, _ = self._handshakes.pop(oldest)
+            oldest = self._victim()
+            sock, _, _ = self._handshakes.pop(oldest)
             self.evicted += 1
             _log.warning(
                 "evicting the oldest pending handshake (%s) for %s: %d pending",
@@ -1321,7 +1344,7 @@ class ControlServer:
         task = asyncio.current_task()
         assert task is not None
         hello = [False]
-        self._handshakes[task] = (writer, hello)
+        self._handshakes[task] = (writer, hello, reader)
         try:
             conn = await _accept_handshake(
                 reader, writer, self._local, self._handler, self.handshake_timeout, hello

@@ -118,7 +118,7 @@ ENV_TRANSPORT = "AIOKVCACHE_TRANSPORT"
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
-DEFAULT_MAX_UNCONFIRMED_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_UNCONFIRMED_BYTES = 2 * 1024 * 1024
 DEFAULT_PROGRESS_SPIN_US = 100
 PROGRESS_SPIN_US_MAX = 100_000
 DEFAULT_HANDSHAKE_TIMEOUT_MS = 5000
@@ -534,7 +534,7 @@ class LLMConfig:
     @property
     def max_unconfirmed_bytes(self) -> int:
         """**[ours]** Per link, the most bytes of transfers that the peer has
-        not yet confirmed, ``[0, 2**63-1]``, default 4 MiB; 0 means no bound.
+        not yet confirmed, ``[0, 2**63-1]``, default 2 MiB; 0 means no bound.
         It bounds what a frozen peer can still apply after a call raised
         (``docs/design.md``, "Late writes").  Key
         ``aiokvcache.maxUnconfirmedBytes``."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +158,10 @@ class Link:
 _OVERLAP_LOOKBACK = 64
 
 
+#: What lease() returns for a use done inside its critical section.
+_DONE = Lease([], None, ())
+
+
 def _retired(holder: Any) -> LLMException:
     if isinstance(holder, RemoteCache):
         what = f"the remote cache {holder.cache_id} was deallocated"
@@ -273,7 +277,7 @@ class State:
 
     def lease(
         self,
-        holders: Iterable[Any],
+        holders: Sequence[Any],
         start: Callable[[], list[int]] | None = None,
         eps: frozenset[int] = frozenset(),
     ) -> Lease:
@@ -288,18 +292,21 @@ class State:
         use is work on another thread; end it with :meth:`end_lease`.
         ``eps``: the endpoints the jobs run on (see :class:`Lease`).
         """
-        holders = tuple(holders)
         with self.lock:
             for h in holders:
                 if not h.valid:
                     raise _retired(h)
-            jobs = start() if start is not None else []
-            lease = Lease(jobs, None if start is not None else threading.Event(), holders, eps)
-            if jobs or start is None:
-                for h in holders:
-                    h.leases.add(lease)
-                    if eps:
-                        h.used_eps.update(eps)
+            if start is None:
+                lease = Lease([], threading.Event(), tuple(holders), eps)
+            else:
+                jobs = start()
+                if not jobs:  # done inside the critical section: nothing held
+                    return _DONE
+                lease = Lease(jobs, None, tuple(holders), eps)
+            for h in lease.holders:
+                h.leases.add(lease)
+                if eps:
+                    h.used_eps.update(eps)
         return lease
 
     def end_lease(self, lease: Lease) -> None:

@@ -124,6 +124,20 @@ async def _in_thread(state: State, holders: Sequence[LocalCache], fn: Any, *args
         )
 
 
+def _guards(remote: RemoteCache, n: int) -> list[tuple[int, int, int, bool] | None]:
+    """The retirement guards of a call's ``n`` jobs on ``remote``.
+
+    A call fails as a whole at its first failed job, so one guard tells it
+    the cache was retired: the first job carries it. A strict guard
+    (registered memory: no byte may move before the word was read) goes on
+    every job.
+    """
+    g = remote.guard
+    if g is None or g[3]:
+        return [g] * n
+    return [g] + [None] * (n - 1)
+
+
 #: Plans kept per remote cache record (then the record's plans start over).
 MAX_PLANS = 256
 
@@ -444,14 +458,17 @@ class Transfers:
         ep = link.ep
         if tag is None and plan.inline is not False and self._copy_inline(op, link, plan, remote):
             return
-        guard = remote.guard
+        guards = _guards(remote, len(plan.layers))
         if tag is None:
-            jobs = [(op, ep, rows, b"", per_job_ms, guard) for rows, _ in plan.layers]
+            jobs = [
+                (op, ep, rows, b"", per_job_ms, g)
+                for (rows, _), g in zip(plan.layers, guards, strict=True)
+            ]
         else:
             rid = remote.cache_id
             jobs = [
-                (op, ep, rows, notify.payload(tag, rid, remote_batch, dst), per_job_ms, guard)
-                for rows, dst in plan.layers
+                (op, ep, rows, notify.payload(tag, rid, remote_batch, dst), per_job_ms, g)
+                for (rows, dst), g in zip(plan.layers, guards, strict=True)
             ]
         await self.runner.run(jobs, plan.labels, timeout, local, remote, checked=True)
 
@@ -664,7 +681,8 @@ class Transfers:
         block_list = notify.block_list(tag, dst_ids)
         per_job_ms = self.state.options.sync_kv_timeout_ms
         jobs = []
-        for sl, dl in pairs:
+        guards = _guards(remote, len(pairs))
+        for (sl, dl), g in zip(pairs, guards, strict=True):
             rows = planner.layer_rows(
                 plan,
                 src.addrs[sl * n : (sl + 1) * n],
@@ -672,7 +690,7 @@ class Transfers:
                 remote.tensor_rkey[dl * n : (dl + 1) * n],
             )
             payload = notify.payload(tag, remote.cache_id, None, dl, block_list)
-            jobs.append((OP_PUT, link.ep, rows, payload, per_job_ms, remote.guard))
+            jobs.append((OP_PUT, link.ep, rows, payload, per_job_ms, g))
         await self.runner.run(jobs, [f"layer {dl}" for _, dl in pairs], tmo, src, remote)
 
     async def notify(self, cluster_id: int, tag: str | bytes, tmo: float | None) -> None:
@@ -725,14 +743,15 @@ class Transfers:
             plan = planner.slot_blocks_plan(off, length, dst_ids, block, blocks_local=True)
         per_job_ms = self.state.options.sync_kv_timeout_ms
         jobs = []
-        for sl, dl in pairs:
+        guards = _guards(remote, len(pairs))
+        for (sl, dl), g in zip(pairs, guards, strict=True):
             rows = planner.layer_rows(
                 plan,
                 dst.addrs[dl * n : (dl + 1) * n],
                 remote.addrs[sl * n : (sl + 1) * n],
                 remote.tensor_rkey[sl * n : (sl + 1) * n],
             )
-            jobs.append((OP_GET, link.ep, rows, b"", per_job_ms, remote.guard))
+            jobs.append((OP_GET, link.ep, rows, b"", per_job_ms, g))
         await self.runner.run(jobs, [f"layer {dl}" for _, dl in pairs], tmo, dst, remote)
 
     # ------------------------------------------------------------ local copies
