@@ -173,7 +173,8 @@ PYBIND11_MODULE(_native, m) {
   py::class_<PyEngine>(m, "Engine")
       .def(py::init([](const std::string& transport, uint64_t max_inflight_bytes, uint64_t chunk_bytes,
                        const std::map<std::string, std::string>& ucx_options, bool direct_copy,
-                       uint64_t max_unconfirmed_bytes, unsigned copy_lanes, uint64_t progress_spin_us) {
+                       uint64_t max_unconfirmed_bytes, unsigned copy_lanes, uint64_t progress_spin_us,
+                       uint64_t keepalive_ms) {
              akv::EngineConfig cfg;
              cfg.transport = transport;
              cfg.max_inflight_bytes = max_inflight_bytes;
@@ -183,6 +184,8 @@ PYBIND11_MODULE(_native, m) {
              cfg.copy_lanes = copy_lanes;
              if (progress_spin_us > 100000) throw akv::InvalidArgument("progress_spin_us must be <= 100000");
              cfg.spin = std::chrono::microseconds(progress_spin_us);
+             if (keepalive_ms > 3600000) throw akv::InvalidArgument("keepalive_ms must be <= 3600000");
+             cfg.keepalive = std::chrono::milliseconds(keepalive_ms);
              for (const auto& kv : ucx_options) cfg.ucx_options.emplace_back(kv.first, kv.second);
              py::gil_scoped_release nogil;
              return new PyEngine(std::move(cfg));
@@ -191,7 +194,7 @@ PYBIND11_MODULE(_native, m) {
            py::arg("chunk_bytes") = 1ull << 20,
            py::arg("ucx_options") = std::map<std::string, std::string>{}, py::arg("direct_copy") = true,
            py::arg("max_unconfirmed_bytes") = 2ull << 20, py::arg("copy_lanes") = 0u,
-           py::arg("progress_spin_us") = 100u)
+           py::arg("progress_spin_us") = 100u, py::arg("keepalive_ms") = 0u)
       .def_property_readonly("copy_lanes", [](const PyEngine& e) { return e.copy_lanes(); })
       .def_property_readonly("progress_spin_us", [](const PyEngine& e) { return e.progress_spin_us(); })
       .def_property_readonly("event_fd", &Engine::event_fd)
@@ -268,6 +271,8 @@ PYBIND11_MODULE(_native, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("endpoint_unproven", &Engine::endpoint_unproven, py::arg("ep_id"),
            py::call_guard<py::gil_scoped_release>())
+      .def("silent_s", &Engine::silent_s, py::arg("ep_id"), py::call_guard<py::gil_scoped_release>())
+      .def("keepalive_now", &Engine::keepalive_now, py::arg("ep_id"), py::call_guard<py::gil_scoped_release>())
       .def(
           "rkey_unpack",
           [](PyEngine& e, uint64_t ep, const py::bytes& packed, uint64_t base, uint64_t len) {

@@ -231,8 +231,79 @@ void Engine::set_note_keys(uint64_t ep_id, const std::string& send_key, const st
     if (!ep->note_key.empty()) note_keys_.erase(ep->note_key);
     ep->note_header = send_key;
     ep->note_key = recv_key;
-    note_keys_[recv_key] = peer_id;
+    ep->heard = std::chrono::steady_clock::now();
+    note_keys_[recv_key] = NoteKey{peer_id, ep_id};
   });
+}
+
+double Engine::silent_s(uint64_t ep_id) {
+  return call<double>([this, ep_id]() {
+    auto it = eps_.find(ep_id);
+    if (it == eps_.end() || it->second->note_key.empty()) return -1.0;
+    std::chrono::duration<double> d = std::chrono::steady_clock::now() - it->second->heard;
+    return d.count();
+  });
+}
+
+void Engine::heard_from(uint64_t ep_id) {
+  auto it = eps_.find(ep_id);
+  if (it != eps_.end()) it->second->heard = std::chrono::steady_clock::now();
+}
+
+void Engine::keepalive_now(uint64_t ep_id) {
+  call<void>([this, ep_id]() {
+    auto it = eps_.find(ep_id);
+    if (it == eps_.end()) return;
+    it->second->ping_due = it->second->ask_echo = true;
+    keepalive_due_ = true;
+  });
+}
+
+void Engine::send_keepalives() {
+  auto now = std::chrono::steady_clock::now();
+  if (cfg_.keepalive.count() > 0 && now >= next_keepalive_) {
+    next_keepalive_ = now + cfg_.keepalive;
+    for (auto& kv : eps_) kv.second->ping_due = true;
+    keepalive_due_ = true;
+  }
+  if (!keepalive_due_) return;
+  keepalive_due_ = false;
+  for (auto& kv : eps_) {
+    Endpoint* ep = kv.second.get();
+    if (!ep->ping_due) continue;
+    // Linked (keyed) and not ending; one at a time, so a frozen peer never
+    // grows our send queue. Not before the wireup is done: nothing goes on
+    // the wire before (see connect()).
+    if (ep->note_header.empty() || ep->closing || ep->broken || ep->close_posted || ep->handle == nullptr) {
+      ep->ping_due = ep->ask_echo = false;
+      continue;
+    }
+    if (ep->wiring || ep->ping_inflight) {
+      keepalive_due_ = true;  // later, once it can go
+      continue;
+    }
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send = &Engine::on_data_done;
+    p.user_data = this;
+    p.flags = UCP_AM_SEND_FLAG_EAGER | UCP_AM_SEND_FLAG_COPY_HEADER;
+    static const uint8_t kPlain = 0, kEcho = 1;
+    const uint8_t* flag = ep->ask_echo ? &kEcho : &kPlain;
+    ep->ping_due = ep->ask_echo = false;
+    ucs_status_ptr_t r = ucp_am_send_nbx(ep->handle, kKeepaliveAmId, ep->note_header.data(),
+                                         ep->note_header.size(), flag, 1, &p);
+    if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+      auto* ctx = static_cast<RequestCtx*>(r);
+      ctx->kind = RequestCtx::kKeepalive;
+      ctx->job = nullptr;
+      ctx->ep = nullptr;
+      ctx->len = ep->id;
+      ctx->batch = nullptr;
+      ep->ping_inflight = true;
+    }
+    // An error: the endpoint's failure is reported through its handler (or
+    // the link's other traffic); the peer stays unheard until then.
+  }
 }
 
 void Engine::fail_endpoint(uint64_t ep_id) {

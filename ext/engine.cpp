@@ -150,6 +150,10 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   am.flags = UCP_AM_FLAG_WHOLE_MSG;
   st = ucp_worker_set_am_recv_handler(worker_, &am);
   if (st != UCS_OK) fail(UcxFailure("ucp_worker_set_am_recv_handler", st));
+  am.id = kKeepaliveAmId;
+  am.cb = &Engine::on_keepalive;
+  st = ucp_worker_set_am_recv_handler(worker_, &am);
+  if (st != UCS_OK) fail(UcxFailure("ucp_worker_set_am_recv_handler", st));
 
   st = ucp_worker_get_efd(worker_, &worker_efd_);
   if (st != UCS_OK) fail(UcxFailure("ucp_worker_get_efd", st));

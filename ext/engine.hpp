@@ -46,6 +46,12 @@ struct EngineConfig {
   // thread and copy_lanes - 1 lane threads (1: the progress thread alone,
   // as before lanes existed); 0: from the core count.
   unsigned copy_lanes = 0;
+  // Liveness: the progress thread sends every linked endpoint (one with
+  // notification keys) a keep-alive message this often, and records when
+  // anything keyed arrived from each; 0: none. Both happen off the GIL, so a
+  // peer whose Python threads are starved (a busy serving engine on the same
+  // cores) is still heard; only a process that stopped running goes silent.
+  std::chrono::milliseconds keepalive{0};
   std::vector<std::pair<std::string, std::string>> ucx_options;  // extra UCX config
 };
 
@@ -90,6 +96,14 @@ struct Endpoint {
   // to the link whose key it carries, never to what its payload claims.
   std::string note_header;
   std::string note_key;  // the key we gave the peer (our note_keys_ entry)
+  // Liveness (EngineConfig::keepalive): when a keyed message (keep-alive or
+  // notification) last came from the peer, or when the keys were set; and
+  // whether our own keep-alive is still on its way (one at a time: a frozen
+  // peer never grows our send queue).
+  std::chrono::steady_clock::time_point heard{};
+  bool ping_inflight = false;
+  bool ping_due = false;   // send one at the next step (timer, echo or keepalive_now)
+  bool ask_echo = false;   // ... asking the peer to answer with one at once
   // Created with UCX peer-failure handling: only then does UCX accept a
   // forced close (without it ucp_ep_close_nbx refuses FORCE outright).
   bool err_handling = false;
@@ -167,6 +181,14 @@ class Engine {
   // send_key; those that arrive with recv_key are reported as peer_id's.
   void set_note_keys(uint64_t ep_id, const std::string& send_key, const std::string& recv_key,
                      uint64_t peer_id);
+  // Seconds since the peer of ep_id was last heard (a keep-alive or a
+  // notification carrying its key; counted from set_note_keys before the
+  // first); negative for an unknown endpoint or one without keys.
+  double silent_s(uint64_t ep_id);
+  // Send ep_id's peer a keep-alive now that asks it to answer with one: a
+  // live peer's progress thread (not its Python threads) then lowers
+  // silent_s within a round trip.
+  void keepalive_now(uint64_t ep_id);
 
   // Jobs (jobs.cpp). Segments are (local, remote, len, rkey id) rows.
   uint64_t submit(Op op, uint64_t ep_id, std::vector<SegmentIn>&& segs, std::string&& payload,
@@ -268,15 +290,27 @@ class Engine {
   static void on_data_done(void* request, ucs_status_t status, void* user_data);
   static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t on_keepalive(void* arg, const void* header, size_t header_length, void* data,
+                                   size_t length, const ucp_am_recv_param_t* param);
+  // Keep-alives (endpoints.cpp): sent when due, from step().
+  void send_keepalives();
+  std::chrono::steady_clock::time_point next_keepalive_{};
+  bool keepalive_due_ = false;  // some endpoint's ping_due is set
+  // A keyed message arrived: its endpoint's peer is alive.
+  void heard_from(uint64_t ep_id);
   void op_done(RequestCtx* ctx, ucs_status_t status);
   // The retirement guard of a job (Job::guard): read or fetch the word.
   bool post_guard(Job* j);
   // A direct copy through a peer's mapping hit SIGBUS (the peer shrank its
   // segment): the endpoint is failed, its keys no longer map.
   void copy_fault(Endpoint* ep);
-  // Notifications: key -> peer id (progress thread only), and the count of
-  // notification entries now in the completion queue.
-  std::unordered_map<std::string, uint64_t> note_keys_;
+  // Notifications: key -> (peer id, endpoint id) (progress thread only), and
+  // the count of notification entries now in the completion queue.
+  struct NoteKey {
+    uint64_t peer_id;
+    uint64_t ep_id;
+  };
+  std::unordered_map<std::string, NoteKey> note_keys_;
   std::atomic<uint64_t> notes_queued_{0}, notes_dropped_{0}, copy_faults_{0};
 
   // UCX and the loop's file descriptors (engine.cpp, progress.cpp).

@@ -140,11 +140,12 @@ struct Job {
 
 // What a UCX request carries in its reserved area (ucp_params.request_size).
 struct RequestCtx {
-  enum Kind : uint8_t { kData, kFlush, kWindow, kNotify, kClose, kWireup, kGuard } kind;
+  enum Kind : uint8_t { kData, kFlush, kWindow, kNotify, kClose, kWireup, kGuard, kKeepalive } kind;
   Job* job;
   Endpoint* ep;
-  // kData: bytes; kFlush, kWindow: the put bytes it confirms; kWireup: the
-  // endpoint's id (the record may be gone when it completes: ep is null).
+  // kData: bytes; kFlush, kWindow: the put bytes it confirms; kWireup,
+  // kKeepalive: the endpoint's id (the record may be gone when it
+  // completes: ep is null).
   uint64_t len;
   std::vector<Job*>* batch;  // kFlush: the jobs this flush completes
 };

@@ -78,6 +78,7 @@ bool Engine::step() {
     process_touched();  // flushes that completed at once move their jobs on
   }
   check_stuck();
+  send_keepalives();
   inflight_snapshot_.store(inflight_bytes_);
   return busy;
 }

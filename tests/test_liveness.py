@@ -1,9 +1,10 @@
 """Silent peers: a frozen host closes no socket, yet the link must notice.
 
-Each side pings the other from its service thread every quarter of
-``peer_timeout``; silence for ``peer_timeout`` breaks the link, and a
-``link_clusters`` to a linked but silent peer replaces the link instead of
-answering ``LLM_ALREADY_LINK``.
+Each engine's native progress thread sends every linked peer a keep-alive
+each quarter of ``peer_timeout``; silence for ``peer_timeout`` breaks the
+link, and a ``link_clusters`` to a linked but silent peer replaces the link
+instead of answering ``LLM_ALREADY_LINK``. A peer whose Python threads are
+starved (a serving engine holding the GIL on shared cores) is not silent.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -81,3 +84,49 @@ async def test_relinking_a_silent_peer_is_not_already_linked(transport: str) -> 
         ret, per = await prompt.link_clusters(info, timeout=5000)
         assert ret == S.LLM_SUCCESS, per
         await push_one(prompt)
+
+
+async def test_a_peer_starved_of_the_gil_is_not_declared_dead(transport: str) -> None:
+    """The peer's main thread holds the GIL for 4 peer_timeouts (its event loop
+    and service thread never run): its progress thread still answers, so
+    neither side breaks the link, and a transfer works right after. With the
+    keep-alive in Python (before) the link broke after one peer_timeout."""
+    peer = AsyncPeer("tr", lifetime=120)
+    peer.argv = [
+        sys.executable,
+        str(Path(__file__).parent / "support" / "tr_peer.py"),
+        transport,
+        "--listen",
+        "127.0.0.1:0",
+        "--peer-timeout",
+        str(PEER_TIMEOUT_MS),
+    ]
+    async with peer, kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as prompt:
+        await prompt.init(options(transport, peer_timeout=PEER_TIMEOUT_MS))
+        info = [cluster_info(peer.address, 2)]
+        assert (await prompt.link_clusters(info))[0] == S.LLM_SUCCESS
+        desc = kv.CacheDesc(1, [4, 4096], kv.DataType.DT_UINT8, kv.Placement.HOST)
+        got = await peer.call("alloc", name="dst", tensors=1, bytes=4096, seed=0, blocks=4,
+                              blocks_key=[2, 0])  # fmt: skip
+        assert "cache_id" in got, got
+        await peer.send({"op": "hog", "seconds": 4 * PEER_TIMEOUT_MS / 1000})
+        assert (await peer.read_json(30)).get("hogging")
+        start = time.monotonic()
+        while time.monotonic() - start < 4 * PEER_TIMEOUT_MS / 1000:
+            link = prompt._links.get(2)
+            assert link is not None and not link.broken, (
+                f"link broken {time.monotonic() - start:.2f} s into the starvation"
+            )
+            await asyncio.sleep(0.05)
+        hogged = await peer.read_json(60)
+        assert hogged.get("hogged", 0) >= 4 * PEER_TIMEOUT_MS / 1000 * 0.9, hogged
+        # The peer kept its link to us too, and both still move bytes.
+        await asyncio.sleep(2 * PEER_TIMEOUT_MS / 1000)
+        assert (await peer.call("links"))["links"] == {"1": False}
+        src = prompt.cache_manager.allocate_blocks_cache(desc)
+        try:
+            await prompt.cache_manager.push_blocks(
+                kv.BlocksCacheKey(2, 0), src, [0], [1], tensor_num_per_layer=1, timeout=10
+            )
+        finally:
+            prompt.cache_manager.deallocate_blocks_cache(src)

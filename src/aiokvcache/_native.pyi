@@ -66,6 +66,7 @@ class Engine:
         max_unconfirmed_bytes: int = ...,
         copy_lanes: int = 0,
         progress_spin_us: int = 100,
+        keepalive_ms: int = 0,
     ) -> None: ...
     @property
     def copy_lanes(self) -> int: ...
@@ -119,6 +120,12 @@ class Engine:
     def endpoint_unproven(self, ep_id: int) -> bool:
         """True while a job on it was reported released with UCX requests still
         outstanding (a frozen peer) and its close has not completed."""
+    def silent_s(self, ep_id: int) -> float:
+        """Seconds since the peer of ep_id was last heard (a keep-alive or a
+        notification carrying its key, received by the progress thread); negative
+        for an unknown endpoint or one without notification keys."""
+    def keepalive_now(self, ep_id: int) -> None:
+        """Send a keep-alive now that asks the peer's progress thread to answer."""
     def rkey_release(self, rkey_id: int) -> None: ...
     def submit(
         self, op: int, ep_id: int, segments: Any, payload: bytes = b"", timeout_ms: int = 0

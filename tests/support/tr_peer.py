@@ -39,6 +39,10 @@ Ops (the public API unless marked *internal*):
 * ``block`` (``until``: a path): answers ``{"blocking": true}``, then blocks
   its event loop (``time.sleep``) until the path exists; answers
   ``{"unblocked": true}``.
+* ``hog`` (``seconds``): answers ``{"hogging": true}``, then holds the GIL
+  (a pure Python loop under a switch interval longer than ``seconds``) so
+  that none of its other Python threads (the event loop's, the service's)
+  runs; answers ``{"hogged": seconds it took}``.
 * ``evil`` (``op``, ``meta``: the body to answer that lookup with, or null
   to restore): *internal* — replaces the peer service's ``_serve_lookup``.
 * ``meta`` (``name``): *internal* — the metadata this peer serves for a cache.
@@ -310,6 +314,20 @@ async def main(args: argparse.Namespace) -> None:
             while not os.path.exists(until):  # noqa: ASYNC240 - blocking on purpose
                 time.sleep(0.01)  # noqa: ASYNC251 - the loop is blocked, as in a model step
             return {"unblocked": True}
+        if op == "hog":
+            # Hold the GIL for ``seconds``: a long switch interval and a pure
+            # Python loop, as a serving engine's step starves our threads.
+            seconds = float(req["seconds"])
+            say({"hogging": True})
+            old = sys.getswitchinterval()
+            sys.setswitchinterval(seconds + 30)
+            start = time.monotonic()
+            try:
+                while time.monotonic() - start < seconds:
+                    pass
+            finally:
+                sys.setswitchinterval(old)
+            return {"hogged": time.monotonic() - start}
         if op == "evil":
             svc = rt.service
             real = type(svc)._serve_lookup.__get__(svc)

@@ -600,10 +600,11 @@ class LLMConfig:
 
     @property
     def peer_timeout(self) -> int:
-        """**[ours]** Milliseconds a linked peer's control plane may stay silent
-        before the link is declared broken, ``0`` (never) or ``[100, 2**31-1]``,
-        default 5000. Each side pings the other every quarter of it, so a
-        frozen host or a cut cable is noticed without waiting for TCP. Key
+        """**[ours]** Milliseconds a linked peer may stay silent before the link
+        is declared broken, ``0`` (never) or ``[100, 2**31-1]``, default 5000.
+        Each side's native progress thread sends the other a keep-alive every
+        quarter of it (off the GIL: starved Python threads are not silence), so
+        a frozen host or a cut cable is noticed without waiting for TCP. Key
         ``aiokvcache.peerTimeout``."""
         if self._peer_timeout is None:
             return DEFAULT_PEER_TIMEOUT_MS

@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -320,13 +321,25 @@ class PeerService:
         return link is not None and not link.broken
 
     async def _alive(self, link: Link) -> bool:
-        """One quick ping: does the linked peer still answer?"""
+        """Does the linked peer still answer? A keep-alive that asks for an echo,
+        answered by the peer's progress thread (not its Python threads, which a
+        busy engine on the same cores may starve): alive once it is heard after
+        the question left, within ``min(1 s, peer_timeout)``."""
+        engine = self._state.engine
         timeout = min(1.0, (self._state.options.peer_timeout_ms or 1000) / 1000)
+        start = time.monotonic()
         try:
-            await link.conn.request("ping", {}, timeout=timeout)
-        except LLMException:
+            engine.keepalive_now(link.ep)
+            while (elapsed := time.monotonic() - start) < timeout:
+                silent = engine.silent_s(link.ep)
+                if silent < 0:
+                    return False  # its endpoint is gone
+                if silent < elapsed:
+                    return True
+                await asyncio.sleep(0.005)
+        except native.NativeError:
             return False
-        return True
+        return False
 
     async def _try_link(
         self, cid: int, host: str, port: int, timeout: float
@@ -674,14 +687,21 @@ class PeerService:
         return new != old and new < old
 
     async def _heartbeat(self, link: Link) -> None:
-        """Ping the peer every quarter of peer_timeout; silence breaks the link.
+        """Break the link when its peer has been silent for ``peer_timeout``.
 
         A frozen host or a cut cable closes no socket: without this, only a
         transfer's own deadline would notice, and a re-link would be told
-        ALREADY_LINK. The peer answers from its service thread, so a peer
-        whose event loop is busy still answers.
+        ALREADY_LINK. The keep-alives are native: each engine's progress
+        thread sends every linked peer one each quarter of ``peer_timeout``
+        and notes when the peer's last arrived (``Engine.silent_s``). A peer
+        whose Python threads are starved of the CPU or of the GIL (a serving
+        engine stepping on the same cores) is still heard; one whose process
+        stopped is not. This task only reads the time, and a silence it sees
+        is confirmed after the progress thread has run again (our own process
+        may have been the one starved).
         """
         timeout = self._state.options.peer_timeout_ms / 1000
+        engine = self._state.engine
         while True:
             await asyncio.sleep(timeout / 4)
             with self._state.lock:
@@ -689,19 +709,29 @@ class PeerService:
             if not current or link.conn.closed:
                 return
             try:
-                await link.conn.request("ping", {}, timeout=timeout)
-            except LLMException as exc:
-                if link.conn.closed or link.broken:
-                    return
-                log.warning(
-                    "aiokvcache: cluster %d did not answer for %.1f s: link broken (%s)",
-                    link.cluster_id,
-                    timeout,
-                    exc.message,
-                )
-                self.break_link(link, f"peer silent for {timeout:.1f} s")
-                await link.conn.close(f"peer silent for {timeout:.1f} s")
+                silent = engine.silent_s(link.ep)
+                if silent > timeout:
+                    # Once more, after a keep-alive that asks for an answer:
+                    # what arrived while we were not scheduled counts.
+                    engine.keepalive_now(link.ep)
+                    await asyncio.sleep(min(0.1, timeout / 4))
+                    silent = engine.silent_s(link.ep)
+            except native.NativeError:
+                return  # the engine is closing
+            if silent < 0:
+                return  # the endpoint is gone: the link is being dropped
+            if silent <= timeout:
+                continue
+            with self._state.lock:
+                current = self._state.links.get(link.cluster_id) is link and not link.broken
+            if not current or link.conn.closed:
                 return
+            log.warning(
+                "aiokvcache: cluster %d silent for %.1f s: link broken", link.cluster_id, silent
+            )
+            self.break_link(link, f"peer silent for {timeout:.1f} s")
+            await link.conn.close(f"peer silent for {timeout:.1f} s")
+            return
 
     async def handle_request(
         self, conn: control.ControlConnection, op: str, body: dict[str, Any]
