@@ -10,31 +10,44 @@ every aiokvcache call; results come back as plain sets behind one lock, which
 nothing polled).
 
 Protocol (notifications that move no bytes, :meth:`CacheManager.notify`, and
-tagged pushes; tags are JSON lists starting with ``"aiokv"``):
+tagged pushes; tags are JSON lists starting with ``"aiokv"``). Every message
+is taken as coming from the link aiokvcache attributed it to, never from what
+its payload says; the prefill side's state machines are in :mod:`._handoff`.
 
 *Pull* (D reads P's blocks, vLLM NixlConnector's default flow)::
 
-    D -> P  ["aiokv","claim",rid]       may I read request rid's blocks?
-    P -> D  ["aiokv","grant",rid]       yes; they are held for timeout + grace more
-         or ["aiokv","expired",rid]     no: their lease ran out, they may be reused
-    D       pull_blocks(...)            quiescent when it returns or raises
-    D -> P  ["aiokv","done",rid]        P may free them now
+    D -> P  ["aiokv","claim",rid,nonce,key,ttl,first,last,digest]
+            may claim ``nonce`` read blocks [first, last) of rid's list (whose
+            hash is digest) until ttl seconds from now? ``key``: the grant key
+            P put in the request's params
+    P -> D  ["aiokv","grant",rid,nonce]         yes: held until done or ttl
+         or ["aiokv","refused",rid,nonce,why]   no (lease expired, wrong key...)
+    D       pull_blocks(...)                     quiescent when it returns or raises
+    D -> P  ["aiokv","done",rid,nonce]           this claim ended: P frees at zero
+    D -> P  ["aiokv","free",rid,key]             D will not read (prefix hit, abort)
 
-  D never reads without a grant, and a grant outlasts D's own deadline, so a
-  lease that expires on P can never free blocks that D is still reading.
+  P grants only requests its engine handed over (a claim that comes first
+  waits for the hand-over, bounded), only with the request's key, only for
+  its blocks, and holds them for every granted claim until that claim's
+  ``done`` or D's own deadline: a lease that expires on P never frees blocks
+  D may still read.
 
 *Push* (P writes D's blocks as each layer is computed)::
 
     D -> P  ["aiokv","reg",xid,part,parts,runs]   D's block ids for transfer xid
     P       push_blocks(..., tag=["aiokv","kv",xid]) per layer, as layers are saved
-    P -> D  ["aiokv","pushed",xid]      every push of xid landed
+    P -> D  ["aiokv","pushed",xid]      every layer of xid landed
          or ["aiokv","pushfail",xid,why]
     D -> P  ["aiokv","cancel",xid]      D gave up (P stops and goes quiescent)
 
-  P bounds its pushes by ``timeout`` from the registration; D waits
-  ``timeout + grace``, so by the time D gives its blocks back to the engine
-  P's pushes have ended (aiokvcache's quiescence rule), except for a P that
-  is frozen and resumes later, bounded as the library bounds late writes.
+  A transfer is bound to the link its first registration part came on:
+  parts and cancels from any other link are dropped. P reports ``pushed``
+  only once every layer's last push completed; a failed layer ends the
+  transfer at once. P bounds its pushes by ``timeout`` from the
+  registration; D waits ``timeout + grace``, so by the time D gives its
+  blocks back to the engine P's pushes have ended (aiokvcache's quiescence
+  rule), except for a P that is frozen and resumes later, bounded as the
+  library bounds late writes.
 """
 
 from __future__ import annotations
@@ -47,9 +60,10 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,11 +74,13 @@ from .. import (
     LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
+    LLMException,
     LLMRole,
     LLMStatusCode,
     Placement,
 )
 from ..cache_manager import CacheManager
+from ._handoff import Answer, ProtocolError, PullHolds, Registration, blocks_digest
 
 __all__ = ["KVLayout", "Peer", "TransferAgent", "TransferResults", "block_runs", "cluster_id_for"]
 
@@ -74,8 +90,11 @@ log = logging.getLogger("aiokvcache.vllm")
 GRACE_S = 5.0
 #: Block-id runs per registration notification (keeps each tag under 4 KiB).
 RUNS_PER_PART = 200
-#: Released request ids remembered, so that a late claim for one is refused.
-MAX_RELEASED = 65536
+#: Transfers a peer may start on this side before its engine knows them
+#: (push registrations; pull claims wait in :class:`PullHolds`, bounded alike).
+MAX_UNKNOWN = 4096
+#: Load failures by reason (the keys of :meth:`TransferAgent.take_metrics`).
+FAILURE_REASONS = ("timeout", "refused", "link", "prefill", "layout", "aborted", "other")
 
 
 def cluster_id_for(engine_id: str, rank: int) -> int:
@@ -111,13 +130,6 @@ def block_runs(ids: Sequence[int]) -> list[list[int]]:
         else:
             runs.append([int(b), 1])
     return runs
-
-
-def _unruns(runs: Iterable[Sequence[int]]) -> list[int]:
-    out: list[int] = []
-    for start, count in runs:
-        out.extend(range(int(start), int(start) + int(count)))
-    return out
 
 
 def _tag(*parts: Any) -> str:
@@ -181,16 +193,9 @@ class TransferResults:
 
 
 class _TransferFailed(Exception):
-    pass
-
-
-@dataclass
-class _Hold:
-    """P, pull mode: a finished request's blocks, held for D to read."""
-
-    deadline: float
-    known: bool = False  # the engine's scheduler handed it over (hold())
-    done: bool = False  # D finished reading
+    def __init__(self, message: str, reason: str = "other") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -204,14 +209,27 @@ class _PushState:
     step_end: int = 0  # token end of the step being computed
     final_end: int | None = None  # prompt length, once its last chunk is scheduled
     saved: dict[int, int] = field(default_factory=dict)  # layer -> tokens saved
-    pushed: dict[int, int] = field(default_factory=dict)  # layer -> tokens pushed
+    pushed: dict[int, int] = field(default_factory=dict)  # layer -> tokens whose push started
+    landed: dict[int, int] = field(default_factory=dict)  # layer -> tokens whose push completed
     tails: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    registration: Registration | None = None
     reg_cluster: int | None = None
     reg_ids: list[int] | None = None
-    reg_parts: dict[int, list[list[int]]] = field(default_factory=dict)
     deadline: float | None = None
     ended: bool = False  # pushed or failed: nothing more will be written
     released: bool = False  # the engine is done with the request (may report it)
+    remote: bool = False  # created by a peer's registration, not by the engine
+
+
+@dataclass
+class _Metrics:
+    """What :meth:`TransferAgent.take_metrics` hands out (since its last call)."""
+
+    seconds: list[float] = field(default_factory=list)  # one entry per load
+    bytes: list[int] = field(default_factory=list)
+    descriptors: list[int] = field(default_factory=list)
+    failures: collections.Counter[str] = field(default_factory=collections.Counter)
+    leases_expired: int = 0
 
 
 class TransferAgent:
@@ -255,10 +273,14 @@ class TransferAgent:
         #: D, with ``record_digests``: request id -> :meth:`block_digest` of what it loaded.
         self.digests: dict[str, str] | None = {} if record_digests else None
         self._results = TransferResults()
-        self._holds: dict[str, _Hold] = {}
-        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._metrics = _Metrics()
+        # P, pull: the loop thread's alone (hold() posts to it).
+        self._holds = PullHolds(claim_wait=max(self.grace, 1.0), max_waiting=MAX_UNKNOWN)
+        self._hold_timer: asyncio.TimerHandle | None = None
         self._pushes: dict[str, _PushState] = {}
-        self._waits: dict[tuple[str, str], asyncio.Future[Any]] = {}  # (kind, id) -> future
+        self._waits: dict[tuple[str, str], tuple[int, asyncio.Future[Any]]] = {}
+        self._recvs: dict[str, asyncio.Task[None]] = {}  # D: request id -> its load
+        self._aborted: set[str] = set()  # D: loads cancelled because the engine aborted them
         self._links: dict[int, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         #: Counters: what this side loaded, sent and refused.
@@ -269,11 +291,13 @@ class TransferAgent:
                 "layers_received",
                 "blocks_loaded",
                 "load_failures",
+                "loads_aborted",
                 "pushes_sent",
                 "push_failures",
                 "grants",
                 "refusals",
                 "leases_expired",
+                "dropped_messages",
             ),
             0,
         )
@@ -350,6 +374,8 @@ class TransferAgent:
         return addr
 
     async def _shutdown(self) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -379,64 +405,96 @@ class TransferAgent:
     # ------------------------------------------------------------ results
 
     def take_results(self) -> TransferResults:
-        """What ended since the last call (P: lease expiries reaped here too)."""
-        now = time.monotonic()
+        """What ended since the last call."""
         with self._lock:
-            for rid, h in list(self._holds.items()):
-                if h.known and (h.done or h.deadline <= now):
-                    if not h.done:
-                        self.stats["leases_expired"] += 1
-                        log.warning("aiokvcache: request %s: lease expired, blocks released", rid)
-                    self._release(rid)
-                elif not h.known and h.deadline <= now:
-                    del self._holds[rid]  # a claim whose hold never came
             out, self._results = self._results, TransferResults()
         return out
 
-    def _release(self, rid: str) -> None:
-        """Report ``rid`` sent (lock held)."""
-        self._holds.pop(rid, None)
-        self._results.finished_sending.add(rid)
-        self._released[rid] = None
-        while len(self._released) > MAX_RELEASED:
-            self._released.popitem(last=False)
+    def take_metrics(self) -> dict[str, Any]:
+        """What happened since the last call. D: one entry per successful load
+        in ``seconds`` (hand-over to last byte), ``bytes`` and ``descriptors``
+        (block runs times tensors), and ``failures`` by reason
+        (:data:`FAILURE_REASONS`); P: ``leases_expired`` (held blocks nobody
+        read in time)."""
+        with self._lock:
+            m, self._metrics = self._metrics, _Metrics()
+        return {
+            "seconds": m.seconds,
+            "bytes": m.bytes,
+            "descriptors": m.descriptors,
+            "failures": dict(m.failures),
+            "leases_expired": m.leases_expired,
+        }
+
+    def _report_sent(self, rid: str) -> None:
+        with self._lock:
+            self._results.finished_sending.add(rid)
 
     # ------------------------------------------------------------ P, pull
 
-    def hold(self, req_id: str, lease: float) -> None:
-        """P: ``req_id`` finished; its blocks stay put until D read them or ``lease`` s pass."""
-        deadline = time.monotonic() + lease
-        log.debug("hold %s for %.1f s", req_id, lease)
-        with self._lock:
-            h = self._holds.get(req_id)
-            if h is None:
-                self._holds[req_id] = _Hold(deadline, known=True)
-            else:  # D claimed (or even finished) before the engine told us
-                h.known = True
-                h.deadline = max(h.deadline, deadline)
+    def hold(self, req_id: str, lease: float, blocks: Sequence[int] = (), key: str = "") -> None:
+        """P: ``req_id`` finished; its ``blocks`` stay put until every reader
+        granted with ``key`` is done, or ``lease`` s pass with none."""
+        self._post(self._hold, req_id, float(lease), [int(b) for b in blocks], str(key))
 
-    def _on_claim(self, src: int, rid: str) -> None:
-        now = time.monotonic()
-        log.debug("claim %s from cluster %d", rid, src)
-        with self._lock:
-            if rid in self._released:
-                granted = False
+    def _hold(self, rid: str, lease: float, blocks: list[int], key: str) -> None:
+        log.debug("hold %s (%d blocks) for %.1f s", rid, len(blocks), lease)
+        now = asyncio.get_running_loop().time()
+        self._answer_claims(self._holds.hold(rid, blocks, key, lease, now))
+        self._tick_holds()
+
+    def _on_claim(self, src: int, args: list[Any]) -> None:
+        rid, nonce, key = str(args[0]), str(args[1]), str(args[2])
+        ttl, first, last, digest = float(args[3]), args[4], args[5], str(args[6])
+        log.debug("claim %s/%s from cluster %d", rid, nonce, src)
+        now = asyncio.get_running_loop().time()
+        answer = self._holds.claim(src, rid, nonce, key, ttl, first, last, digest, now)
+        if answer is not None:
+            self._answer_claims([answer])
+        self._tick_holds()
+
+    def _answer_claims(self, answers: list[Answer]) -> None:
+        for a in answers:
+            if a.kind == "grant":
+                self.stats["grants"] += 1
+                self._spawn(self._send(a.to, _tag("grant", a.rid, a.nonce)))
             else:
-                h = self._holds.get(rid)
-                if h is None:
-                    # The engine has not told this worker yet: the blocks are
-                    # held by its scheduler until we report them, so grant.
-                    h = self._holds[rid] = _Hold(now)
-                h.deadline = max(h.deadline, now + self.timeout + self.grace)
-                granted = True
-        self.stats["grants" if granted else "refusals"] += 1
-        self._spawn(self._send(src, _tag("grant" if granted else "expired", rid)))
+                self.stats["refusals"] += 1
+                log.info("aiokvcache: claim of %s by cluster %d refused: %s", a.rid, a.to, a.why)
+                self._spawn(self._send(a.to, _tag("refused", a.rid, a.nonce, a.why[:256])))
 
-    def _on_done(self, rid: str) -> None:
-        with self._lock:
-            h = self._holds.get(rid)
-            if h is not None:
-                h.done = True
+    def _on_done(self, src: int, rid: str, nonce: str) -> None:
+        if self._holds.done(src, rid, nonce):
+            self._report_sent(rid)
+        self._tick_holds()
+
+    def _on_free(self, src: int, rid: str, key: str) -> None:
+        if self._holds.free(src, rid, key):
+            log.debug("free %s by cluster %d", rid, src)
+            self._report_sent(rid)
+        self._tick_holds()
+
+    def _tick_holds(self) -> None:
+        """Release what ran out, refuse claims that waited too long, and
+        schedule the next look."""
+        loop = asyncio.get_running_loop()
+        before = self._holds.expired
+        released, refusals = self._holds.tick(loop.time())
+        expired = self._holds.expired - before
+        if expired:
+            self.stats["leases_expired"] += expired
+            with self._lock:
+                self._metrics.leases_expired += expired
+            log.warning("aiokvcache: %d lease(s) expired unread, blocks released", expired)
+        for rid in released:
+            self._report_sent(rid)
+        self._answer_claims(refusals)
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        when = self._holds.next_deadline()
+        if when is not None:
+            self._hold_timer = loop.call_at(when + 0.001, self._tick_holds)
 
     # ------------------------------------------------------------ P, push
 
@@ -464,18 +522,23 @@ class TransferAgent:
         did: stop pushing)."""
         self._post(self._push_release, xid, req_id, aborted)
 
-    def _push_state(self, xid: str) -> _PushState:
+    def _push_state(self, xid: str, remote: bool) -> _PushState | None:
         st = self._pushes.get(xid)
         if st is None:
-            st = self._pushes[xid] = _PushState(xid)
-            # Unregistered transfers are dropped after a while (D died first).
+            if remote and sum(1 for s in self._pushes.values() if s.remote) >= MAX_UNKNOWN:
+                return None  # a peer registering for transfers nobody computes
+            st = self._pushes[xid] = _PushState(xid, remote=remote)
+            # Unregistered or unstepped transfers are dropped after a while.
             self._spawn(self._reap_push(xid))
+        elif not remote:
+            st.remote = False
         return st
 
     def _push_step(
         self, xid: str, req_id: str, blocks: list[int], bs: int, end: int, final: bool
     ) -> None:
-        st = self._push_state(xid)
+        st = self._push_state(xid, remote=False)
+        assert st is not None
         st.req_id, st.blocks, st.block_size, st.step_end = req_id, blocks, bs, end
         if final:
             st.final_end = end
@@ -494,24 +557,45 @@ class TransferAgent:
         if st is None:
             # Never stepped here (finished before it was scheduled): nothing
             # was pushed, so its blocks go back at once.
-            with self._lock:
-                self._release(req_id)
+            self._report_sent(req_id)
             return
+        st.req_id = req_id  # a registration may have made st before any step
         st.released = True
-        if aborted and not st.ended:
-            self._spawn(self._fail_push(st, "the prefill request was aborted"))
+        st.remote = False
+        if not st.ended and (aborted or st.final_end is None):
+            # Aborted, or finished before its last chunk was stepped here:
+            # nothing more will be computed.
+            self._end_push(st, "the prefill request ended before its prefill did")
         self._maybe_report(st)
 
-    def _on_register(self, src: int, xid: str, part: int, parts: int, runs: list[Any]) -> None:
-        st = self._push_state(xid)
-        if st.ended or st.reg_ids is not None:
+    def _on_register(self, src: int, args: list[Any]) -> None:
+        xid = str(args[0])
+        st = self._push_state(xid, remote=True)
+        if st is None or st.ended or st.reg_ids is not None:
             return
-        st.reg_parts[part] = runs
-        if len(st.reg_parts) < parts:
+        if st.registration is None:
+            st.registration = Registration(self.layout.num_blocks, RUNS_PER_PART)
+        try:
+            ids = st.registration.add(src, args[1], args[2], args[3])
+        except ProtocolError as exc:
+            if st.registration.src in (None, src):
+                # The registrant's own message does not hold: end the transfer.
+                st.reg_cluster = src
+                self._end_push(st, f"bad registration: {exc}")
+            else:
+                self.stats["dropped_messages"] += 1
+                log.warning("aiokvcache: push %s: %s", xid, exc)
+            return
+        if ids is None:
             return
         st.reg_cluster = src
-        st.reg_ids = _unruns(r for i in range(parts) for r in st.reg_parts[i])
-        st.reg_parts.clear()
+        if not ids:
+            # D needs none of it (a local prefix hit, or it was aborted).
+            log.debug("push %s: the decode side takes nothing", xid)
+            st.ended = True
+            self._maybe_report(st)
+            return
+        st.reg_ids = ids
         st.deadline = time.monotonic() + self.timeout
         self._spawn(self._push_deadline(st))
         for layer in sorted(st.saved):
@@ -526,10 +610,16 @@ class TransferAgent:
         bs = st.block_size
         i0, i1 = a // bs, -(-b // bs)
         prev = st.tails.get(layer)
-        st.tails[layer] = self._spawn(self._push_range(st, layer, i0, i1, prev))
+        st.tails[layer] = self._spawn(self._push_range(st, layer, i0, i1, b, prev))
 
     async def _push_range(
-        self, st: _PushState, layer: int, i0: int, i1: int, prev: asyncio.Task[None] | None
+        self,
+        st: _PushState,
+        layer: int,
+        i0: int,
+        i1: int,
+        end: int,
+        prev: asyncio.Task[None] | None,
     ) -> None:
         if prev is not None:
             # One layer's pushes in order: a re-pushed partial block must
@@ -559,19 +649,17 @@ class TransferAgent:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if not st.ended:
-                self._spawn(self._fail_push(st, f"layer {layer}: {exc}"))
+            self._end_push(st, f"layer {layer}: {exc}")
             return
+        st.landed[layer] = max(st.landed.get(layer, 0), end)
         self._check_pushed(st)
 
     def _check_pushed(self, st: _PushState) -> None:
+        """Report ``pushed`` once every layer's pushes up to the prompt's end
+        completed (not merely started)."""
         if st.ended or st.final_end is None or st.reg_ids is None:
             return
-        layers = self.layout.num_layers
-        if any(st.pushed.get(layer, 0) < st.final_end for layer in range(layers)):
-            return
-        me = asyncio.current_task()
-        if any(not t.done() and t is not me for t in st.tails.values()):
+        if any(st.landed.get(layer, 0) < st.final_end for layer in range(self.layout.num_layers)):
             return
         st.ended = True
         assert st.reg_cluster is not None
@@ -579,48 +667,72 @@ class TransferAgent:
         self._spawn(self._send(st.reg_cluster, _tag("pushed", st.xid)))
         self._maybe_report(st)
 
-    async def _fail_push(self, st: _PushState, why: str) -> None:
-        """End ``st``: cancel its pushes, wait until they are quiescent, tell D."""
+    def _end_push(self, st: _PushState, why: str) -> None:
+        """End ``st`` now (nothing reports it pushed after this), then cancel
+        its pushes, wait until they are quiescent and tell D."""
         if st.ended:
             return
         st.ended = True
         self.stats["push_failures"] += 1
         log.warning("aiokvcache: push %s failed: %s", st.xid, why)
-        tails = [t for t in st.tails.values() if not t.done()]
+        self._spawn(self._quiesce_push(st, why))
+
+    async def _quiesce_push(self, st: _PushState, why: str) -> None:
+        me = asyncio.current_task()
+        tails = [t for t in st.tails.values() if not t.done() and t is not me]
         for t in tails:
             t.cancel()
         await asyncio.gather(*tails, return_exceptions=True)
+        st.tails.clear()
         if st.reg_cluster is not None:
             await self._send(st.reg_cluster, _tag("pushfail", st.xid, why[:512]))
         self._maybe_report(st)
 
     def _maybe_report(self, st: _PushState) -> None:
-        if st.ended and st.released and st.req_id is not None:
-            with self._lock:
-                self._release(st.req_id)
-            self._pushes.pop(st.xid, None)
+        if not (st.ended and st.released and st.req_id is not None):
+            return
+        if any(not t.done() and t is not asyncio.current_task() for t in st.tails.values()):
+            return  # reported by _quiesce_push, once its pushes are quiescent
+        self._report_sent(st.req_id)
+        self._pushes.pop(st.xid, None)
 
     async def _push_deadline(self, st: _PushState) -> None:
         assert st.deadline is not None
         await asyncio.sleep(max(0.0, st.deadline - time.monotonic()))
         if not st.ended:
-            await self._fail_push(st, f"not pushed within {self.timeout} s")
+            self._end_push(st, f"not pushed within {self.timeout} s")
 
     async def _reap_push(self, xid: str) -> None:
-        """A transfer nobody registered for ends after timeout + grace."""
+        """A transfer nobody registered for, or that the engine never
+        stepped here, ends after timeout + grace."""
         await asyncio.sleep(self.timeout + self.grace)
         st = self._pushes.get(xid)
-        if st is not None and st.reg_ids is None and not st.ended:
+        if st is None:
+            return
+        if st.req_id is None:
+            # Only a peer's registration made it: nothing was computed.
+            if not st.ended:
+                self._end_push(st, "the prefill instance never computed it")
+            self._pushes.pop(xid, None)
+        elif not st.ended and st.reg_ids is None:
             st.ended = True
             log.warning("aiokvcache: push %s: no decode instance registered for it", xid)
             self._maybe_report(st)
-            if st.req_id is None:
-                self._pushes.pop(xid, None)
 
-    def _on_cancel(self, xid: str) -> None:
+    def _on_cancel(self, src: int, xid: str) -> None:
         st = self._pushes.get(xid)
-        if st is not None and not st.ended:
-            self._spawn(self._fail_push(st, "the decode side cancelled it"))
+        if st is None or st.ended:
+            return
+        bound = (
+            st.reg_cluster
+            if st.reg_cluster is not None
+            else (st.registration.src if st.registration is not None else None)
+        )
+        if bound != src:
+            self.stats["dropped_messages"] += 1
+            log.warning("aiokvcache: cluster %d cancelled push %s it did not register", src, xid)
+            return
+        self._end_push(st, "the decode side cancelled it")
 
     # ------------------------------------------------------------ D
 
@@ -632,14 +744,21 @@ class TransferAgent:
         remote_ids: Sequence[int],
         local_ids: Sequence[int],
         digest: str | None = None,
+        *,
+        key: str = "",
+        first: int = 0,
     ) -> None:
-        """D: read ``remote_ids`` of ``peer`` into ``local_ids``; ``req_id`` is then
+        """D: read blocks ``remote_ids[first:first + len(local_ids)]`` of ``peer``'s
+        request ``remote_req_id`` (``remote_ids``: all its block ids, ``key``: its
+        grant key, from its params) into ``local_ids``; ``req_id`` is then
         reported received, or failed (with ``local_ids`` as invalid blocks)."""
         self._post(
             self._start_recv,
             req_id,
             local_ids,
-            self._pull(peer, remote_req_id, list(remote_ids), list(local_ids), digest),
+            self._pull(
+                peer, remote_req_id, list(remote_ids), int(first), list(local_ids), digest, key
+            ),
         )
 
     def expect_push(self, req_id: str, peer: Peer, xid: str, local_ids: Sequence[int]) -> None:
@@ -648,10 +767,68 @@ class TransferAgent:
             self._start_recv, req_id, local_ids, self._expect_push(peer, xid, list(local_ids))
         )
 
+    def cancel_recv(self, req_id: str) -> None:
+        """D: the engine aborted ``req_id``: stop its load; it is reported
+        received (its blocks may go back) once the load is quiescent."""
+        self._post(self._cancel_recv, req_id)
+
+    def free_remote(self, peer: Peer, remote_req_id: str, key: str) -> None:
+        """D: this side will not read ``peer``'s request (a local prefix hit,
+        an abort before the load began): let it free its blocks now."""
+        self._post(lambda: self._spawn(self._free_remote(peer, remote_req_id, key)))
+
+    def drop_push(self, peer: Peer, xid: str) -> None:
+        """D: this side will not take transfer ``xid``'s pushes (a local prefix
+        hit, an abort before the load began): ``peer`` stops and frees."""
+        self._post(lambda: self._spawn(self._drop_push(peer, xid)))
+
+    async def _free_remote(self, peer: Peer, rid: str, key: str) -> None:
+        if await self._try_link(peer):
+            await self._send(peer.cluster_id, _tag("free", rid, key))
+
+    async def _drop_push(self, peer: Peer, xid: str) -> None:
+        # An empty registration: nothing to push; P ends the transfer.
+        if await self._try_link(peer):
+            await self._send(peer.cluster_id, _tag("reg", xid, 0, 1, []))
+
+    async def _try_link(self, peer: Peer) -> bool:
+        try:
+            await self._link(peer)
+        except Exception as exc:
+            log.info("aiokvcache: cannot reach cluster %d: %s", peer.cluster_id, exc)
+            return False
+        return True
+
+    def _cancel_recv(self, req_id: str) -> None:
+        task = self._recvs.get(req_id)
+        if task is not None and not task.done():
+            self._aborted.add(req_id)
+            task.cancel()
+
     def _start_recv(
         self, req_id: str, local_ids: Sequence[int], coro: Coroutine[Any, Any, None]
     ) -> None:
-        self._spawn(self._recv(req_id, list(local_ids), coro))
+        ids = list(local_ids)
+        task = self._spawn(self._recv(req_id, ids, coro))
+        self._recvs[req_id] = task
+        task.add_done_callback(lambda t: self._recv_done(t, req_id, ids, coro))
+
+    def _recv_done(
+        self,
+        task: asyncio.Task[None],
+        req_id: str,
+        local_ids: list[int],
+        coro: Coroutine[Any, Any, None],
+    ) -> None:
+        if self._recvs.get(req_id) is task:
+            del self._recvs[req_id]
+        coro.close()  # one cancelled before it ever ran was never awaited
+        if task.cancelled() and req_id in self._aborted:
+            # The engine aborted it; the load is quiescent (a cancelled
+            # aiokvcache call returns only then): its blocks may go back.
+            self._aborted.discard(req_id)
+            self.stats["loads_aborted"] += 1
+            self._fail_load(req_id, local_ids, "aborted", "the engine aborted the request")
 
     async def _recv(
         self, req_id: str, local_ids: list[int], coro: Coroutine[Any, Any, None]
@@ -659,65 +836,94 @@ class TransferAgent:
         t0 = time.perf_counter()
         try:
             await coro
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("aiokvcache: request %s: KV load failed: %s", req_id, exc)
-            self.stats["load_failures"] += 1
-            with self._lock:
-                self._results.failed_recving.add(req_id)
-                self._results.finished_recving.add(req_id)
-                self._results.invalid_block_ids.update(local_ids)
+        except _TransferFailed as exc:
+            self._fail_load(req_id, local_ids, exc.reason, str(exc))
             return
+        except Exception as exc:
+            self._fail_load(req_id, local_ids, "other", str(exc))
+            return
+        took = time.perf_counter() - t0
         self.stats["blocks_loaded"] += len(local_ids)
-        self.load_seconds.append(time.perf_counter() - t0)
+        self.load_seconds.append(took)
         if self.digests is not None:
             self.digests[req_id] = self.block_digest(local_ids)
+        lay = self.layout
         with self._lock:
+            self._results.finished_recving.add(req_id)
+            m = self._metrics
+            tensors = lay.num_layers * lay.tensors_per_layer
+            m.seconds.append(took)
+            m.bytes.append(len(local_ids) * lay.block_bytes * tensors)
+            m.descriptors.append(len(block_runs(local_ids)) * tensors)
+
+    def _fail_load(self, req_id: str, local_ids: list[int], reason: str, why: str) -> None:
+        if reason != "aborted":
+            log.warning("aiokvcache: request %s: KV load failed: %s", req_id, why)
+            self.stats["load_failures"] += 1
+        with self._lock:
+            self._metrics.failures[reason] += 1
+            if reason != "aborted":
+                self._results.failed_recving.add(req_id)
+                self._results.invalid_block_ids.update(local_ids)
             self._results.finished_recving.add(req_id)
 
     async def _pull(
-        self, peer: Peer, rid: str, remote_ids: list[int], local_ids: list[int], digest: str | None
+        self,
+        peer: Peer,
+        rid: str,
+        remote_all: list[int],
+        first: int,
+        local_ids: list[int],
+        digest: str | None,
+        key: str,
     ) -> None:
         if digest is not None and digest != self.layout.digest():
-            raise _TransferFailed("the prefill instance's KV layout differs from ours")
-        if len(remote_ids) != len(local_ids):
+            raise _TransferFailed("the prefill instance's KV layout differs from ours", "layout")
+        last = first + len(local_ids)
+        if not local_ids or not 0 <= first < last <= len(remote_all):
             raise _TransferFailed(
-                f"{len(remote_ids)} remote blocks for {len(local_ids)} local ones"
+                f"blocks [{first}, {last}) of a request of {len(remote_all)} remote blocks",
+                "layout",
             )
         assert self._cm is not None
         start = time.monotonic()
-        granted = False
+        nonce = secrets.token_hex(8)
+        claimed = False
         log.debug("pull %s from cluster %d: start", rid, peer.cluster_id)
         try:
             await self._link(peer)
-            log.debug("pull %s: linked after %.3f s", rid, time.monotonic() - start)
-            fut = self._expect(("grant", rid))
-            await self._send(peer.cluster_id, _tag("claim", rid), must=True)
-            answer = await asyncio.wait_for(fut, self.timeout)
+            fut = self._expect(("grant", nonce), peer.cluster_id)
+            ttl = self.timeout - (time.monotonic() - start)
+            if ttl <= 0:
+                raise TimeoutError
+            claim = _tag("claim", rid, nonce, key, ttl, first, last, blocks_digest(remote_all))
+            claimed = True
+            await self._send(peer.cluster_id, claim, must=True)
+            answer = await asyncio.wait_for(fut, max(0.001, ttl))
             log.debug("pull %s: %s after %.3f s", rid, answer, time.monotonic() - start)
             if answer != "grant":
-                raise _TransferFailed("the prefill instance's lease on its blocks expired")
-            granted = True
-            if local_ids:
-                await self._cm.pull_blocks(
-                    BlocksCacheKey(peer.cluster_id),
-                    self._cache,
-                    remote_ids,
-                    local_ids,
-                    tensor_num_per_layer=self.layout.tensors_per_layer,
-                    timeout=max(0.001, self.timeout - (time.monotonic() - start)),
-                )
+                raise _TransferFailed(f"the prefill instance refused: {answer}", "refused")
+            await self._cm.pull_blocks(
+                BlocksCacheKey(peer.cluster_id),
+                self._cache,
+                remote_all[first:last],
+                local_ids,
+                tensor_num_per_layer=self.layout.tensors_per_layer,
+                timeout=max(0.001, self.timeout - (time.monotonic() - start)),
+            )
             self.stats["pulls"] += 1
         except TimeoutError:
-            raise _TransferFailed(f"not loaded within {self.timeout} s") from None
+            raise _TransferFailed(f"not loaded within {self.timeout} s", "timeout") from None
+        except LLMException as exc:
+            raise _TransferFailed(str(exc), "link") from exc
         finally:
-            self._waits.pop(("grant", rid), None)
-            if granted:  # the pull is quiescent by now: P may free them
-                await self._send(peer.cluster_id, _tag("done", rid))
+            self._waits.pop(("grant", nonce), None)
+            if claimed:  # quiescent by now: P may free them (at its last claim's done)
+                self._spawn(self._send(peer.cluster_id, _tag("done", rid, nonce)))
 
     async def _expect_push(self, peer: Peer, xid: str, local_ids: list[int]) -> None:
-        fut = self._expect(("pushed", xid))
+        fut = self._expect(("pushed", xid), peer.cluster_id)
+        registered = finished = False
         try:
             await self._link(peer)
             runs = block_runs(local_ids)
@@ -725,26 +931,38 @@ class TransferAgent:
                 []
             ]
             for i, part in enumerate(parts):
+                registered = True
                 await self._send(peer.cluster_id, _tag("reg", xid, i, len(parts), part), must=True)
             try:
                 answer = await asyncio.wait_for(fut, self.timeout + self.grace)
             except TimeoutError:
-                await self._send(peer.cluster_id, _tag("cancel", xid))
-                raise _TransferFailed(f"not pushed within {self.timeout} s") from None
+                raise _TransferFailed(f"not pushed within {self.timeout} s", "timeout") from None
+            finished = True
             if answer != "pushed":
-                raise _TransferFailed(f"the prefill instance failed: {answer}")
+                raise _TransferFailed(f"the prefill instance failed: {answer}", "prefill")
             self.stats["pushes_received"] += 1
         finally:
             self._waits.pop(("pushed", xid), None)
+            if registered and not finished:
+                # Timed out or aborted: P stops (it is bound by its own
+                # deadline all the same).
+                self._spawn(self._send(peer.cluster_id, _tag("cancel", xid)))
 
-    def _expect(self, key: tuple[str, str]) -> asyncio.Future[Any]:
+    def _expect(self, key: tuple[str, str], src: int) -> asyncio.Future[Any]:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waits[key] = fut
+        self._waits[key] = (src, fut)
         return fut
 
-    def _answer(self, key: tuple[str, str], value: Any) -> None:
-        fut = self._waits.get(key)
-        if fut is not None and not fut.done():
+    def _answer(self, src: int, key: tuple[str, str], value: Any) -> None:
+        entry = self._waits.get(key)
+        if entry is None:
+            return
+        want, fut = entry
+        if src != want:
+            self.stats["dropped_messages"] += 1
+            log.warning("aiokvcache: cluster %d answered for cluster %d: dropped", src, want)
+            return
+        if not fut.done():
             fut.set_result(value)
 
     async def _link(self, peer: Peer) -> None:
@@ -760,7 +978,7 @@ class TransferAgent:
         info.append_remote_ip_info(peer.host, int(peer.port))
         _, (st,) = await self._dd.link_clusters([info], timeout=int(self._link_timeout * 1000))
         if st not in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK):
-            raise _TransferFailed(f"cannot link to {peer.host}:{peer.port}: {st.name}")
+            raise _TransferFailed(f"cannot link to {peer.host}:{peer.port}: {st.name}", "link")
 
     async def _send(self, cluster_id: int, tag: str, must: bool = False) -> None:
         assert self._cm is not None
@@ -769,7 +987,7 @@ class TransferAgent:
         except Exception as exc:
             if must:
                 self._relink(cluster_id)
-                raise _TransferFailed(f"cannot reach the peer: {exc}") from exc
+                raise _TransferFailed(f"cannot reach the peer: {exc}", "link") from exc
             log.info("aiokvcache: notification to cluster %d lost: %s", cluster_id, exc)
 
     def _relink(self, cluster_id: int) -> None:
@@ -791,27 +1009,35 @@ class TransferAgent:
                 continue
             try:
                 msg = json.loads(tag)
-                self._dispatch(note.src_cluster_id, msg[1], msg[2:])
-            except Exception:
-                log.warning("aiokvcache: dropped a malformed connector message %.100r", tag)
+                self._dispatch(note.src_cluster_id, str(msg[1]), list(msg[2:]))
+            except Exception as exc:
+                self.stats["dropped_messages"] += 1
+                log.warning("aiokvcache: dropped a connector message %.100r: %s", tag, exc)
 
     def _dispatch(self, src: int, kind: str, args: list[Any]) -> None:
         if kind == "kv":
             self.stats["layers_received"] += 1
         elif kind == "claim":
-            self._on_claim(src, str(args[0]))
+            self._on_claim(src, args)
         elif kind == "done":
-            self._on_done(str(args[0]))
-        elif kind in ("grant", "expired"):
-            self._answer(("grant", str(args[0])), kind)
+            self._on_done(src, str(args[0]), str(args[1]))
+        elif kind == "free":
+            self._on_free(src, str(args[0]), str(args[1]))
+        elif kind == "grant":
+            self._answer(src, ("grant", str(args[1])), "grant")
+        elif kind == "refused":
+            self._answer(src, ("grant", str(args[1])), str(args[2]) if len(args) > 2 else "refused")
         elif kind == "reg":
-            self._on_register(src, str(args[0]), int(args[1]), int(args[2]), list(args[3]))
+            self._on_register(src, args)
         elif kind == "pushed":
-            self._answer(("pushed", str(args[0])), "pushed")
+            self._answer(src, ("pushed", str(args[0])), "pushed")
         elif kind == "pushfail":
-            self._answer(("pushed", str(args[0])), str(args[1]) if len(args) > 1 else "failed")
+            why = str(args[1]) if len(args) > 1 else "failed"
+            self._answer(src, ("pushed", str(args[0])), why)
         elif kind == "cancel":
-            self._on_cancel(str(args[0]))
+            self._on_cancel(src, str(args[0]))
+        else:
+            raise ProtocolError(f"unknown message {kind!r}")
 
     # ------------------------------------------------------------ stats
 
@@ -826,6 +1052,4 @@ class TransferAgent:
 
     def pending(self) -> int:
         """Transfers this side still drives (P pushes, D waits) or holds."""
-        with self._lock:
-            holds = len(self._holds)
-        return holds + len(self._pushes) + len(self._waits)
+        return len(self._holds) + len(self._pushes) + len(self._waits)

@@ -15,8 +15,10 @@ returns the params a decode request passes back unchanged
 (``do_remote_prefill``, ``remote_block_ids``, ``remote_engine_id``,
 ``remote_request_id``, ``remote_host``, ``remote_port``, ``transfer_mode``
 and aiokvcache's own ``remote_cluster_id``, ``aiokv_peers``,
-``aiokv_layout``, ``aiokv_transfer_id``), so vLLM's disaggregated proxy and
-clients written for NixlConnector work unchanged.
+``aiokv_layout``, ``aiokv_transfer_id``, ``aiokv_grant_key``), so vLLM's
+disaggregated proxy and clients written for NixlConnector work unchanged.
+``aiokv_grant_key`` is a per-request secret: only a decode instance handed
+the params can claim (or free) the request's blocks.
 
 - *pull* (default): the decode worker claims the prefill's blocks, reads
   them with ``pull_blocks`` and tells the prefill to free them.
@@ -31,6 +33,19 @@ clients written for NixlConnector work unchanged.
 The scheduler-side connector starts nothing; each worker-side connector owns
 one aiokvcache engine on its own thread (:mod:`._kvlink`). No method blocks
 the engine step and nothing polls.
+
+A decode request aborted while its KV loads stops the load (its blocks go back
+once the load is quiescent); one aborted before its load began, or whose
+prompt is all in the local prefix cache, tells the prefill instance to free
+its blocks at once instead of at the end of their lease.
+
+Metrics: ``get_kv_connector_stats`` feeds vLLM's periodic "KV Transfer
+metrics" log line, and ``build_prom_metrics`` registers
+``vllm:aiokvcache_xfer_time_seconds``, ``vllm:aiokvcache_bytes_transferred``,
+``vllm:aiokvcache_num_descriptors`` (histograms, one sample per load),
+``vllm:aiokvcache_num_failed_transfers`` (by ``reason``) and
+``vllm:aiokvcache_num_kv_expired_reqs`` (counters), beside NixlConnector's
+``vllm:nixl_*`` equivalents.
 """
 
 from __future__ import annotations
@@ -38,6 +53,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -50,13 +66,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
-from ._kvlink import KVLayout, Peer, TransferAgent, cluster_id_for
+from ._kvlink import FAILURE_REASONS, KVLayout, Peer, TransferAgent, cluster_id_for
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["EXTRA_CONFIG", "AioKVConnector", "AioKVHandshake", "AioKVMetadata", "kv_layout"]
+__all__ = [
+    "EXTRA_CONFIG",
+    "AioKVConnector",
+    "AioKVHandshake",
+    "AioKVMetadata",
+    "AioKVStats",
+    "kv_layout",
+]
 
 log = logging.getLogger("aiokvcache.vllm")
 
@@ -181,6 +208,146 @@ def kv_layout(
     return layout, names, parts
 
 
+def _empty_stats() -> dict[str, Any]:
+    return {
+        "transfer_duration": [],
+        "bytes_transferred": [],
+        "num_descriptors": [],
+        "failures": dict.fromkeys(FAILURE_REASONS, 0),
+        "num_kv_expired_reqs": 0,
+    }
+
+
+@dataclass
+class AioKVStats(KVConnectorStats):  # type: ignore[misc,unused-ignore]
+    """One interval's transfers, as vLLM carries them from workers to its loggers.
+
+    ``data``: one entry per successful load in ``transfer_duration`` (seconds,
+    the engine's hand-over to the last byte), ``bytes_transferred`` and
+    ``num_descriptors``; ``failures`` (reason -> count) and
+    ``num_kv_expired_reqs`` (the prefill side's leases that ran out unread).
+    """
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = _empty_stats()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        o = other.data
+        for key in ("transfer_duration", "bytes_transferred", "num_descriptors"):
+            self.data[key].extend(o.get(key, ()))
+        for reason, n in o.get("failures", {}).items():
+            self.data["failures"][reason] = self.data["failures"].get(reason, 0) + int(n)
+        self.data["num_kv_expired_reqs"] += int(o.get("num_kv_expired_reqs", 0))
+        return self
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not (
+            d["transfer_duration"] or any(d["failures"].values()) or d["num_kv_expired_reqs"]
+        )
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        times = sorted(d["transfer_duration"])
+        n = len(times)
+        mib = sum(d["bytes_transferred"]) / 2**20
+        out: dict[str, int | float] = {
+            "Num successful transfers": n,
+            "Avg xfer time (ms)": round(sum(times) / n * 1e3, 3) if n else 0,
+            "P90 xfer time (ms)": round(times[min(n - 1, int(0.9 * n))] * 1e3, 3) if n else 0,
+            "Avg MB per transfer": round(mib / n, 3) if n else 0,
+            "Throughput (MB/s)": round(mib / sum(times), 3) if n and sum(times) > 0 else 0,
+            "Avg number of descriptors": round(sum(d["num_descriptors"]) / n, 1) if n else 0,
+            "Num failed transfers": sum(d["failures"].values()),
+            "Num KV expired reqs": d["num_kv_expired_reqs"],
+        }
+        for reason, count in d["failures"].items():
+            if count:
+                out[f"Failed ({reason})"] = count
+        return out
+
+
+class AioKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,unused-ignore]
+    """``vllm:aiokvcache_*`` series, made with the metric classes vLLM passes."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
+
+        # 100 µs to 60 s: a small shm load to a starved or slow peer.
+        seconds = [1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 60.0]
+        self._time = per_engine(
+            self._histogram_cls(
+                name="vllm:aiokvcache_xfer_time_seconds",
+                documentation="aiokvcache KV loads: seconds from the engine's hand-over "
+                "to the last byte (push: includes the prefill's compute).",
+                buckets=seconds,
+                labelnames=labelnames,
+            )
+        )
+        self._bytes = per_engine(
+            self._histogram_cls(
+                name="vllm:aiokvcache_bytes_transferred",
+                documentation="aiokvcache KV loads: bytes per load.",
+                buckets=[2.0 ** (10 + 2 * i) for i in range(13)],  # 1 KiB .. 16 GiB
+                labelnames=labelnames,
+            )
+        )
+        self._descs = per_engine(
+            self._histogram_cls(
+                name="vllm:aiokvcache_num_descriptors",
+                documentation="aiokvcache KV loads: contiguous block runs times tensors per load.",
+                buckets=[1, 4, 16, 64, 256, 1024, 4096, 16384, 65536],
+                labelnames=labelnames,
+            )
+        )
+        failed = self._counter_cls(
+            name="vllm:aiokvcache_num_failed_transfers",
+            documentation="aiokvcache KV loads that failed, by reason: "
+            + ", ".join(FAILURE_REASONS),
+            labelnames=[*labelnames, "reason"],
+        )
+        self._failed = {
+            i: {r: failed.labels(*v, r) for r in FAILURE_REASONS}
+            for i, v in per_engine_labelvalues.items()
+        }
+        self._expired = per_engine(
+            self._counter_cls(
+                name="vllm:aiokvcache_num_kv_expired_reqs",
+                documentation="Requests whose held KV blocks nobody read before their "
+                "lease ran out (tracked on the prefill instance).",
+                labelnames=labelnames,
+            )
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        d = transfer_stats_data
+        for value in d.get("transfer_duration", ()):
+            self._time[engine_idx].observe(value)
+        for value in d.get("bytes_transferred", ()):
+            self._bytes[engine_idx].observe(value)
+        for value in d.get("num_descriptors", ()):
+            self._descs[engine_idx].observe(value)
+        failed = self._failed[engine_idx]
+        for reason, count in d.get("failures", {}).items():
+            if count and reason in failed:
+                failed[reason].inc(count)
+        if d.get("num_kv_expired_reqs"):
+            self._expired[engine_idx].inc(d["num_kv_expired_reqs"])
+
+
 @dataclass
 class AioKVHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc,unused-ignore]
     """What a worker tells its scheduler at start-up: where its engine listens."""
@@ -198,10 +365,23 @@ class _Recv:
     mode: str
     peers: list[list[Any]]  # [[host, port, cluster_id], ...] per tensor-parallel rank
     remote_request_id: str
-    remote_block_ids: list[int]
+    remote_block_ids: list[int]  # pull: all the prefill request's blocks
+    first: int  # pull: the index in remote_block_ids local_block_ids[0] reads
     local_block_ids: list[int]
     transfer_id: str
     layout: str | None
+    grant_key: str = ""
+
+
+@dataclass
+class _Drop:
+    """D: tell the prefill instance its request's KV is not needed."""
+
+    mode: str
+    peers: list[list[Any]]
+    remote_request_id: str
+    transfer_id: str
+    grant_key: str
 
 
 @dataclass
@@ -209,7 +389,10 @@ class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     """What the scheduler tells its workers each step."""
 
     recv: dict[str, _Recv] = field(default_factory=dict)
-    holds: dict[str, float] = field(default_factory=dict)  # P pull: req id -> lease (s)
+    cancel_recv: set[str] = field(default_factory=set)  # D: aborted while loading
+    drops: list[_Drop] = field(default_factory=list)  # D: KV not needed after all
+    # P pull: req id -> (lease in s, block ids, grant key)
+    holds: dict[str, tuple[float, list[int], str]] = field(default_factory=dict)
     # P push: req id -> (transfer id, block ids, token end of this step, last chunk)
     push_steps: dict[str, tuple[str, list[int], int, bool]] = field(default_factory=dict)
     # P push: req id -> (transfer id, aborted), once the engine finished the request
@@ -247,6 +430,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self._staged = AioKVMetadata()
         self._push_reqs: dict[str, tuple[Any, str]] = {}  # req id -> (request, transfer id)
         self._unreported_push: set[str] = set()
+        self._loading: set[str] = set()  # D: loads started and not yet reported
         # worker side
         self._agent: TransferAgent | None = None
         self._layer_index: dict[str, int] = {}
@@ -313,8 +497,8 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         agent = self._agent
         if agent is None or not isinstance(meta, AioKVMetadata):
             return
-        for rid, lease in meta.holds.items():
-            agent.hold(rid, lease)
+        for rid, (lease, blocks, key) in meta.holds.items():
+            agent.hold(rid, lease, blocks, key)
         # Transfer ids are per tensor-parallel rank: rank r pushes to rank r.
         suffix = f"/{self._rank}"
         self._step_pushes = []
@@ -325,14 +509,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             agent.push_release(xid + suffix, rid, aborted)
         for rid, r in meta.recv.items():
             log.debug("worker: load %s (%s, %d blocks)", rid, r.mode, len(r.local_block_ids))
-            if len(r.peers) > self._rank:
-                p = r.peers[self._rank]
-                peer = Peer(str(p[0]), int(p[1]), int(p[2]))
-            else:
-                # One address for a TP engine (a client's decode-first params):
-                # rank r listens on port + r with cluster id + r (the config rule).
-                p = r.peers[0]
-                peer = Peer(str(p[0]), int(p[1]) + self._rank, int(p[2]) + self._rank)
+            peer = self._rank_peer(r.peers)
             if r.mode == "push":
                 agent.expect_push(rid, peer, r.transfer_id + suffix, r.local_block_ids)
             else:
@@ -343,7 +520,27 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                     r.remote_block_ids,
                     r.local_block_ids,
                     r.layout,
+                    key=r.grant_key,
+                    first=r.first,
                 )
+        for rid in meta.cancel_recv:
+            agent.cancel_recv(rid)
+        for drop in meta.drops:
+            peer = self._rank_peer(drop.peers)
+            if drop.mode == "push":
+                agent.drop_push(peer, drop.transfer_id + suffix)
+            else:
+                agent.free_remote(peer, drop.remote_request_id, drop.grant_key)
+
+    def _rank_peer(self, peers: list[list[Any]]) -> Peer:
+        """This rank's peer among a request's prefill workers."""
+        if len(peers) > self._rank:
+            p = peers[self._rank]
+            return Peer(str(p[0]), int(p[1]), int(p[2]))
+        # One address for a TP engine (a client's decode-first params):
+        # rank r listens on port + r with cluster id + r (the config rule).
+        p = peers[0]
+        return Peer(str(p[0]), int(p[1]) + self._rank, int(p[2]) + self._rank)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Loads were started in bind_connector_metadata; they run between steps."""
@@ -379,6 +576,33 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return (r.finished_sending or None, r.finished_recving or None)
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """What this worker's loads did since the last call (``None``: nothing)."""
+        if self._agent is None:
+            return None
+        m = self._agent.take_metrics()
+        stats = AioKVStats()
+        stats.data["transfer_duration"] = m["seconds"]
+        stats.data["bytes_transferred"] = m["bytes"]
+        stats.data["num_descriptors"] = m["descriptors"]
+        stats.data["failures"].update(m["failures"])
+        stats.data["num_kv_expired_reqs"] = m["leases_expired"]
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return AioKVStats(data=data) if data is not None else AioKVStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return AioKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._bad_blocks = self._bad_blocks, set()
@@ -428,33 +652,48 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             log.debug("scheduler: %s allocated, %d tokens to load", rid, num_external_tokens)
             params["do_remote_prefill"] = False  # one transfer per request
             if num_external_tokens <= 0:
+                # Everything is in the local prefix cache: the prefill
+                # instance may free its blocks now.
+                self._staged.drops.append(self._drop(params))
                 return
             bs = self._block_size
             ids = _flat(blocks.get_block_ids())
             first = request.num_computed_tokens // bs
             last = -(-(request.num_computed_tokens + num_external_tokens) // bs)
             mode = str(params.get("transfer_mode") or self._mode)
-            peers = params.get("aiokv_peers") or [
-                [
-                    params.get("remote_host"),
-                    params.get("remote_port"),
-                    params.get("remote_cluster_id"),
-                ]
-            ]
-            remote = _flat(params.get("remote_block_ids") or [])
             self._staged.recv[rid] = _Recv(
                 mode=mode,
-                peers=peers,
+                peers=self._remote_peers(params),
                 remote_request_id=str(params.get("remote_request_id", "")),
-                remote_block_ids=remote[first:last] if mode == "pull" else [],
+                remote_block_ids=_flat(params.get("remote_block_ids") or [])
+                if mode == "pull"
+                else [],
+                first=first if mode == "pull" else 0,
                 # A push writes the request's blocks from its first one.
                 local_block_ids=ids[first:last] if mode == "pull" else ids[:last],
                 transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
                 layout=params.get("aiokv_layout"),
+                grant_key=str(params.get("aiokv_grant_key") or ""),
             )
+            self._loading.add(rid)
         elif params.get("do_remote_decode"):
             if str(params.get("transfer_mode") or self._mode) == "push":
                 self._push_reqs[rid] = (request, str(params.get("aiokv_transfer_id") or rid))
+
+    @staticmethod
+    def _remote_peers(params: dict[str, Any]) -> list[list[Any]]:
+        return params.get("aiokv_peers") or [
+            [params.get("remote_host"), params.get("remote_port"), params.get("remote_cluster_id")]
+        ]
+
+    def _drop(self, params: dict[str, Any]) -> _Drop:
+        return _Drop(
+            mode=str(params.get("transfer_mode") or self._mode),
+            peers=self._remote_peers(params),
+            remote_request_id=str(params.get("remote_request_id", "")),
+            transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
+            grant_key=str(params.get("aiokv_grant_key") or ""),
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._staged = self._staged, AioKVMetadata()
@@ -477,13 +716,22 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         params = request.kv_transfer_params
         if not params:
             return False, None
+        rid = request.request_id
         if params.get("do_remote_prefill"):
-            # A decode request aborted before it was scheduled: nothing to load.
+            # A decode request aborted before it was scheduled: nothing to
+            # load, and the prefill instance may free its blocks now.
             params["do_remote_prefill"] = False
+            if params.get("remote_host") or params.get("aiokv_peers"):
+                self._staged.drops.append(self._drop(params))
+            return False, None
+        if rid in self._loading:
+            # Aborted while its KV loads: stop the load. vLLM keeps the blocks
+            # until the load is reported finished (quiescent).
+            self._loading.discard(rid)
+            self._staged.cancel_recv.add(rid)
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        rid = request.request_id
         ok = request.status in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
@@ -501,10 +749,13 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             return True, (self._params(request, ids, xid, mode) if ok else None)
         if not ok or not ids:
             return False, None
-        self._staged.holds[rid] = float(self._cfg["kv_lease_duration"])
-        return True, self._params(request, ids, rid, mode)
+        key = secrets.token_hex(16)
+        self._staged.holds[rid] = (float(self._cfg["kv_lease_duration"]), ids, key)
+        return True, self._params(request, ids, rid, mode, key)
 
-    def _params(self, request: Any, ids: list[int], xid: str, mode: str) -> dict[str, Any]:
+    def _params(
+        self, request: Any, ids: list[int], xid: str, mode: str, key: str = ""
+    ) -> dict[str, Any]:
         first = self._peers.get(0)
         return {
             "do_remote_prefill": True,
@@ -518,6 +769,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             "aiokv_peers": self._peer_list(),
             "aiokv_layout": first.layout if first else None,
             "aiokv_transfer_id": xid,
+            "aiokv_grant_key": key,
             "tp_size": self._tp_size,
             "remote_num_tokens": int(request.num_computed_tokens),
             "transfer_mode": mode,
@@ -525,6 +777,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._unreported_push -= set(connector_output.finished_sending or ())
+        self._loading -= set(connector_output.finished_recving or ())
 
     def has_pending_push_work(self) -> bool:
         return bool(self._unreported_push)

@@ -1,0 +1,332 @@
+"""The vLLM connector's hand-off protocol against hostile, duplicated and
+reordered messages, one agent at a time: a ``TransferAgent`` driven on the
+test's own loop, its aiokvcache calls replaced by a recorder (no network, no
+vLLM). Each test names the defect it proves (the vLLM connector's protocol
+review); each fails on the connector as it was before the state machines of
+``integrations/_handoff.py`` (where the old agent lacks a call the test
+makes, by that: the table says what the old protocol did):
+
+| test | before |
+|---|---|
+| failed layer never reported pushed | "pushed" sent beside "pushfail" |
+| claim for a request never handed over | granted at once |
+| wrong key / other blocks | granted |
+| done from another cluster | released the hold |
+| grant lasts D's deadline | released at P's timeout + grace |
+| two claims, one done | released at the first done |
+| cancel / registration from another cluster | cancelled / redirected |
+| decode-first, released before any step | never reported sent |
+| huge registration | built the whole id list |
+| unknown registrations / claims | grew without bound, never reaped |
+| abort during a pull | no way to stop it |
+| grant from another cluster | accepted |
+| free after a local prefix hit | blocks held until the lease ended |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from aiokvcache.integrations import _kvlink
+from aiokvcache.integrations._kvlink import KVLayout, Peer, TransferAgent
+
+LAYERS, BLOCKS, BS = 3, 64, 4
+P_ID, D_ID, EVIL = 11, 22, 33
+KEY = "k" * 32
+
+
+def digest(ids: list[int]) -> str:
+    from aiokvcache.integrations._handoff import blocks_digest
+
+    return blocks_digest(ids)
+
+
+class Recorder:
+    """Stands in for the agent's CacheManager: records what it sends and lets
+    each test decide how pushes and pulls end."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, list[Any]]] = []
+        self.push: Callable[[int], Awaitable[None]] = self._ok
+        self.pull: Callable[[], Awaitable[None]] = self._ok0
+        self.pushes: list[tuple[int, int]] = []  # (cluster, layer)
+
+    @staticmethod
+    async def _ok(layer: int) -> None:
+        await asyncio.sleep(0)
+
+    @staticmethod
+    async def _ok0() -> None:
+        await asyncio.sleep(0)
+
+    async def notify(self, cluster: int, tag: str, timeout: float | None = None) -> None:
+        self.sent.append((cluster, json.loads(tag)[1:]))
+
+    async def push_blocks(self, key: Any, cache: Any, src: Any, dst: Any, **kw: Any) -> None:
+        layer = kw["src_layer_range"].start
+        self.pushes.append((key.prompt_cluster_id, layer))
+        await self.push(layer)
+
+    async def pull_blocks(self, *args: Any, **kw: Any) -> None:
+        await self.pull()
+
+    def kinds(self, to: int | None = None) -> list[str]:
+        return [m[0] for c, m in self.sent if to is None or c == to]
+
+
+async def make_agent(timeout: float = 5.0, grace: float = 1.0) -> tuple[TransferAgent, Recorder]:
+    layout = KVLayout(LAYERS, 1, BLOCKS, 64, BS, tuple(range(1, LAYERS + 1)), "u8")
+    agent = TransferAgent(1, layout, timeout=timeout, grace=grace)
+    rec = Recorder()
+    agent._cm = rec  # type: ignore[assignment]
+    agent._cache = object()
+    agent._loop = asyncio.get_running_loop()
+
+    async def linked(peer: Peer) -> None:
+        return None
+
+    agent._link = linked  # type: ignore[method-assign]
+    return agent, rec
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def claim(rid: str, nonce: str, key: str = KEY, ttl: float = 5.0, blocks: Any = None) -> list[Any]:
+    ids = [1, 2, 3] if blocks is None else blocks
+    return [rid, nonce, key, ttl, 0, 3, digest(ids)]
+
+
+def answers(rec: Recorder, to: int) -> list[list[Any]]:
+    return [m for c, m in rec.sent if c == to and m[0] in ("grant", "refused", "expired")]
+
+
+def sent_rids(agent: TransferAgent) -> set[str]:
+    return agent.take_results().finished_sending
+
+
+# ------------------------------------------------------------------ push
+
+
+async def test_a_failed_layer_is_never_reported_pushed() -> None:
+    agent, rec = await make_agent()
+
+    async def push(layer: int) -> None:
+        await asyncio.sleep(0.05)  # layer 1 fails as layer 2 lands, same loop turn
+        if layer == 1:
+            raise RuntimeError("link failed")
+
+    rec.push = push
+    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]]])
+    agent._push_step("x", "p-req", [1, 2, 3], BS, 12, True)
+    for layer in range(LAYERS):
+        agent._layer_saved(["x"], layer)
+    agent._push_release("x", "p-req", False)
+    await until(lambda: {"pushed", "pushfail"} & set(rec.kinds(D_ID)))
+    await asyncio.sleep(0.2)
+    assert rec.kinds(D_ID) == ["pushfail"], rec.sent
+    await until(lambda: "p-req" in sent_rids(agent))  # its blocks go back once quiescent
+
+
+async def test_a_cancel_from_a_cluster_that_did_not_register_is_ignored() -> None:
+    agent, rec = await make_agent()
+    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]]])
+    agent._dispatch(EVIL, "cancel", ["x"])
+    agent._push_step("x", "p-req", [1, 2, 3], BS, 12, True)
+    for layer in range(LAYERS):
+        agent._layer_saved(["x"], layer)
+    await until(lambda: "pushed" in rec.kinds(D_ID))
+    assert "pushfail" not in rec.kinds(D_ID)
+
+
+async def test_a_registration_part_from_another_cluster_cannot_redirect_the_push() -> None:
+    agent, rec = await make_agent()
+    agent._dispatch(D_ID, "reg", ["x", 0, 2, [[10, 2]]])
+    agent._dispatch(EVIL, "reg", ["x", 1, 2, [[40, 1]]])  # completes it, from elsewhere
+    agent._push_step("x", "p-req", [1, 2, 3], BS, 12, True)
+    for layer in range(LAYERS):
+        agent._layer_saved(["x"], layer)
+    await settle()
+    assert not rec.pushes and "pushed" not in rec.kinds(), rec.sent
+    agent._dispatch(D_ID, "reg", ["x", 1, 2, [[20, 1]]])
+    await until(lambda: "pushed" in rec.kinds(D_ID))
+    assert {c for c, _ in rec.pushes} == {D_ID}
+    assert not [m for c, m in rec.sent if c == EVIL]
+
+
+async def test_decode_first_registered_then_released_before_any_step_is_reported_sent() -> None:
+    agent, _ = await make_agent()
+    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]]])
+    agent._push_release("x", "p-req", True)  # the engine never stepped it here
+    await until(lambda: "p-req" in sent_rids(agent), timeout=3)
+
+
+async def test_a_huge_registration_is_refused_before_anything_is_built() -> None:
+    agent, rec = await make_agent()
+    tracemalloc.start()
+    try:
+        agent._dispatch(D_ID, "reg", ["x", 0, 1, [[0, 20_000_000]]])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 5 << 20, f"{peak / 2**20:.0f} MiB for one registration"
+    await until(lambda: "pushfail" in rec.kinds(D_ID))
+
+
+async def test_registrations_nobody_computes_are_bounded_and_reaped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_kvlink, "MAX_UNKNOWN", 50, raising=False)
+    agent, _ = await make_agent(timeout=0.5, grace=0.3)
+    for i in range(80):
+        agent._dispatch(EVIL, "reg", [f"x{i}", 0, 1, [[i % BLOCKS, 1]]])
+    assert len(agent._pushes) <= 50
+    await until(lambda: not agent._pushes, timeout=5)
+
+
+# ------------------------------------------------------------------ pull, prefill side
+
+
+async def test_a_claim_for_a_request_never_handed_over_is_refused() -> None:
+    agent, rec = await make_agent(grace=0.3)
+    agent._dispatch(D_ID, "claim", claim("ghost", "n1"))
+    await until(lambda: bool(answers(rec, D_ID)), timeout=5)
+    assert answers(rec, D_ID)[0][0] == "refused", rec.sent
+
+
+async def test_a_claim_that_comes_before_the_hand_over_waits_for_it() -> None:
+    agent, rec = await make_agent(grace=2.0)
+    agent._dispatch(D_ID, "claim", claim("r", "n1"))
+    await asyncio.sleep(0.2)
+    assert not answers(rec, D_ID)
+    agent._hold("r", 30.0, [1, 2, 3], KEY)
+    await until(lambda: bool(answers(rec, D_ID)))
+    assert answers(rec, D_ID)[0][:3] == ["grant", "r", "n1"]
+
+
+@pytest.mark.parametrize("bad", ["key", "blocks", "range"])
+async def test_a_claim_with_a_wrong_key_or_other_blocks_is_refused(bad: str) -> None:
+    agent, rec = await make_agent()
+    agent._hold("r", 30.0, [1, 2, 3], KEY)
+    msg = claim("r", "n1")
+    if bad == "key":
+        msg[2] = "guessed"
+    elif bad == "blocks":
+        msg[6] = digest([1, 2, 4])
+    else:
+        msg[5] = 4  # past the request's 3 blocks
+    agent._dispatch(EVIL, "claim", msg)
+    await until(lambda: bool(answers(rec, EVIL)))
+    assert answers(rec, EVIL)[0][0] == "refused", rec.sent
+
+
+async def test_done_from_another_cluster_does_not_release() -> None:
+    agent, rec = await make_agent()
+    agent._hold("r", 30.0, [1, 2, 3], KEY)
+    agent._dispatch(D_ID, "claim", claim("r", "n1"))
+    await until(lambda: bool(answers(rec, D_ID)))
+    agent._dispatch(EVIL, "done", ["r", "n1"])
+    agent._dispatch(EVIL, "free", ["r", "guessed"])
+    await settle()
+    assert "r" not in sent_rids(agent)
+    agent._dispatch(D_ID, "done", ["r", "n1"])
+    await until(lambda: "r" in sent_rids(agent))
+
+
+async def test_the_first_of_two_claims_done_does_not_release() -> None:
+    agent, rec = await make_agent()
+    agent._hold("r", 30.0, [1, 2, 3], KEY)
+    agent._dispatch(D_ID, "claim", claim("r", "n1"))
+    agent._dispatch(EVIL, "claim", claim("r", "n2"))
+    await until(lambda: bool(answers(rec, D_ID)) and bool(answers(rec, EVIL)))
+    agent._dispatch(D_ID, "done", ["r", "n1"])
+    agent._dispatch(D_ID, "done", ["r", "n1"])  # duplicated
+    await settle()
+    assert "r" not in sent_rids(agent)
+    agent._dispatch(EVIL, "done", ["r", "n2"])
+    await until(lambda: "r" in sent_rids(agent))
+    agent._dispatch(D_ID, "claim", claim("r", "n3"))  # late: refused, never granted
+    await until(lambda: len(answers(rec, D_ID)) == 2)
+    assert answers(rec, D_ID)[1][0] == "refused"
+
+
+async def test_a_grant_lasts_the_claimers_deadline_not_the_prefill_timeout() -> None:
+    agent, rec = await make_agent(timeout=0.5, grace=0.2)
+    agent._hold("r", 0.1, [1, 2, 3], KEY)
+    agent._dispatch(D_ID, "claim", claim("r", "n1", ttl=2.5))
+    await until(lambda: bool(answers(rec, D_ID)))
+    await asyncio.sleep(1.5)  # past P's timeout + grace and the lease
+    assert "r" not in sent_rids(agent)
+    await until(lambda: "r" in sent_rids(agent), timeout=5)
+    assert agent.stats["leases_expired"] == 1
+
+
+async def test_claims_for_random_ids_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_kvlink, "MAX_UNKNOWN", 50, raising=False)
+    agent, rec = await make_agent(grace=30.0)
+    for i in range(80):
+        agent._dispatch(EVIL, "claim", claim(f"r{i}", "n"))
+    await settle()
+    assert agent.pending() <= 50
+    assert len(answers(rec, EVIL)) == 30 and {a[0] for a in answers(rec, EVIL)} == {"refused"}
+
+
+async def test_free_with_the_key_releases_at_once() -> None:
+    agent, _ = await make_agent()
+    agent._hold("r", 30.0, [1, 2, 3], KEY)
+    agent._dispatch(D_ID, "free", ["r", KEY])
+    await until(lambda: "r" in sent_rids(agent))
+
+
+# ------------------------------------------------------------------ pull, decode side
+
+
+async def test_an_abort_cancels_an_in_flight_pull_and_reports_it_once_quiescent() -> None:
+    agent, rec = await make_agent()
+    entered, quiescent = asyncio.Event(), asyncio.Event()
+
+    async def pull() -> None:
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            quiescent.set()
+
+    rec.pull = pull
+    agent.pull("d-req", Peer("h", 1, P_ID), "r", [1, 2, 3], [7, 8, 9], key=KEY)
+    await until(lambda: "claim" in rec.kinds(P_ID))
+    nonce = next(m for c, m in rec.sent if m[0] == "claim")[2]
+    agent._dispatch(P_ID, "grant", ["r", nonce])
+    await asyncio.wait_for(entered.wait(), 5)
+    agent.cancel_recv("d-req")
+    await until(lambda: quiescent.is_set())
+    got = agent.take_results()
+    await until(lambda: "done" in rec.kinds(P_ID))
+    got.finished_recving |= agent.take_results().finished_recving
+    assert "d-req" in got.finished_recving and not got.failed_recving
+
+
+async def test_a_grant_from_another_cluster_is_ignored() -> None:
+    agent, rec = await make_agent(timeout=1.0)
+    agent.pull("d-req", Peer("h", 1, P_ID), "r", [1, 2, 3], [7, 8, 9], key=KEY)
+    await until(lambda: "claim" in rec.kinds(P_ID))
+    nonce = next(m for c, m in rec.sent if m[0] == "claim")[2]
+    agent._dispatch(EVIL, "grant", ["r", nonce])
+    await until(lambda: bool(agent.take_results().failed_recving), timeout=5)
+    assert agent.stats["pulls"] == 0
