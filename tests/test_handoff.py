@@ -5,151 +5,183 @@ protocol's invariants."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiokvcache.integrations._handoff import (
+    Answer,
     ProtocolError,
     PullHolds,
     Registration,
     blocks_digest,
+    grant_key,
 )
 
 BLOCKS = [4, 5, 6, 7]
-D = blocks_digest(BLOCKS)
+N, D = len(BLOCKS), blocks_digest(BLOCKS)
+SECRET = b"s" * 32
 
 
 def holds(**kw: float) -> PullHolds:
-    return PullHolds(claim_wait=kw.pop("claim_wait", 1.0), **kw)  # type: ignore[arg-type]
+    return PullHolds(SECRET, **kw)  # type: ignore[arg-type]
+
+
+def key(rid: str, blocks: list[int] = BLOCKS) -> str:
+    return grant_key(SECRET, rid, len(blocks), blocks_digest(blocks))
+
+
+def claim(h: PullHolds, src: int, rid: str, nonce: str, now: float, **kw: Any) -> Answer:
+    args: dict[str, Any] = {"key": key(rid), "ttl": 5.0, "first": 0, "last": N, "n": N, "digest": D}
+    args.update(kw)
+    return h.claim(src, rid, nonce, now=now, **args)
+
+
+def test_the_key_is_a_mac_of_the_request_and_its_blocks() -> None:
+    assert key("r") == key("r") != key("s")
+    assert key("r") != key("r", [4, 5, 6, 8]) != key("r", [4, 5, 6])
+    assert grant_key(b"t" * 32, "r", N, D) != key("r")
+    assert holds().key("r", BLOCKS) == key("r")
 
 
 def test_grant_then_done_releases_once() -> None:
     h = holds()
-    assert h.hold("r", BLOCKS, "k", 10, now=0) == []
-    a = h.claim(1, "r", "n", "k", 5, 0, 4, D, now=1)
-    assert a is not None and a.kind == "grant" and (a.to, a.rid, a.nonce) == (1, "r", "n")
+    assert h.hold("r", BLOCKS, 10, now=0) is False
+    a = claim(h, 1, "r", "n", now=1)
+    assert a.kind == "grant" and (a.to, a.rid, a.nonce) == (1, "r", "n")
     assert h.done(1, "r", "n") is True
     assert h.done(1, "r", "n") is False  # duplicated
-    assert not h.held("r") and h.tick(100) == ([], [])
+    assert not h.held("r") and h.tick(100) == []
 
 
-def test_a_claim_before_the_hold_waits_and_is_answered_by_it() -> None:
-    h = holds(claim_wait=2)
-    assert h.claim(1, "r", "n", "k", 5, 1, 3, D, now=0) is None
-    (a,) = h.hold("r", BLOCKS, "k", 10, now=1)
-    assert a.kind == "grant"
-    assert h.claims("r") == {(1, "n")}
+def test_a_claim_before_the_hand_over_is_granted_and_released_after_it() -> None:
+    h = holds()
+    assert claim(h, 1, "r", "n", now=0, first=1, last=3).kind == "grant"
+    assert h.claims("r") == {(1, "n")} and not h.held("r")
+    assert h.done(1, "r", "n") is False  # read, but not handed over: not reported
+    assert h.hold("r", BLOCKS, 10, now=1) is True  # released as it arrives
 
 
-def test_a_claim_waits_at_most_claim_wait_then_is_refused() -> None:
-    h = holds(claim_wait=2)
-    assert h.claim(1, "r", "n", "k", 5, 0, 4, D, now=0) is None
-    assert h.next_deadline() == 2
-    released, refused = h.tick(2)
-    assert released == [] and [a.kind for a in refused] == ["refused"]
-    assert h.hold("r", BLOCKS, "k", 10, now=3) == []  # nobody waits any more
+def test_a_claim_before_the_hand_over_needs_the_key() -> None:
+    h = holds()
+    assert claim(h, 1, "r", "n", now=0, key="f" * 32).kind == "refused"
+    assert claim(h, 1, "r", "n", now=0, key=key("other")).kind == "refused"
+    assert claim(h, 1, "r", "n", now=0, n=N + 1).kind == "refused"  # key made for N
+    assert len(h) == 0
 
 
-def test_a_claim_waits_no_longer_than_its_own_deadline() -> None:
-    h = holds(claim_wait=30)
-    assert h.claim(1, "r", "n", "k", 0.5, 0, 4, D, now=0) is None
-    assert h.next_deadline() == 0.5
+def test_a_record_claimed_but_never_handed_over_is_dropped_later() -> None:
+    h = holds(pending_ttl=50)
+    claim(h, 1, "r", "n", now=0, ttl=5)
+    assert h.next_deadline() == 5
+    assert h.tick(5) == [] and len(h) == 1
+    assert h.next_deadline() == 50
+    assert h.tick(50) == [] and len(h) == 0  # dropped, never reported
 
 
 @pytest.mark.parametrize(
-    ("key", "first", "last", "digest", "ttl"),
+    "bad",
     [
-        ("guess", 0, 4, D, 5),
-        ("k", 0, 4, blocks_digest([4, 5, 6, 8]), 5),
-        ("k", 0, 5, D, 5),
-        ("k", 2, 2, D, 5),
-        ("k", -1, 2, D, 5),
-        ("k", 0, 4, D, 0),
-        ("k", 0, 4, D, float("inf")),
-        ("k", 0, 4, D, float("nan")),
-        ("k", 0, 4, D, 10**9),
-        ("k", 0.0, 4, D, 5),
+        {"key": "guess"},
+        {"digest": blocks_digest([4, 5, 6, 8])},
+        {"n": N + 1},
+        {"last": N + 1},
+        {"first": 2, "last": 2},
+        {"first": -1, "last": 2},
+        {"ttl": 0},
+        {"ttl": float("inf")},
+        {"ttl": float("nan")},
+        {"ttl": 10**9},
+        {"first": 0.0},
+        {"n": "4"},
+        {"key": None},
     ],
 )
-def test_bad_claims_are_refused(key: str, first: int, last: int, digest: str, ttl: float) -> None:
+def test_bad_claims_are_refused(bad: dict[str, Any]) -> None:
     h = holds()
-    h.hold("r", BLOCKS, "k", 10, now=0)
-    a = h.claim(1, "r", "n", key, ttl, first, last, digest, now=0)
-    assert a is not None and a.kind == "refused", a
+    h.hold("r", BLOCKS, 10, now=0)
+    assert claim(h, 1, "r", "n", now=0, **bad).kind == "refused"
     assert h.claims("r") == set()
+    g = holds()  # and before the hand-over
+    assert claim(g, 1, "r", "n", now=0, **bad).kind == "refused"
 
 
 def test_done_and_free_are_bound_to_the_claimer_and_the_key() -> None:
     h = holds()
-    h.hold("r", BLOCKS, "k", 10, now=0)
-    h.claim(1, "r", "n", "k", 5, 0, 4, D, now=0)
+    h.hold("r", BLOCKS, 10, now=0)
+    claim(h, 1, "r", "n", now=0)
     assert h.done(2, "r", "n") is False  # another cluster
     assert h.done(1, "r", "other") is False  # another claim
-    assert h.free(2, "r", "guess") is False
-    assert h.free(1, "r", "k") is False  # a claim still reads it
+    assert h.free(2, "r", "guess", N, D, now=0) is False
+    assert h.free(1, "r", key("r"), N, D, now=0) is False  # a claim still reads it
     assert h.held("r")
     assert h.done(1, "r", "n") is True
 
 
 def test_each_grant_counts() -> None:
     h = holds()
-    h.hold("r", BLOCKS, "k", 10, now=0)
-    h.claim(1, "r", "a", "k", 5, 0, 4, D, now=0)
-    h.claim(1, "r", "b", "k", 5, 0, 4, D, now=0)
-    h.claim(2, "r", "a", "k", 5, 0, 4, D, now=0)
+    h.hold("r", BLOCKS, 10, now=0)
+    claim(h, 1, "r", "a", now=0)
+    claim(h, 1, "r", "b", now=0)
+    claim(h, 2, "r", "a", now=0)
     assert not h.done(1, "r", "a") and not h.done(2, "r", "a")
     assert h.done(1, "r", "b")
 
 
 def test_the_claimers_deadline_holds_past_the_lease_then_expires() -> None:
     h = holds()
-    h.hold("r", BLOCKS, "k", 1, now=0)
-    h.claim(1, "r", "n", "k", 30, 0, 4, D, now=0.5)
-    assert h.tick(10) == ([], [])
+    h.hold("r", BLOCKS, 1, now=0)
+    claim(h, 1, "r", "n", now=0.5, ttl=30)
+    assert h.tick(10) == []
     assert h.next_deadline() == 30.5
-    assert h.tick(30.5) == (["r"], [])
+    assert h.tick(30.5) == ["r"]
     assert h.expired == 1
-    late = h.claim(1, "r", "m", "k", 5, 0, 4, D, now=31)
-    assert late is not None and late.kind == "refused"
+    assert claim(h, 1, "r", "m", now=31).kind == "refused"  # late
 
 
 def test_an_unclaimed_lease_expires_and_free_releases_early() -> None:
     h = holds()
-    h.hold("a", BLOCKS, "k", 5, now=0)
-    h.hold("b", BLOCKS, "k2", 5, now=0)
-    assert h.free(9, "b", "k2") is True
-    assert h.tick(5) == (["a"], [])
-    assert len(h) == 0
+    h.hold("a", BLOCKS, 5, now=0)
+    h.hold("b", BLOCKS, 5, now=0)
+    assert h.free(9, "b", key("b"), N, D, now=0) is True
+    assert h.tick(5) == ["a"]
+    assert len(h) == 0 and h.expired == 1
+
+
+def test_free_before_the_hand_over_releases_with_it() -> None:
+    h = holds()
+    assert h.free(9, "r", key("r"), N, D, now=0) is False
+    assert h.hold("r", BLOCKS, 30, now=1) is True
 
 
 def test_a_repeated_hold_changes_nothing() -> None:
     h = holds()
-    h.hold("r", BLOCKS, "k", 5, now=0)
-    h.hold("r", [1], "other", 500, now=0)
-    a = h.claim(1, "r", "n", "k", 5, 0, 4, D, now=0)
-    assert a is not None and a.kind == "grant"
+    h.hold("r", BLOCKS, 5, now=0)
+    assert h.hold("r", [1], 500, now=0) is False
+    assert claim(h, 1, "r", "n", now=0).kind == "grant"
     assert h.next_deadline() == 5
-    assert h.tick(4.9) == ([], [])
-    assert h.tick(5) == (["r"], [])  # the first hold's lease, not 500 s
+    assert h.tick(4.9) == []
+    assert h.tick(5) == ["r"]  # the first hold's lease, not 500 s
 
 
-def test_waiting_claims_are_bounded() -> None:
-    h = holds(claim_wait=60, max_waiting=3)
+def test_requests_claimed_before_hand_over_are_bounded() -> None:
+    h = holds(max_pending=3)
     for i in range(3):
-        assert h.claim(1, f"r{i}", "n", "k", 5, 0, 4, D, now=0) is None
-    a = h.claim(1, "r9", "n", "k", 5, 0, 4, D, now=0)
-    assert a is not None and a.kind == "refused" and len(h) == 3
+        assert claim(h, 1, f"r{i}", "n", now=0).kind == "grant"
+    assert claim(h, 1, "r9", "n", now=0).kind == "refused" and len(h) == 3
+    assert h.free(1, "r8", key("r8"), N, D, now=0) is False and len(h) == 3
 
 
 def test_released_ids_are_remembered_boundedly() -> None:
     h = holds(max_released=2)
     for rid in "abc":
-        h.hold(rid, BLOCKS, "k", 0, now=0)
-    assert h.tick(0)[0] == ["a", "b", "c"]
-    assert h.hold("a", BLOCKS, "k", 5, now=1) == []
+        h.hold(rid, BLOCKS, 0, now=0)
+    assert h.tick(0) == ["a", "b", "c"]
+    assert h.hold("a", BLOCKS, 5, now=1) is False
     assert h.held("a")  # forgotten, so a re-used id is a new request
-    assert not h.held("c") and h.hold("c", BLOCKS, "k", 5, now=1) == [] and not h.held("c")
+    assert h.hold("c", BLOCKS, 5, now=1) is False and not h.held("c")
 
 
 # ------------------------------------------------------------------ random interleavings
@@ -175,47 +207,41 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(ops)
 def test_invariants_under_any_interleaving(seq: list[tuple]) -> None:  # type: ignore[type-arg]
-    """Whatever arrives in whatever order: a request is released at most once,
-    never while a granted claim's deadline has not passed and its done has not
-    come, and never granted without its hold and its key, nor after release."""
-    h = holds(claim_wait=3)
+    """Whatever arrives in whatever order: a request is reported released at
+    most once, only after its hand-over, never while a granted claim's deadline
+    has not passed and its done has not come; nothing is granted without the
+    request's key, nor after its release."""
+    h = holds(pending_ttl=15)
     now = 0.0
     released: set[str] = set()
-    held: set[str] = set()
+    handed: set[str] = set()
     live: dict[tuple[int, str, str], float] = {}  # granted claims -> their deadline
-    asked: dict[tuple[int, str, str], float] = {}  # claims made -> their deadline
 
     def on_release(rid: str) -> None:
         assert rid not in released, f"{rid} released twice"
+        assert rid in handed, f"{rid} released before its hand-over"
         pinned = [k for k, end in live.items() if k[1] == rid and end > now]
         assert not pinned, f"{rid} released under live grants {pinned}"
         released.add(rid)
-        held.discard(rid)
-
-    def on_answers(answers: list) -> None:  # type: ignore[type-arg]
-        for a in answers:
-            k = (a.to, a.rid, a.nonce)
-            if a.kind == "grant":
-                assert a.rid in held and a.rid not in released
-                live[k] = max(live.get(k, 0.0), asked[k])
 
     for op in seq:
         kind = op[0]
         if kind == "hold":
             rid = op[1]
             if rid not in released:
-                held.add(rid)
-            on_answers(h.hold(rid, BLOCKS, "k" + rid, 5, now))
+                handed.add(rid)
+            if h.hold(rid, BLOCKS, 5, now):
+                on_release(rid)
         elif kind == "claim":
             _, src, rid, nonce, good, ttl = op
-            asked[src, rid, nonce] = now + ttl
-            a = h.claim(src, rid, nonce, ("k" + rid) if good else "x", ttl, 0, 4, D, now)
-            if a is not None:
-                assert a.kind == "refused" or good
-                on_answers([a])
+            a = claim(h, src, rid, nonce, now, ttl=ttl, key=key(rid) if good else "x")
+            if a.kind == "grant":
+                assert good and rid not in released
+                k = (src, rid, nonce)
+                live[k] = max(live.get(k, 0.0), now + ttl)
         elif kind == "done":
             _, src, rid, nonce = op
             live.pop((src, rid, nonce), None)
@@ -223,14 +249,12 @@ def test_invariants_under_any_interleaving(seq: list[tuple]) -> None:  # type: i
                 on_release(rid)
         elif kind == "free":
             _, src, rid, good = op
-            if h.free(src, rid, ("k" + rid) if good else "x"):
+            if h.free(src, rid, key(rid) if good else "x", N, D, now):
                 on_release(rid)
         else:
             now += op[1]
-            rel, answers = h.tick(now)
-            for rid in rel:
+            for rid in h.tick(now):
                 on_release(rid)
-            on_answers(answers)
 
 
 # ------------------------------------------------------------------ registration

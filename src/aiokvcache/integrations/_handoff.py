@@ -4,29 +4,39 @@ Nothing here sends, sleeps or reads a clock: each method takes ``now`` and
 returns what to answer or release; :mod:`._kvlink` carries the messages and
 runs the clock. Every message is bound to the link it arrived on (``src``,
 the cluster id aiokvcache attributed it to by the link's key, never what the
-payload says) and, for pull, to the request's *grant key*: a random secret the
-prefill's scheduler puts into the request's ``kv_transfer_params``, so only
-the decode instance that was handed those params can claim or free the
-request's blocks.
+payload says) and, for pull, to the request's *grant key*.
+
+*Grant keys.* Each prefill worker draws a secret at start and gives it to its
+own scheduler only (vLLM's handshake metadata, inside the instance). When
+the scheduler hands a finished request over (its blocks held until the worker
+reports it sent), it puts ``grant_key(secret, rid, n, digest)``, a MAC of the
+request id and its block list, into the request's ``kv_transfer_params``. A
+claim must carry it: only a decode instance handed those params can claim or
+free the request, only for exactly those blocks, and the worker can check a
+claim that arrives before the engine told it of the request (vLLM delivers
+that on the engine's next step, which an idle offline engine may not take for
+a long time) without trusting any unknown id.
 
 *Pull*, prefill side (:class:`PullHolds`), one request ``rid``::
 
-    (unknown) --hold--> HELD --claim(key ok, blocks ok)--> GRANTED (claims)
-    (unknown) --claim--> claim WAITS for the hold (bounded by ``claim_wait`` and D's deadline)
-    GRANTED --done(src, nonce) of the last claim--> RELEASED
-    GRANTED --a claim's deadline (D's own, carried in the claim) passes--> that claim drops
-    HELD (no claimer) --lease passes, or free(key)--> RELEASED
+    (unknown) --hold--> HELD (lease running)
+    (unknown) --claim(key verifies)--> PENDING (granted; the hold not yet seen)
+    HELD or PENDING --claim(key, blocks, range ok)--> granted: claims[(src, nonce)] = D's deadline
+    --done(src, nonce) of the last claim, or free(key) with none--> READ
+    READ and HELD (or HELD, no claim, lease passed) --> RELEASED (reported sent)
+    a claim's deadline (D's own, carried in the claim) passes --> that claim drops
 
-A released request is reported sent (its blocks go back to the engine) and
-remembered for a while, so that a late claim is refused, never granted.
+A released request is remembered for a while, so that a late claim is
+refused, never granted.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import hmac
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +46,7 @@ __all__ = [
     "PullHolds",
     "Registration",
     "blocks_digest",
+    "grant_key",
 ]
 
 
@@ -46,6 +57,14 @@ class ProtocolError(ValueError):
 def blocks_digest(ids: Sequence[int]) -> str:
     """What a claim names a request's blocks by (both sides hash the list)."""
     return hashlib.blake2b(",".join(map(str, ids)).encode(), digest_size=8).hexdigest()
+
+
+def grant_key(secret: bytes, rid: str, n: int, digest: str) -> str:
+    """The key that lets a reader claim request ``rid``'s ``n`` blocks whose
+    list hashes to ``digest`` (:func:`blocks_digest`) from the worker whose
+    secret is ``secret``."""
+    msg = f"aiokv-grant\0{rid}\0{n}\0{digest}".encode()
+    return hmac.new(secret, msg, hashlib.blake2b).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -61,48 +80,41 @@ class Answer:
 
 @dataclass
 class _Hold:
-    blocks: int
+    n: int  # blocks
     digest: str
     key: str
-    lease_end: float
+    lease_end: float  # inf until the engine handed it over
+    created: float
+    known: bool = False  # the engine handed it over (hold())
+    read: bool = False  # every claim ended (or a free came): release once known
     claims: dict[tuple[int, str], float] = field(default_factory=dict)  # (src, nonce) -> end
-
-
-@dataclass
-class _Waiting:
-    src: int
-    nonce: str
-    key: str
-    first: int
-    last: int
-    digest: str
-    ttl_end: float
-    give_up: float
 
 
 class PullHolds:
     """Prefill side of pull: which finished requests' blocks are held, for whom.
 
-    ``claim_wait``: how long a claim that arrives before the engine handed
-    the request over waits for it. ``max_ttl``: the longest deadline a claim
-    may ask for. ``max_waiting``: claims waiting at once (more are refused):
-    a peer cannot grow this side's memory by claiming random ids.
+    ``secret``: this worker's grant-key secret. ``max_ttl``: the longest
+    deadline a claim may ask for. ``max_pending``: requests claimed before
+    the engine handed them over, at once (more are refused): a peer cannot
+    grow this side's memory. ``pending_ttl``: how long such a record outlives
+    its claims while the hand-over does not come.
     """
 
     def __init__(
         self,
+        secret: bytes,
         *,
-        claim_wait: float,
         max_ttl: float = 3600.0,
-        max_waiting: int = 4096,
+        max_pending: int = 4096,
+        pending_ttl: float = 600.0,
         max_released: int = 65536,
     ) -> None:
-        self.claim_wait = claim_wait
+        self._secret = secret
         self.max_ttl = max_ttl
-        self.max_waiting = max_waiting
+        self.max_pending = max_pending
+        self.pending_ttl = pending_ttl
         self.max_released = max_released
         self._holds: dict[str, _Hold] = {}
-        self._waiting: dict[tuple[int, str, str], _Waiting] = {}  # (src, rid, nonce)
         self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: Counters: grants given, claims refused, leases that ran out unread.
         self.grants = 0
@@ -110,36 +122,46 @@ class PullHolds:
         self.expired = 0
 
     def __len__(self) -> int:
-        return len(self._holds) + len(self._waiting)
+        return len(self._holds)
+
+    def key(self, rid: str, blocks: Sequence[int]) -> str:
+        """The grant key of ``rid`` over ``blocks`` (what the scheduler computes)."""
+        return grant_key(self._secret, rid, len(blocks), blocks_digest(blocks))
 
     def held(self, rid: str) -> bool:
-        return rid in self._holds
+        h = self._holds.get(rid)
+        return h is not None and h.known
 
     def claims(self, rid: str) -> set[tuple[int, str]]:
-        """``(src, nonce)`` of the grants ``rid`` is held for."""
+        """``(src, nonce)`` of the live grants of ``rid``."""
         h = self._holds.get(rid)
         return set(h.claims) if h is not None else set()
 
     # ------------------------------------------------------------ inputs
 
-    def hold(
-        self, rid: str, blocks: Sequence[int], key: str, lease: float, now: float
-    ) -> list[Answer]:
-        """The engine finished ``rid``: hold ``blocks`` for ``lease`` seconds.
-
-        Returns the answers to claims that waited for it. A repeated hold, or
-        one for a request already released, changes nothing.
-        """
-        if rid in self._holds or rid in self._released:
-            return []
-        self._holds[rid] = _Hold(len(blocks), blocks_digest(blocks), key, now + lease)
-        out = []
-        for wkey in [k for k in self._waiting if k[1] == rid]:
-            w = self._waiting.pop(wkey)
-            out.append(
-                self._decide(w.src, rid, w.nonce, w.key, w.first, w.last, w.digest, w.ttl_end)
+    def hold(self, rid: str, blocks: Sequence[int], lease: float, now: float) -> bool:
+        """The engine handed ``rid`` over: hold ``blocks`` until every claim
+        ended, or ``lease`` seconds with none. True when it is released at once
+        (its readers were already done). A repeated hold, or one for a request
+        already released, changes nothing."""
+        if rid in self._released:
+            return False
+        h = self._holds.get(rid)
+        if h is not None and h.known:
+            return False
+        digest = blocks_digest(blocks)
+        if h is None or (h.n, h.digest) != (len(blocks), digest):
+            # (Claims verified against another block list cannot be this
+            # request's: the scheduler makes one key per hand-over.)
+            h = self._holds[rid] = _Hold(
+                len(blocks), digest, self.key(rid, blocks), now + lease, now
             )
-        return out
+        h.known = True
+        h.lease_end = now + lease
+        if h.read and not h.claims:
+            self._release(rid)
+            return True
+        return False
 
     def claim(
         self,
@@ -150,13 +172,13 @@ class PullHolds:
         ttl: float,
         first: int,
         last: int,
+        n: int,
         digest: str,
         now: float,
-    ) -> Answer | None:
-        """``src`` asks to read blocks ``[first, last)`` of ``rid``'s list (named
-        by ``digest``) until ``now + ttl``; ``nonce`` names this claim (its
-        grant and its ``done``). Returns the answer, or ``None`` while the
-        claim waits for the engine's hand-over."""
+    ) -> Answer:
+        """``src`` asks to read blocks ``[first, last)`` of ``rid``'s ``n`` blocks
+        (their list hashing to ``digest``) until ``now + ttl``; ``nonce`` names
+        this claim (its grant and its ``done``)."""
         if not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and 0 < ttl <= self.max_ttl):
             return self._refuse(
                 src, rid, nonce, f"a claim's deadline must be in (0, {self.max_ttl}] s"
@@ -165,14 +187,26 @@ class PullHolds:
             return self._refuse(
                 src, rid, nonce, "the prefill instance's lease on its blocks expired"
             )
-        if rid not in self._holds:
-            wkey = (src, rid, nonce)
-            if wkey not in self._waiting and len(self._waiting) >= self.max_waiting:
-                return self._refuse(src, rid, nonce, "too many claims waiting")
-            give_up = now + min(self.claim_wait, ttl)
-            self._waiting[wkey] = _Waiting(src, nonce, key, first, last, digest, now + ttl, give_up)
-            return None
-        return self._decide(src, rid, nonce, key, first, last, digest, now + ttl)
+        h = self._holds.get(rid)
+        if h is None:
+            if not (type(n) is int and isinstance(digest, str) and isinstance(key, str)):
+                return self._refuse(src, rid, nonce, "malformed claim")
+            if not hmac.compare_digest(grant_key(self._secret, rid, n, digest), key):
+                return self._refuse(src, rid, nonce, "wrong grant key")
+            if sum(1 for x in self._holds.values() if not x.known) >= self.max_pending:
+                return self._refuse(src, rid, nonce, "too many requests claimed before hand-over")
+            h = self._holds[rid] = _Hold(n, digest, key, math.inf, now)
+        if not (isinstance(key, str) and hmac.compare_digest(key, h.key)):
+            return self._refuse(src, rid, nonce, "wrong grant key")
+        if (n, digest) != (h.n, h.digest):
+            return self._refuse(src, rid, nonce, "the claimed blocks are not the request's")
+        if not (type(first) is int and type(last) is int and 0 <= first < last <= h.n):
+            return self._refuse(src, rid, nonce, f"blocks [{first}, {last}) not in [0, {h.n})")
+        end = now + ttl
+        h.claims[src, nonce] = max(end, h.claims.get((src, nonce), end))
+        h.read = False
+        self.grants += 1
+        return Answer(src, rid, nonce, "grant")
 
     def done(self, src: int, rid: str, nonce: str) -> bool:
         """``src``'s claim ``nonce`` finished reading ``rid`` (its pull is
@@ -182,75 +216,72 @@ class PullHolds:
         if h is None or (src, nonce) not in h.claims:
             return False
         del h.claims[src, nonce]
-        if not h.claims:
-            self._release(rid)
-            return True
-        return False
+        return self._maybe_read(rid, h)
 
-    def free(self, src: int, rid: str, key: str) -> bool:
+    def free(self, src: int, rid: str, key: str, n: int, digest: str, now: float) -> bool:
         """``src`` will not read ``rid`` after all (its request was aborted or
-        found its prefix locally): release now unless a claim reads it. Needs
-        the request's key. True when that released it."""
-        for wkey in [k for k in self._waiting if k[:2] == (src, rid)]:
-            del self._waiting[wkey]
-        h = self._holds.get(rid)
-        if h is None or key != h.key or h.claims:
+        found its prefix locally): release it as soon as no claim reads it.
+        Needs the request's key. True when that released it now."""
+        if rid in self._released or not isinstance(key, str):
             return False
-        self._release(rid)
-        return True
+        h = self._holds.get(rid)
+        if h is None:
+            # Before the hand-over: remembered (bounded), released with it.
+            if not (type(n) is int and isinstance(digest, str)):
+                return False
+            if not hmac.compare_digest(grant_key(self._secret, rid, n, digest), key):
+                return False
+            if sum(1 for x in self._holds.values() if not x.known) >= self.max_pending:
+                return False
+            h = self._holds[rid] = _Hold(n, digest, key, math.inf, now)
+        elif not hmac.compare_digest(key, h.key):
+            return False
+        if h.claims:
+            return False
+        return self._maybe_read(rid, h)
 
-    def tick(self, now: float) -> tuple[list[str], list[Answer]]:
-        """Time passes: returns the requests released now (leases that ran out,
-        claimers whose deadline passed) and refusals of claims that waited too
-        long for their hold."""
+    def tick(self, now: float) -> list[str]:
+        """Time passes: returns the requests released now (leases that ran
+        out, claims whose deadline passed). Records of requests claimed but
+        never handed over are dropped ``pending_ttl`` after their last claim."""
         released: list[str] = []
         for rid, h in list(self._holds.items()):
             for ckey, end in list(h.claims.items()):
                 if end <= now:
                     del h.claims[ckey]
-            if not h.claims and h.lease_end <= now:
-                self.expired += 1
+            if h.claims:
+                continue
+            if h.known and h.lease_end <= now:
+                if not h.read:
+                    self.expired += 1
                 self._release(rid)
                 released.append(rid)
-        answers = []
-        for wkey, w in list(self._waiting.items()):
-            if w.give_up <= now:
-                del self._waiting[wkey]
-                answers.append(
-                    self._refuse(w.src, wkey[1], w.nonce, "the request is not held here")
-                )
-        return released, answers
+            elif not h.known and h.created + self.pending_ttl <= now:
+                del self._holds[rid]
+        return released
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (``None``: nothing held)."""
-        ends = [w.give_up for w in self._waiting.values()]
+        ends = []
         for h in self._holds.values():
-            ends.append(max([h.lease_end, *h.claims.values()]))
+            if h.claims:
+                ends.append(min(h.claims.values()))
+            elif h.known:
+                ends.append(h.lease_end)
+            else:
+                ends.append(h.created + self.pending_ttl)
         return min(ends) if ends else None
 
     # ------------------------------------------------------------ internals
 
-    def _decide(
-        self,
-        src: int,
-        rid: str,
-        nonce: str,
-        key: str,
-        first: int,
-        last: int,
-        digest: str,
-        end: float,
-    ) -> Answer:
-        h = self._holds[rid]
-        if key != h.key:
-            return self._refuse(src, rid, nonce, "wrong grant key")
-        if digest != h.digest:
-            return self._refuse(src, rid, nonce, "the claimed blocks are not the request's")
-        if not (type(first) is int and type(last) is int and 0 <= first < last <= h.blocks):
-            return self._refuse(src, rid, nonce, f"blocks [{first}, {last}) not in [0, {h.blocks})")
-        h.claims[src, nonce] = max(end, h.claims.get((src, nonce), end))
-        self.grants += 1
-        return Answer(src, rid, nonce, "grant")
+    def _maybe_read(self, rid: str, h: _Hold) -> bool:
+        if h.claims:
+            return False
+        h.read = True
+        if h.known:
+            self._release(rid)
+            return True
+        return False
 
     def _refuse(self, src: int, rid: str, nonce: str, why: str) -> Answer:
         self.refusals += 1
@@ -321,11 +352,3 @@ class Registration:
             out.append((start, count))
         self._count = total
         return out
-
-
-def unruns(runs: Iterable[Sequence[int]]) -> list[int]:
-    """The ids of ``[start, count]`` runs, in order."""
-    out: list[int] = []
-    for start, count in runs:
-        out.extend(range(int(start), int(start) + int(count)))
-    return out

@@ -16,21 +16,23 @@ its payload says; the prefill side's state machines are in :mod:`._handoff`.
 
 *Pull* (D reads P's blocks, vLLM NixlConnector's default flow)::
 
-    D -> P  ["aiokv","claim",rid,nonce,key,ttl,first,last,digest]
-            may claim ``nonce`` read blocks [first, last) of rid's list (whose
-            hash is digest) until ttl seconds from now? ``key``: the grant key
-            P put in the request's params
+    D -> P  ["aiokv","claim",rid,nonce,key,ttl,first,last,n,digest]
+            may claim ``nonce`` read blocks [first, last) of rid's n blocks
+            (whose list hashes to digest) until ttl seconds from now? ``key``:
+            the grant key P's scheduler put in the request's params
     P -> D  ["aiokv","grant",rid,nonce]         yes: held until done or ttl
          or ["aiokv","refused",rid,nonce,why]   no (lease expired, wrong key...)
     D       pull_blocks(...)                     quiescent when it returns or raises
     D -> P  ["aiokv","done",rid,nonce]           this claim ended: P frees at zero
-    D -> P  ["aiokv","free",rid,key]             D will not read (prefix hit, abort)
+    D -> P  ["aiokv","free",rid,key,n,digest]    D will not read (prefix hit, abort)
 
-  P grants only requests its engine handed over (a claim that comes first
-  waits for the hand-over, bounded), only with the request's key, only for
-  its blocks, and holds them for every granted claim until that claim's
-  ``done`` or D's own deadline: a lease that expires on P never frees blocks
-  D may still read.
+  P grants only with the request's grant key (a MAC, by a secret only P's
+  own scheduler knows, of the request id and its block list: only requests
+  its scheduler handed over, only for their blocks, even before its engine
+  told this worker), and holds the blocks for every granted claim until that
+  claim's ``done`` or D's own deadline, and never reports them sent before
+  its engine handed the request over: a lease that expires on P never frees
+  blocks D may still read.
 
 *Push* (P writes D's blocks as each layer is computed)::
 
@@ -80,9 +82,18 @@ from .. import (
     Placement,
 )
 from ..cache_manager import CacheManager
-from ._handoff import Answer, ProtocolError, PullHolds, Registration, blocks_digest
+from ._handoff import Answer, ProtocolError, PullHolds, Registration, blocks_digest, grant_key
 
-__all__ = ["KVLayout", "Peer", "TransferAgent", "TransferResults", "block_runs", "cluster_id_for"]
+__all__ = [
+    "KVLayout",
+    "Peer",
+    "TransferAgent",
+    "TransferResults",
+    "block_runs",
+    "blocks_digest",
+    "cluster_id_for",
+    "grant_key",
+]
 
 log = logging.getLogger("aiokvcache.vllm")
 
@@ -274,8 +285,11 @@ class TransferAgent:
         self.digests: dict[str, str] | None = {} if record_digests else None
         self._results = TransferResults()
         self._metrics = _Metrics()
+        #: P, pull: this worker's grant-key secret, for its own scheduler
+        #: only (see :func:`grant_key`).
+        self.grant_secret = secrets.token_bytes(32)
         # P, pull: the loop thread's alone (hold() posts to it).
-        self._holds = PullHolds(claim_wait=max(self.grace, 1.0), max_waiting=MAX_UNKNOWN)
+        self._holds = PullHolds(self.grant_secret, max_pending=MAX_UNKNOWN)
         self._hold_timer: asyncio.TimerHandle | None = None
         self._pushes: dict[str, _PushState] = {}
         self._waits: dict[tuple[str, str], tuple[int, asyncio.Future[Any]]] = {}
@@ -432,25 +446,30 @@ class TransferAgent:
 
     # ------------------------------------------------------------ P, pull
 
-    def hold(self, req_id: str, lease: float, blocks: Sequence[int] = (), key: str = "") -> None:
-        """P: ``req_id`` finished; its ``blocks`` stay put until every reader
-        granted with ``key`` is done, or ``lease`` s pass with none."""
-        self._post(self._hold, req_id, float(lease), [int(b) for b in blocks], str(key))
+    def grant_key(self, req_id: str, blocks: Sequence[int]) -> str:
+        """P: the grant key of ``req_id`` over ``blocks`` (what its scheduler
+        computes from :attr:`grant_secret`)."""
+        return self._holds.key(req_id, [int(b) for b in blocks])
 
-    def _hold(self, rid: str, lease: float, blocks: list[int], key: str) -> None:
+    def hold(self, req_id: str, lease: float, blocks: Sequence[int]) -> None:
+        """P: ``req_id`` finished; its ``blocks`` stay put until every granted
+        reader is done, or ``lease`` s pass with none."""
+        self._post(self._hold, req_id, float(lease), [int(b) for b in blocks])
+
+    def _hold(self, rid: str, lease: float, blocks: list[int]) -> None:
         log.debug("hold %s (%d blocks) for %.1f s", rid, len(blocks), lease)
-        now = asyncio.get_running_loop().time()
-        self._answer_claims(self._holds.hold(rid, blocks, key, lease, now))
+        if self._holds.hold(rid, blocks, lease, asyncio.get_running_loop().time()):
+            self._report_sent(rid)  # its readers were done before the hand-over
         self._tick_holds()
 
     def _on_claim(self, src: int, args: list[Any]) -> None:
         rid, nonce, key = str(args[0]), str(args[1]), str(args[2])
-        ttl, first, last, digest = float(args[3]), args[4], args[5], str(args[6])
+        ttl, first, last, n, digest = float(args[3]), args[4], args[5], args[6], args[7]
         log.debug("claim %s/%s from cluster %d", rid, nonce, src)
         now = asyncio.get_running_loop().time()
-        answer = self._holds.claim(src, rid, nonce, key, ttl, first, last, digest, now)
-        if answer is not None:
-            self._answer_claims([answer])
+        self._answer_claims(
+            [self._holds.claim(src, rid, nonce, key, ttl, first, last, n, digest, now)]
+        )
         self._tick_holds()
 
     def _answer_claims(self, answers: list[Answer]) -> None:
@@ -468,18 +487,18 @@ class TransferAgent:
             self._report_sent(rid)
         self._tick_holds()
 
-    def _on_free(self, src: int, rid: str, key: str) -> None:
-        if self._holds.free(src, rid, key):
+    def _on_free(self, src: int, args: list[Any]) -> None:
+        rid, key, n, digest = str(args[0]), args[1], args[2], args[3]
+        if self._holds.free(src, rid, key, n, digest, asyncio.get_running_loop().time()):
             log.debug("free %s by cluster %d", rid, src)
             self._report_sent(rid)
         self._tick_holds()
 
     def _tick_holds(self) -> None:
-        """Release what ran out, refuse claims that waited too long, and
-        schedule the next look."""
+        """Release what ran out and schedule the next look."""
         loop = asyncio.get_running_loop()
         before = self._holds.expired
-        released, refusals = self._holds.tick(loop.time())
+        released = self._holds.tick(loop.time())
         expired = self._holds.expired - before
         if expired:
             self.stats["leases_expired"] += expired
@@ -488,7 +507,6 @@ class TransferAgent:
             log.warning("aiokvcache: %d lease(s) expired unread, blocks released", expired)
         for rid in released:
             self._report_sent(rid)
-        self._answer_claims(refusals)
         if self._hold_timer is not None:
             self._hold_timer.cancel()
             self._hold_timer = None
@@ -772,19 +790,22 @@ class TransferAgent:
         received (its blocks may go back) once the load is quiescent."""
         self._post(self._cancel_recv, req_id)
 
-    def free_remote(self, peer: Peer, remote_req_id: str, key: str) -> None:
+    def free_remote(
+        self, peer: Peer, remote_req_id: str, key: str, remote_ids: Sequence[int]
+    ) -> None:
         """D: this side will not read ``peer``'s request (a local prefix hit,
         an abort before the load began): let it free its blocks now."""
-        self._post(lambda: self._spawn(self._free_remote(peer, remote_req_id, key)))
+        msg = _tag("free", remote_req_id, key, len(remote_ids), blocks_digest(list(remote_ids)))
+        self._post(lambda: self._spawn(self._free_remote(peer, msg)))
 
     def drop_push(self, peer: Peer, xid: str) -> None:
         """D: this side will not take transfer ``xid``'s pushes (a local prefix
         hit, an abort before the load began): ``peer`` stops and frees."""
         self._post(lambda: self._spawn(self._drop_push(peer, xid)))
 
-    async def _free_remote(self, peer: Peer, rid: str, key: str) -> None:
+    async def _free_remote(self, peer: Peer, msg: str) -> None:
         if await self._try_link(peer):
-            await self._send(peer.cluster_id, _tag("free", rid, key))
+            await self._send(peer.cluster_id, msg)
 
     async def _drop_push(self, peer: Peer, xid: str) -> None:
         # An empty registration: nothing to push; P ends the transfer.
@@ -896,7 +917,17 @@ class TransferAgent:
             ttl = self.timeout - (time.monotonic() - start)
             if ttl <= 0:
                 raise TimeoutError
-            claim = _tag("claim", rid, nonce, key, ttl, first, last, blocks_digest(remote_all))
+            claim = _tag(
+                "claim",
+                rid,
+                nonce,
+                key,
+                ttl,
+                first,
+                last,
+                len(remote_all),
+                blocks_digest(remote_all),
+            )
             claimed = True
             await self._send(peer.cluster_id, claim, must=True)
             answer = await asyncio.wait_for(fut, max(0.001, ttl))
@@ -1022,7 +1053,7 @@ class TransferAgent:
         elif kind == "done":
             self._on_done(src, str(args[0]), str(args[1]))
         elif kind == "free":
-            self._on_free(src, str(args[0]), str(args[1]))
+            self._on_free(src, args)
         elif kind == "grant":
             self._answer(src, ("grant", str(args[1])), "grant")
         elif kind == "refused":

@@ -15,10 +15,12 @@ returns the params a decode request passes back unchanged
 (``do_remote_prefill``, ``remote_block_ids``, ``remote_engine_id``,
 ``remote_request_id``, ``remote_host``, ``remote_port``, ``transfer_mode``
 and aiokvcache's own ``remote_cluster_id``, ``aiokv_peers``,
-``aiokv_layout``, ``aiokv_transfer_id``, ``aiokv_grant_key``), so vLLM's
+``aiokv_layout``, ``aiokv_transfer_id``, ``aiokv_grant_keys``), so vLLM's
 disaggregated proxy and clients written for NixlConnector work unchanged.
-``aiokv_grant_key`` is a per-request secret: only a decode instance handed
-the params can claim (or free) the request's blocks.
+``aiokv_grant_keys`` (one per prefill worker) are MACs of the request id and
+its block list by a secret each prefill worker shares with its own scheduler
+only: only a decode instance handed the params can claim (or free) the
+request's blocks, and only those blocks.
 
 - *pull* (default): the decode worker claims the prefill's blocks, reads
   them with ``pull_blocks`` and tells the prefill to free them.
@@ -53,7 +55,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import secrets
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -71,7 +72,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ._kvlink import FAILURE_REASONS, KVLayout, Peer, TransferAgent, cluster_id_for
+from ._kvlink import (
+    FAILURE_REASONS,
+    KVLayout,
+    Peer,
+    TransferAgent,
+    blocks_digest,
+    cluster_id_for,
+    grant_key,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -356,6 +365,9 @@ class AioKVHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc,unused-
     port: int
     cluster_id: int
     layout: str
+    # The worker's grant-key secret (hex): for its own scheduler, which makes
+    # each handed-over request's key; never in a request's params.
+    grant_secret: str = ""
 
 
 @dataclass
@@ -370,7 +382,7 @@ class _Recv:
     local_block_ids: list[int]
     transfer_id: str
     layout: str | None
-    grant_key: str = ""
+    grant_keys: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -380,8 +392,9 @@ class _Drop:
     mode: str
     peers: list[list[Any]]
     remote_request_id: str
+    remote_block_ids: list[int]
     transfer_id: str
-    grant_key: str
+    grant_keys: list[str]
 
 
 @dataclass
@@ -391,8 +404,8 @@ class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     recv: dict[str, _Recv] = field(default_factory=dict)
     cancel_recv: set[str] = field(default_factory=set)  # D: aborted while loading
     drops: list[_Drop] = field(default_factory=list)  # D: KV not needed after all
-    # P pull: req id -> (lease in s, block ids, grant key)
-    holds: dict[str, tuple[float, list[int], str]] = field(default_factory=dict)
+    # P pull: req id -> (lease in s, block ids)
+    holds: dict[str, tuple[float, list[int]]] = field(default_factory=dict)
     # P push: req id -> (transfer id, block ids, token end of this step, last chunk)
     push_steps: dict[str, tuple[str, list[int], int, bool]] = field(default_factory=dict)
     # P push: req id -> (transfer id, aborted), once the engine finished the request
@@ -488,7 +501,9 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         if agent is None or agent.address is None:
             return None
         host, port = agent.address.rsplit(":", 1)
-        return AioKVHandshake(host, int(port), agent.cluster_id, agent.layout.digest())
+        return AioKVHandshake(
+            host, int(port), agent.cluster_id, agent.layout.digest(), agent.grant_secret.hex()
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -497,8 +512,8 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         agent = self._agent
         if agent is None or not isinstance(meta, AioKVMetadata):
             return
-        for rid, (lease, blocks, key) in meta.holds.items():
-            agent.hold(rid, lease, blocks, key)
+        for rid, (lease, blocks) in meta.holds.items():
+            agent.hold(rid, lease, blocks)
         # Transfer ids are per tensor-parallel rank: rank r pushes to rank r.
         suffix = f"/{self._rank}"
         self._step_pushes = []
@@ -520,7 +535,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                     r.remote_block_ids,
                     r.local_block_ids,
                     r.layout,
-                    key=r.grant_key,
+                    key=self._rank_key(r.grant_keys),
                     first=r.first,
                 )
         for rid in meta.cancel_recv:
@@ -530,7 +545,12 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             if drop.mode == "push":
                 agent.drop_push(peer, drop.transfer_id + suffix)
             else:
-                agent.free_remote(peer, drop.remote_request_id, drop.grant_key)
+                key = self._rank_key(drop.grant_keys)
+                agent.free_remote(peer, drop.remote_request_id, key, drop.remote_block_ids)
+
+    def _rank_key(self, keys: list[str]) -> str:
+        """This rank's grant key (rank r claims from the prefill's rank r)."""
+        return str(keys[self._rank]) if len(keys) > self._rank else ""
 
     def _rank_peer(self, peers: list[list[Any]]) -> Peer:
         """This rank's peer among a request's prefill workers."""
@@ -673,7 +693,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 local_block_ids=ids[first:last] if mode == "pull" else ids[:last],
                 transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
                 layout=params.get("aiokv_layout"),
-                grant_key=str(params.get("aiokv_grant_key") or ""),
+                grant_keys=[str(k) for k in params.get("aiokv_grant_keys") or ()],
             )
             self._loading.add(rid)
         elif params.get("do_remote_decode"):
@@ -691,8 +711,9 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             mode=str(params.get("transfer_mode") or self._mode),
             peers=self._remote_peers(params),
             remote_request_id=str(params.get("remote_request_id", "")),
+            remote_block_ids=_flat(params.get("remote_block_ids") or []),
             transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
-            grant_key=str(params.get("aiokv_grant_key") or ""),
+            grant_keys=[str(k) for k in params.get("aiokv_grant_keys") or ()],
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -749,12 +770,16 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             return True, (self._params(request, ids, xid, mode) if ok else None)
         if not ok or not ids:
             return False, None
-        key = secrets.token_hex(16)
-        self._staged.holds[rid] = (float(self._cfg["kv_lease_duration"]), ids, key)
-        return True, self._params(request, ids, rid, mode, key)
+        self._staged.holds[rid] = (float(self._cfg["kv_lease_duration"]), ids)
+        digest = blocks_digest(ids)
+        keys = [
+            grant_key(bytes.fromhex(self._peers[r].grant_secret), rid, len(ids), digest)
+            for r in sorted(self._peers)
+        ]
+        return True, self._params(request, ids, rid, mode, keys)
 
     def _params(
-        self, request: Any, ids: list[int], xid: str, mode: str, key: str = ""
+        self, request: Any, ids: list[int], xid: str, mode: str, keys: list[str] | None = None
     ) -> dict[str, Any]:
         first = self._peers.get(0)
         return {
@@ -769,7 +794,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             "aiokv_peers": self._peer_list(),
             "aiokv_layout": first.layout if first else None,
             "aiokv_transfer_id": xid,
-            "aiokv_grant_key": key,
+            "aiokv_grant_keys": keys or [],
             "tp_size": self._tp_size,
             "remote_num_tokens": int(request.num_computed_tokens),
             "transfer_mode": mode,
