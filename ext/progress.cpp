@@ -49,6 +49,14 @@ void Engine::run_commands() {
 
 int Engine::wait_timeout_ms() {
   int ms = jobs_.empty() ? kIdleWaitMs : kSafetyWaitMs;
+  if (cfg_.keepalive.count() > 0) {
+    // Keep-alives go out on time even when nothing else wakes this thread
+    // (a peer whose Python threads are starved posts no command).
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(next_keepalive_ -
+                                                                      std::chrono::steady_clock::now())
+                    .count();
+    ms = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(ms, left + 1)));
+  }
   if (!deadlines_.empty()) {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
                     deadlines_.begin()->first - std::chrono::steady_clock::now())

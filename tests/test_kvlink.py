@@ -79,19 +79,23 @@ def test_block_runs_and_cluster_ids() -> None:
         KVLayout(2, 2, 4, 8, 4, (1, 2, 3))
 
 
+UNTIL = int((time.time() + 3600) * 1000)  # the grant keys' expiry (wall clock, ms)
+
+
 def test_pull_claims_reads_then_frees(sides: tuple[Side, Side]) -> None:
     p, d = sides
     fill(p, [1, 2, 7], 1)
     # D may claim before P's engine handed the request over: its key (made
     # by P's scheduler) proves the request and its blocks.
-    key = p.agent.grant_key("p-req", [1, 2, 7])
-    d.agent.pull("d-req", p.peer, "p-req", [1, 2, 7], [5, 6, 3], p.agent.layout.digest(), key=key)
+    key = p.agent.grant_key("p-req", [1, 2, 7], UNTIL)
+    lay = p.agent.layout.digest()
+    d.agent.pull("d-req", p.peer, "p-req", [1, 2, 7], [5, 6, 3], lay, key=key, until_ms=UNTIL)
     wait_for(lambda: "d-req" in d.poll().finished_recving)
     assert not d.got.failed_recving
     assert same(p, [1, 2, 7], d, [5, 6, 3])
     time.sleep(0.2)
     assert not p.poll().finished_sending  # not reported before the engine handed it over
-    p.agent.hold("p-req", 30, [1, 2, 7])
+    p.agent.hold("p-req", 30, [1, 2, 7], UNTIL)
     wait_for(lambda: "p-req" in p.poll().finished_sending)  # at once: D is done
     m = d.agent.take_metrics()
     assert m["bytes"] == [3 * LAYERS * BLOCK_BYTES] and len(m["seconds"]) == 1, m
@@ -100,9 +104,9 @@ def test_pull_claims_reads_then_frees(sides: tuple[Side, Side]) -> None:
 def test_pull_of_part_of_a_request(sides: tuple[Side, Side]) -> None:
     p, d = sides
     fill(p, [4, 5, 6], 4)
-    p.agent.hold("p-req", 30, [4, 5, 6])
-    key = p.agent.grant_key("p-req", [4, 5, 6])
-    d.agent.pull("d-req", p.peer, "p-req", [4, 5, 6], [9, 10], key=key, first=1)
+    p.agent.hold("p-req", 30, [4, 5, 6], UNTIL)
+    key = p.agent.grant_key("p-req", [4, 5, 6], UNTIL)
+    d.agent.pull("d-req", p.peer, "p-req", [4, 5, 6], [9, 10], key=key, until_ms=UNTIL, first=1)
     wait_for(lambda: "d-req" in d.poll().finished_recving)
     assert not d.got.failed_recving
     assert same(p, [5, 6], d, [9, 10])
@@ -111,10 +115,11 @@ def test_pull_of_part_of_a_request(sides: tuple[Side, Side]) -> None:
 def test_pull_after_the_lease_expired_fails_and_reads_nothing(sides: tuple[Side, Side]) -> None:
     p, d = sides
     fill(p, [1], 2)
-    p.agent.hold("p-req", 0, [1])
+    p.agent.hold("p-req", 0, [1], UNTIL)
     # reaped: the engine may reuse block 1
     wait_for(lambda: "p-req" in p.poll().finished_sending, timeout=5)
-    d.agent.pull("d-req", p.peer, "p-req", [1], [4], key=p.agent.grant_key("p-req", [1]))
+    key = p.agent.grant_key("p-req", [1], UNTIL)
+    d.agent.pull("d-req", p.peer, "p-req", [1], [4], key=key, until_ms=UNTIL)
     wait_for(lambda: "d-req" in d.poll().finished_recving)
     assert d.got.failed_recving == {"d-req"}
     assert d.got.invalid_block_ids == {4}

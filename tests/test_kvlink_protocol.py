@@ -40,6 +40,7 @@ from aiokvcache.integrations._kvlink import KVLayout, Peer, TransferAgent
 LAYERS, BLOCKS, BS = 3, 64, 4
 P_ID, D_ID, EVIL = 11, 22, 33
 FORGED = "f" * 32
+UNTIL = int((time.time() + 3600) * 1000)  # the grant keys' expiry (wall clock, ms)
 
 
 def digest(ids: list[int]) -> str:
@@ -119,8 +120,8 @@ def claim(
     """A claim of blocks [0, 3) of ``rid``'s ``blocks`` (default [1, 2, 3]),
     with the key P's scheduler would have put in the params, or ``key``."""
     ids = [1, 2, 3] if blocks is None else blocks
-    good = agent.grant_key(rid, ids)
-    return [rid, nonce, good if key is None else key, ttl, 0, 3, len(ids), digest(ids)]
+    good = agent.grant_key(rid, ids, UNTIL)
+    return [rid, nonce, good if key is None else key, ttl, 0, 3, len(ids), digest(ids), UNTIL]
 
 
 def answers(rec: Recorder, to: int) -> list[list[Any]]:
@@ -143,7 +144,7 @@ async def test_a_failed_layer_is_never_reported_pushed() -> None:
             raise RuntimeError("link failed")
 
     rec.push = push
-    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]]])
+    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
     agent._push_step("x", "p-req", [1, 2, 3], BS, 12, True)
     for layer in range(LAYERS):
         agent._layer_saved(["x"], layer)
@@ -156,7 +157,7 @@ async def test_a_failed_layer_is_never_reported_pushed() -> None:
 
 async def test_a_cancel_from_a_cluster_that_did_not_register_is_ignored() -> None:
     agent, rec = await make_agent()
-    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]]])
+    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
     agent._dispatch(EVIL, "cancel", ["x"])
     agent._push_step("x", "p-req", [1, 2, 3], BS, 12, True)
     for layer in range(LAYERS):
@@ -167,14 +168,14 @@ async def test_a_cancel_from_a_cluster_that_did_not_register_is_ignored() -> Non
 
 async def test_a_registration_part_from_another_cluster_cannot_redirect_the_push() -> None:
     agent, rec = await make_agent()
-    agent._dispatch(D_ID, "reg", ["x", 0, 2, [[10, 2]]])
-    agent._dispatch(EVIL, "reg", ["x", 1, 2, [[40, 1]]])  # completes it, from elsewhere
+    agent._dispatch(D_ID, "reg", ["x", 0, 2, [[10, 2]], 0, 5.0])
+    agent._dispatch(EVIL, "reg", ["x", 1, 2, [[40, 1]], 0, 5.0])  # completes it, from elsewhere
     agent._push_step("x", "p-req", [1, 2, 3], BS, 12, True)
     for layer in range(LAYERS):
         agent._layer_saved(["x"], layer)
     await settle()
     assert not rec.pushes and "pushed" not in rec.kinds(), rec.sent
-    agent._dispatch(D_ID, "reg", ["x", 1, 2, [[20, 1]]])
+    agent._dispatch(D_ID, "reg", ["x", 1, 2, [[20, 1]], 0, 5.0])
     await until(lambda: "pushed" in rec.kinds(D_ID))
     assert {c for c, _ in rec.pushes} == {D_ID}
     assert not [m for c, m in rec.sent if c == EVIL]
@@ -182,7 +183,7 @@ async def test_a_registration_part_from_another_cluster_cannot_redirect_the_push
 
 async def test_decode_first_registered_then_released_before_any_step_is_reported_sent() -> None:
     agent, _ = await make_agent()
-    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]]])
+    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
     agent._push_release("x", "p-req", True)  # the engine never stepped it here
     await until(lambda: "p-req" in sent_rids(agent), timeout=3)
 
@@ -191,7 +192,7 @@ async def test_a_huge_registration_is_refused_before_anything_is_built() -> None
     agent, rec = await make_agent()
     tracemalloc.start()
     try:
-        agent._dispatch(D_ID, "reg", ["x", 0, 1, [[0, 20_000_000]]])
+        agent._dispatch(D_ID, "reg", ["x", 0, 1, [[0, 20_000_000]], 0, 5.0])
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -205,7 +206,7 @@ async def test_registrations_nobody_computes_are_bounded_and_reaped(
     monkeypatch.setattr(_kvlink, "MAX_UNKNOWN", 50, raising=False)
     agent, _ = await make_agent(timeout=0.5, grace=0.3)
     for i in range(80):
-        agent._dispatch(EVIL, "reg", [f"x{i}", 0, 1, [[i % BLOCKS, 1]]])
+        agent._dispatch(EVIL, "reg", [f"x{i}", 0, 1, [[i % BLOCKS, 1]], 0, 5.0])
     assert len(agent._pushes) <= 50
     await until(lambda: not agent._pushes, timeout=5)
 
@@ -229,14 +230,14 @@ async def test_a_claim_before_the_hand_over_is_granted_and_released_only_after_i
     agent._dispatch(D_ID, "done", ["r", "n1"])
     await settle()
     assert "r" not in sent_rids(agent)  # the engine has not handed it over yet
-    agent._hold("r", 30.0, [1, 2, 3])
+    agent._hold("r", 30.0, [1, 2, 3], UNTIL)
     await until(lambda: "r" in sent_rids(agent))
 
 
 @pytest.mark.parametrize("bad", ["key", "blocks", "range"])
 async def test_a_claim_with_a_wrong_key_or_other_blocks_is_refused(bad: str) -> None:
     agent, rec = await make_agent()
-    agent._hold("r", 30.0, [1, 2, 3])
+    agent._hold("r", 30.0, [1, 2, 3], UNTIL)
     msg = claim(agent, "r", "n1")
     if bad == "key":
         msg[2] = FORGED
@@ -251,11 +252,11 @@ async def test_a_claim_with_a_wrong_key_or_other_blocks_is_refused(bad: str) -> 
 
 async def test_done_from_another_cluster_does_not_release() -> None:
     agent, rec = await make_agent()
-    agent._hold("r", 30.0, [1, 2, 3])
+    agent._hold("r", 30.0, [1, 2, 3], UNTIL)
     agent._dispatch(D_ID, "claim", claim(agent, "r", "n1"))
     await until(lambda: bool(answers(rec, D_ID)))
     agent._dispatch(EVIL, "done", ["r", "n1"])
-    agent._dispatch(EVIL, "free", ["r", FORGED, 3, digest([1, 2, 3])])
+    agent._dispatch(EVIL, "free", ["r", FORGED, 3, digest([1, 2, 3]), UNTIL])
     await settle()
     assert "r" not in sent_rids(agent)
     agent._dispatch(D_ID, "done", ["r", "n1"])
@@ -264,7 +265,7 @@ async def test_done_from_another_cluster_does_not_release() -> None:
 
 async def test_the_first_of_two_claims_done_does_not_release() -> None:
     agent, rec = await make_agent()
-    agent._hold("r", 30.0, [1, 2, 3])
+    agent._hold("r", 30.0, [1, 2, 3], UNTIL)
     agent._dispatch(D_ID, "claim", claim(agent, "r", "n1"))
     agent._dispatch(EVIL, "claim", claim(agent, "r", "n2"))
     await until(lambda: bool(answers(rec, D_ID)) and bool(answers(rec, EVIL)))
@@ -281,7 +282,7 @@ async def test_the_first_of_two_claims_done_does_not_release() -> None:
 
 async def test_a_grant_lasts_the_claimers_deadline_not_the_prefill_timeout() -> None:
     agent, rec = await make_agent(timeout=0.5, grace=0.2)
-    agent._hold("r", 0.1, [1, 2, 3])
+    agent._hold("r", 0.1, [1, 2, 3], UNTIL)
     agent._dispatch(D_ID, "claim", claim(agent, "r", "n1", ttl=2.5))
     await until(lambda: bool(answers(rec, D_ID)))
     await asyncio.sleep(1.5)  # past P's timeout + grace and the lease
@@ -305,8 +306,9 @@ async def test_claims_before_hand_over_are_bounded(monkeypatch: pytest.MonkeyPat
 
 async def test_free_with_the_key_releases_at_once() -> None:
     agent, _ = await make_agent()
-    agent._hold("r", 30.0, [1, 2, 3])
-    agent._dispatch(D_ID, "free", ["r", agent.grant_key("r", [1, 2, 3]), 3, digest([1, 2, 3])])
+    agent._hold("r", 30.0, [1, 2, 3], UNTIL)
+    key = agent.grant_key("r", [1, 2, 3], UNTIL)
+    agent._dispatch(D_ID, "free", ["r", key, 3, digest([1, 2, 3]), UNTIL])
     await until(lambda: "r" in sent_rids(agent))
 
 

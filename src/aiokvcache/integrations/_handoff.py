@@ -9,8 +9,9 @@ payload says) and, for pull, to the request's *grant key*.
 *Grant keys.* Each prefill worker draws a secret at start and gives it to its
 own scheduler only (vLLM's handshake metadata, inside the instance). When
 the scheduler hands a finished request over (its blocks held until the worker
-reports it sent), it puts ``grant_key(secret, rid, n, digest)``, a MAC of the
-request id and its block list, into the request's ``kv_transfer_params``. A
+reports it sent), it puts ``grant_key(secret, rid, n, digest, until)``, a MAC
+of the request id, its block list and an expiry (the lease and a grace, on the
+wall clock of the host both run on), into the request's ``kv_transfer_params``. A
 claim must carry it: only a decode instance handed those params can claim or
 free the request, only for exactly those blocks, and the worker can check a
 claim that arrives before the engine told it of the request (vLLM delivers
@@ -26,14 +27,15 @@ a long time) without trusting any unknown id.
     READ and HELD (or HELD, no claim, lease passed) --> RELEASED (reported sent)
     a claim's deadline (D's own, carried in the claim) passes --> that claim drops
 
-A released request is remembered for a while, so that a late claim is
-refused, never granted.
+A released request is remembered until its key expires, so that a late claim
+is refused, never granted; a key past its expiry is refused anyway.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import heapq
 import hmac
 import math
 from collections.abc import Sequence
@@ -59,11 +61,12 @@ def blocks_digest(ids: Sequence[int]) -> str:
     return hashlib.blake2b(",".join(map(str, ids)).encode(), digest_size=8).hexdigest()
 
 
-def grant_key(secret: bytes, rid: str, n: int, digest: str) -> str:
+def grant_key(secret: bytes, rid: str, n: int, digest: str, until_ms: int) -> str:
     """The key that lets a reader claim request ``rid``'s ``n`` blocks whose
     list hashes to ``digest`` (:func:`blocks_digest`) from the worker whose
-    secret is ``secret``."""
-    msg = f"aiokv-grant\0{rid}\0{n}\0{digest}".encode()
+    secret is ``secret``, until ``until_ms`` (that worker's wall clock, in
+    milliseconds: its scheduler, on the same host, sets it)."""
+    msg = f"aiokv-grant\0{rid}\0{n}\0{digest}\0{until_ms}".encode()
     return hmac.new(secret, msg, hashlib.blake2b).hexdigest()[:32]
 
 
@@ -83,6 +86,7 @@ class _Hold:
     n: int  # blocks
     digest: str
     key: str
+    until_ms: int  # the key's expiry (wall clock, ms)
     lease_end: float  # inf until the engine handed it over
     created: float
     known: bool = False  # the engine handed it over (hold())
@@ -98,6 +102,11 @@ class PullHolds:
     the engine handed them over, at once (more are refused): a peer cannot
     grow this side's memory. ``pending_ttl``: how long such a record outlives
     its claims while the hand-over does not come.
+
+    Every input costs O(log n) in what is held: deadlines sit in a heap that
+    :meth:`tick` pops lazily. A released request is remembered until its key
+    expires (its ``until``), so that no claim with its old params is granted,
+    whatever came since.
     """
 
     def __init__(
@@ -107,15 +116,17 @@ class PullHolds:
         max_ttl: float = 3600.0,
         max_pending: int = 4096,
         pending_ttl: float = 600.0,
-        max_released: int = 65536,
     ) -> None:
         self._secret = secret
         self.max_ttl = max_ttl
         self.max_pending = max_pending
         self.pending_ttl = pending_ttl
-        self.max_released = max_released
         self._holds: dict[str, _Hold] = {}
-        self._released: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._pending = 0  # records not yet handed over
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = 0
+        # Released ids -> when their key expires (ms), in release order.
+        self._released: collections.OrderedDict[str, int] = collections.OrderedDict()
         #: Counters: grants given, claims refused, leases that ran out unread.
         self.grants = 0
         self.refusals = 0
@@ -124,9 +135,9 @@ class PullHolds:
     def __len__(self) -> int:
         return len(self._holds)
 
-    def key(self, rid: str, blocks: Sequence[int]) -> str:
+    def key(self, rid: str, blocks: Sequence[int], until_ms: int) -> str:
         """The grant key of ``rid`` over ``blocks`` (what the scheduler computes)."""
-        return grant_key(self._secret, rid, len(blocks), blocks_digest(blocks))
+        return grant_key(self._secret, rid, len(blocks), blocks_digest(blocks), until_ms)
 
     def held(self, rid: str) -> bool:
         h = self._holds.get(rid)
@@ -137,9 +148,14 @@ class PullHolds:
         h = self._holds.get(rid)
         return set(h.claims) if h is not None else set()
 
+    def released_count(self) -> int:
+        return len(self._released)
+
     # ------------------------------------------------------------ inputs
 
-    def hold(self, rid: str, blocks: Sequence[int], lease: float, now: float) -> bool:
+    def hold(
+        self, rid: str, blocks: Sequence[int], lease: float, until_ms: int, now: float
+    ) -> bool:
         """The engine handed ``rid`` over: hold ``blocks`` until every claim
         ended, or ``lease`` seconds with none. True when it is released at once
         (its readers were already done). A repeated hold, or one for a request
@@ -150,17 +166,22 @@ class PullHolds:
         if h is not None and h.known:
             return False
         digest = blocks_digest(blocks)
-        if h is None or (h.n, h.digest) != (len(blocks), digest):
+        if h is None or (h.n, h.digest, h.until_ms) != (len(blocks), digest, until_ms):
             # (Claims verified against another block list cannot be this
             # request's: the scheduler makes one key per hand-over.)
+            if h is not None:
+                self._pending -= 1
             h = self._holds[rid] = _Hold(
-                len(blocks), digest, self.key(rid, blocks), now + lease, now
+                len(blocks), digest, self.key(rid, blocks, until_ms), until_ms, now + lease, now
             )
+        else:
+            self._pending -= 1
         h.known = True
         h.lease_end = now + lease
         if h.read and not h.claims:
-            self._release(rid)
+            self._release(rid, h)
             return True
+        self._schedule(rid, h.lease_end)
         return False
 
     def claim(
@@ -168,43 +189,43 @@ class PullHolds:
         src: int,
         rid: str,
         nonce: str,
-        key: str,
-        ttl: float,
-        first: int,
-        last: int,
-        n: int,
-        digest: str,
+        key: Any,
+        ttl: Any,
+        first: Any,
+        last: Any,
+        n: Any,
+        digest: Any,
+        until_ms: Any,
         now: float,
+        wall_ms: int,
     ) -> Answer:
         """``src`` asks to read blocks ``[first, last)`` of ``rid``'s ``n`` blocks
-        (their list hashing to ``digest``) until ``now + ttl``; ``nonce`` names
-        this claim (its grant and its ``done``)."""
+        (their list hashing to ``digest``) until ``now + ttl``, with the key
+        valid until ``until_ms``; ``nonce`` names this claim (its grant and its
+        ``done``). ``wall_ms``: this host's wall clock."""
         if not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and 0 < ttl <= self.max_ttl):
             return self._refuse(
                 src, rid, nonce, f"a claim's deadline must be in (0, {self.max_ttl}] s"
             )
-        if rid in self._released:
+        if not self._verify(rid, key, n, digest, until_ms):
+            return self._refuse(src, rid, nonce, "wrong grant key")
+        if rid in self._released or wall_ms >= until_ms:
             return self._refuse(
                 src, rid, nonce, "the prefill instance's lease on its blocks expired"
             )
+        if not (type(first) is int and type(last) is int and 0 <= first < last <= n):
+            return self._refuse(src, rid, nonce, f"blocks [{first}, {last}) not in [0, {n})")
         h = self._holds.get(rid)
         if h is None:
-            if not (type(n) is int and isinstance(digest, str) and isinstance(key, str)):
-                return self._refuse(src, rid, nonce, "malformed claim")
-            if not hmac.compare_digest(grant_key(self._secret, rid, n, digest), key):
-                return self._refuse(src, rid, nonce, "wrong grant key")
-            if sum(1 for x in self._holds.values() if not x.known) >= self.max_pending:
+            if self._pending >= self.max_pending:
                 return self._refuse(src, rid, nonce, "too many requests claimed before hand-over")
-            h = self._holds[rid] = _Hold(n, digest, key, math.inf, now)
-        if not (isinstance(key, str) and hmac.compare_digest(key, h.key)):
-            return self._refuse(src, rid, nonce, "wrong grant key")
-        if (n, digest) != (h.n, h.digest):
+            h = self._new_pending(rid, n, digest, key, until_ms, now)
+        elif (h.n, h.digest, h.until_ms) != (n, digest, until_ms):
             return self._refuse(src, rid, nonce, "the claimed blocks are not the request's")
-        if not (type(first) is int and type(last) is int and 0 <= first < last <= h.n):
-            return self._refuse(src, rid, nonce, f"blocks [{first}, {last}) not in [0, {h.n})")
         end = now + ttl
         h.claims[src, nonce] = max(end, h.claims.get((src, nonce), end))
         h.read = False
+        self._schedule(rid, end)
         self.grants += 1
         return Answer(src, rid, nonce, "grant")
 
@@ -218,68 +239,104 @@ class PullHolds:
         del h.claims[src, nonce]
         return self._maybe_read(rid, h)
 
-    def free(self, src: int, rid: str, key: str, n: int, digest: str, now: float) -> bool:
+    def free(
+        self,
+        src: int,
+        rid: str,
+        key: Any,
+        n: Any,
+        digest: Any,
+        until_ms: Any,
+        now: float,
+        wall_ms: int,
+    ) -> bool:
         """``src`` will not read ``rid`` after all (its request was aborted or
         found its prefix locally): release it as soon as no claim reads it.
         Needs the request's key. True when that released it now."""
-        if rid in self._released or not isinstance(key, str):
+        if rid in self._released or not self._verify(rid, key, n, digest, until_ms):
             return False
         h = self._holds.get(rid)
         if h is None:
             # Before the hand-over: remembered (bounded), released with it.
-            if not (type(n) is int and isinstance(digest, str)):
+            if wall_ms >= until_ms or self._pending >= self.max_pending:
                 return False
-            if not hmac.compare_digest(grant_key(self._secret, rid, n, digest), key):
-                return False
-            if sum(1 for x in self._holds.values() if not x.known) >= self.max_pending:
-                return False
-            h = self._holds[rid] = _Hold(n, digest, key, math.inf, now)
-        elif not hmac.compare_digest(key, h.key):
+            h = self._new_pending(rid, n, digest, key, until_ms, now)
+        elif (h.n, h.digest, h.until_ms) != (n, digest, until_ms):
             return False
         if h.claims:
             return False
         return self._maybe_read(rid, h)
 
-    def tick(self, now: float) -> list[str]:
+    def tick(self, now: float, wall_ms: int) -> list[str]:
         """Time passes: returns the requests released now (leases that ran
         out, claims whose deadline passed). Records of requests claimed but
-        never handed over are dropped ``pending_ttl`` after their last claim."""
+        never handed over are dropped ``pending_ttl`` after their last claim;
+        released ids are forgotten once their keys expired."""
         released: list[str] = []
-        for rid, h in list(self._holds.items()):
+        while self._heap and self._heap[0][0] <= now:
+            _, _, rid = heapq.heappop(self._heap)
+            h = self._holds.get(rid)
+            if h is None:
+                continue
             for ckey, end in list(h.claims.items()):
                 if end <= now:
                     del h.claims[ckey]
             if h.claims:
-                continue
-            if h.known and h.lease_end <= now:
-                if not h.read:
-                    self.expired += 1
-                self._release(rid)
-                released.append(rid)
-            elif not h.known and h.created + self.pending_ttl <= now:
+                self._schedule(rid, min(h.claims.values()))
+            elif h.known:
+                if h.lease_end <= now:
+                    if not h.read:
+                        self.expired += 1
+                    self._release(rid, h)
+                    released.append(rid)
+                else:
+                    self._schedule(rid, h.lease_end)
+            elif h.created + self.pending_ttl <= now:
                 del self._holds[rid]
+                self._pending -= 1
+            else:
+                self._schedule(rid, h.created + self.pending_ttl)
+        while self._released:
+            rid, until = next(iter(self._released.items()))
+            if until > wall_ms:
+                break
+            del self._released[rid]
         return released
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` next has something to do (``None``: nothing held)."""
-        ends = []
-        for h in self._holds.values():
-            if h.claims:
-                ends.append(min(h.claims.values()))
-            elif h.known:
-                ends.append(h.lease_end)
-            else:
-                ends.append(h.created + self.pending_ttl)
-        return min(ends) if ends else None
+        return self._heap[0][0] if self._heap else None
 
     # ------------------------------------------------------------ internals
+
+    def _verify(self, rid: str, key: Any, n: Any, digest: Any, until_ms: Any) -> bool:
+        if not (
+            isinstance(key, str)
+            and type(n) is int
+            and isinstance(digest, str)
+            and type(until_ms) is int
+        ):
+            return False
+        return hmac.compare_digest(grant_key(self._secret, rid, n, digest, until_ms), key)
+
+    def _new_pending(
+        self, rid: str, n: int, digest: str, key: str, until_ms: int, now: float
+    ) -> _Hold:
+        h = self._holds[rid] = _Hold(n, digest, key, until_ms, math.inf, now)
+        self._pending += 1
+        self._schedule(rid, now + self.pending_ttl)
+        return h
+
+    def _schedule(self, rid: str, when: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (when, self._seq, rid))
 
     def _maybe_read(self, rid: str, h: _Hold) -> bool:
         if h.claims:
             return False
         h.read = True
         if h.known:
-            self._release(rid)
+            self._release(rid, h)
             return True
         return False
 
@@ -287,41 +344,49 @@ class PullHolds:
         self.refusals += 1
         return Answer(src, rid, nonce, "refused", why)
 
-    def _release(self, rid: str) -> None:
-        self._holds.pop(rid, None)
-        self._released[rid] = None
-        while len(self._released) > self.max_released:
-            self._released.popitem(last=False)
+    def _release(self, rid: str, h: _Hold) -> None:
+        if self._holds.pop(rid, None) is not None and not h.known:
+            self._pending -= 1
+        self._released[rid] = h.until_ms
 
 
 class Registration:
     """Decode side's block ids for one push transfer, from its parts.
 
     Bound to the cluster that sent the first part: parts from any other link
-    are refused. Runs are checked against the engine's block count before
-    anything is allocated, so a peer cannot make this side build a list
-    longer than its own KV cache.
+    are refused. At most ``max_blocks`` ids (a push never writes more blocks
+    than a request holds on the prefill side, so the prefill's own block
+    count) of at most ``max_id``, checked before anything is built, so a peer
+    cannot make this side build a list longer than its own KV cache. (The
+    ids are the decode side's: its transfers check them against its cache.)
     """
 
-    def __init__(self, num_blocks: int, runs_per_part: int) -> None:
-        self.num_blocks = num_blocks
+    MAX_ID = 1 << 40
+
+    def __init__(self, max_blocks: int, runs_per_part: int) -> None:
+        self.max_blocks = max_blocks
         self.runs_per_part = runs_per_part
         self.src: int | None = None
         self.parts: int | None = None
         self._got: dict[int, list[tuple[int, int]]] = {}
         self._count = 0
 
+    @property
+    def count(self) -> int:
+        """Ids registered so far."""
+        return self._count
+
     def add(self, src: int, part: Any, parts: Any, runs: Any) -> list[int] | None:
         """One part; the whole id list once the last part is in, else ``None``.
         Raises :class:`ProtocolError` for a part that does not hold."""
         if self.src is not None and src != self.src:
             raise ProtocolError(f"cluster {src} registered for another cluster's transfer")
-        max_parts = -(-self.num_blocks // self.runs_per_part) + 1
-        if not (isinstance(parts, int) and 1 <= parts <= max_parts):
+        max_parts = -(-self.max_blocks // self.runs_per_part) + 1
+        if not (type(parts) is int and 1 <= parts <= max_parts):
             raise ProtocolError(f"a registration of {parts!r} parts (at most {max_parts})")
         if self.parts is not None and parts != self.parts:
             raise ProtocolError("the registration's part count changed")
-        if not (isinstance(part, int) and 0 <= part < parts) or part in self._got:
+        if not (type(part) is int and 0 <= part < parts) or part in self._got:
             raise ProtocolError(f"registration part {part!r} of {parts}: repeated or out of range")
         checked = self._runs(runs)
         self.src, self.parts = src, parts
@@ -344,11 +409,13 @@ class Registration:
             if not (isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)):
                 raise ProtocolError(f"a block run must be [start, count], got {r!r}")
             start, count = r
-            if not (0 <= start and 1 <= count and start + count <= self.num_blocks):
-                raise ProtocolError(f"block run {r!r} outside the {self.num_blocks} blocks")
+            if not (0 <= start and 1 <= count and start + count <= self.MAX_ID):
+                raise ProtocolError(f"block run {r!r} outside [0, 2**40)")
             total += count
-            if total > self.num_blocks:
-                raise ProtocolError(f"more blocks registered than the {self.num_blocks} there are")
+            if total > self.max_blocks:
+                raise ProtocolError(
+                    f"more blocks registered than the {self.max_blocks} a request can hold here"
+                )
             out.append((start, count))
         self._count = total
         return out

@@ -36,7 +36,9 @@ its payload says; the prefill side's state machines are in :mod:`._handoff`.
 
 *Push* (P writes D's blocks as each layer is computed)::
 
-    D -> P  ["aiokv","reg",xid,part,parts,runs]   D's block ids for transfer xid
+    D -> P  ["aiokv","reg",xid,part,parts,runs,first,ttl]
+            D's block ids for transfer xid (for P's blocks first, first + 1...),
+            and D's deadline: P's pushes end within ttl seconds
     P       push_blocks(..., tag=["aiokv","kv",xid]) per layer, as layers are saved
     P -> D  ["aiokv","pushed",xid]      every layer of xid landed
          or ["aiokv","pushfail",xid,why]
@@ -45,11 +47,13 @@ its payload says; the prefill side's state machines are in :mod:`._handoff`.
   A transfer is bound to the link its first registration part came on:
   parts and cancels from any other link are dropped. P reports ``pushed``
   only once every layer's last push completed; a failed layer ends the
-  transfer at once. P bounds its pushes by ``timeout`` from the
-  registration; D waits ``timeout + grace``, so by the time D gives its
-  blocks back to the engine P's pushes have ended (aiokvcache's quiescence
-  rule), except for a P that is frozen and resumes later, bounded as the
-  library bounds late writes.
+  transfer at once. P bounds its pushes by the registration's ttl (D's
+  deadline less a margin) and its own ``timeout``; D waits ``timeout``, and
+  on an abort or a failure tells P to stop and waits for its word that its
+  pushes are quiescent (a ``pushfail``) or for that deadline. So by the time
+  D gives its blocks back to the engine P's pushes have ended (aiokvcache's
+  quiescence rule), except for a P that is frozen and resumes later, bounded
+  as the library bounds late writes.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ import ctypes
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -104,6 +109,12 @@ RUNS_PER_PART = 200
 #: Transfers a peer may start on this side before its engine knows them
 #: (push registrations; pull claims wait in :class:`PullHolds`, bounded alike).
 MAX_UNKNOWN = 4096
+#: Push transfers that ended, remembered so that a late registration is
+#: answered at once.
+MAX_ENDED = 65536
+#: Block ids registrations of transfers not computed here may hold, in
+#: multiples of this side's block count.
+MAX_UNKNOWN_BLOCKS = 4
 #: Load failures by reason (the keys of :meth:`TransferAgent.take_metrics`).
 FAILURE_REASONS = ("timeout", "refused", "link", "prefill", "layout", "aborted", "other")
 
@@ -141,6 +152,22 @@ def block_runs(ids: Sequence[int]) -> list[list[int]]:
         else:
             runs.append([int(b), 1])
     return runs
+
+
+def _spans(src: Sequence[int], dst: Sequence[int]) -> int:
+    """How many contiguous spans moving ``src[i]`` to ``dst[i]`` takes (a span
+    breaks wherever either side does)."""
+    n = 0
+    for i in range(len(src)):
+        if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            n += 1
+    return n
+
+
+def _wall_ms() -> int:
+    """This host's wall clock in ms: what grant keys' expiry is written in
+    (a prefill's scheduler and workers share the host)."""
+    return int(time.time() * 1000)
 
 
 def _tag(*parts: Any) -> str:
@@ -225,11 +252,14 @@ class _PushState:
     tails: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     registration: Registration | None = None
     reg_cluster: int | None = None
-    reg_ids: list[int] | None = None
+    reg_ids: list[int] | None = None  # D's blocks for the request's blocks first, first + 1...
+    first: int = 0
     deadline: float | None = None
     ended: bool = False  # pushed or failed: nothing more will be written
     released: bool = False  # the engine is done with the request (may report it)
     remote: bool = False  # created by a peer's registration, not by the engine
+    quiescing: bool = False  # its pushes are being cancelled
+    reported: bool = False  # reported sent (once)
 
 
 @dataclass
@@ -292,6 +322,9 @@ class TransferAgent:
         self._holds = PullHolds(self.grant_secret, max_pending=MAX_UNKNOWN)
         self._hold_timer: asyncio.TimerHandle | None = None
         self._pushes: dict[str, _PushState] = {}
+        self._remote_xids: set[str] = set()  # pushes only a peer's registration made
+        self._remote_ids = 0  # block ids those registrations hold
+        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._waits: dict[tuple[str, str], tuple[int, asyncio.Future[Any]]] = {}
         self._recvs: dict[str, asyncio.Task[None]] = {}  # D: request id -> its load
         self._aborted: set[str] = set()  # D: loads cancelled because the engine aborted them
@@ -446,30 +479,33 @@ class TransferAgent:
 
     # ------------------------------------------------------------ P, pull
 
-    def grant_key(self, req_id: str, blocks: Sequence[int]) -> str:
-        """P: the grant key of ``req_id`` over ``blocks`` (what its scheduler
-        computes from :attr:`grant_secret`)."""
-        return self._holds.key(req_id, [int(b) for b in blocks])
+    def grant_key(self, req_id: str, blocks: Sequence[int], until_ms: int) -> str:
+        """P: the grant key of ``req_id`` over ``blocks``, valid until
+        ``until_ms`` (what its scheduler computes from :attr:`grant_secret`)."""
+        return self._holds.key(req_id, [int(b) for b in blocks], until_ms)
 
-    def hold(self, req_id: str, lease: float, blocks: Sequence[int]) -> None:
+    def hold(self, req_id: str, lease: float, blocks: Sequence[int], until_ms: int) -> None:
         """P: ``req_id`` finished; its ``blocks`` stay put until every granted
-        reader is done, or ``lease`` s pass with none."""
-        self._post(self._hold, req_id, float(lease), [int(b) for b in blocks])
+        reader is done, or ``lease`` s pass with none. ``until_ms``: when its
+        grant key expires (as the scheduler made it)."""
+        self._post(self._hold, req_id, float(lease), [int(b) for b in blocks], int(until_ms))
 
-    def _hold(self, rid: str, lease: float, blocks: list[int]) -> None:
+    def _hold(self, rid: str, lease: float, blocks: list[int], until_ms: int) -> None:
         log.debug("hold %s (%d blocks) for %.1f s", rid, len(blocks), lease)
-        if self._holds.hold(rid, blocks, lease, asyncio.get_running_loop().time()):
+        now = asyncio.get_running_loop().time()
+        if self._holds.hold(rid, blocks, lease, until_ms, now):
             self._report_sent(rid)  # its readers were done before the hand-over
         self._tick_holds()
 
     def _on_claim(self, src: int, args: list[Any]) -> None:
-        rid, nonce, key = str(args[0]), str(args[1]), str(args[2])
-        ttl, first, last, n, digest = float(args[3]), args[4], args[5], args[6], args[7]
+        rid, nonce, key = str(args[0]), str(args[1]), args[2]
+        ttl, first, last, n, digest, until = args[3:9]
         log.debug("claim %s/%s from cluster %d", rid, nonce, src)
         now = asyncio.get_running_loop().time()
-        self._answer_claims(
-            [self._holds.claim(src, rid, nonce, key, ttl, first, last, n, digest, now)]
+        answer = self._holds.claim(
+            src, rid, nonce, key, ttl, first, last, n, digest, until, now, _wall_ms()
         )
+        self._answer_claims([answer])
         self._tick_holds()
 
     def _answer_claims(self, answers: list[Answer]) -> None:
@@ -485,20 +521,21 @@ class TransferAgent:
     def _on_done(self, src: int, rid: str, nonce: str) -> None:
         if self._holds.done(src, rid, nonce):
             self._report_sent(rid)
-        self._tick_holds()
 
     def _on_free(self, src: int, args: list[Any]) -> None:
-        rid, key, n, digest = str(args[0]), args[1], args[2], args[3]
-        if self._holds.free(src, rid, key, n, digest, asyncio.get_running_loop().time()):
+        rid, key, n, digest, until = str(args[0]), args[1], args[2], args[3], args[4]
+        now = asyncio.get_running_loop().time()
+        if self._holds.free(src, rid, key, n, digest, until, now, _wall_ms()):
             log.debug("free %s by cluster %d", rid, src)
             self._report_sent(rid)
         self._tick_holds()
 
     def _tick_holds(self) -> None:
-        """Release what ran out and schedule the next look."""
+        """Release what ran out; arm the timer for the next deadline (each
+        costs O(log n): deadlines are a heap in :class:`PullHolds`)."""
         loop = asyncio.get_running_loop()
         before = self._holds.expired
-        released = self._holds.tick(loop.time())
+        released = self._holds.tick(loop.time(), _wall_ms())
         expired = self._holds.expired - before
         if expired:
             self.stats["leases_expired"] += expired
@@ -507,12 +544,17 @@ class TransferAgent:
             log.warning("aiokvcache: %d lease(s) expired unread, blocks released", expired)
         for rid in released:
             self._report_sent(rid)
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-            self._hold_timer = None
         when = self._holds.next_deadline()
-        if when is not None:
-            self._hold_timer = loop.call_at(when + 0.001, self._tick_holds)
+        timer = self._hold_timer
+        if when is None or (timer is not None and timer.when() <= when + 0.001):
+            return  # the armed timer comes first (or nothing is due)
+        if timer is not None:
+            timer.cancel()
+        self._hold_timer = loop.call_at(when + 0.001, self._on_hold_timer)
+
+    def _on_hold_timer(self) -> None:
+        self._hold_timer = None
+        self._tick_holds()
 
     # ------------------------------------------------------------ P, push
 
@@ -543,14 +585,25 @@ class TransferAgent:
     def _push_state(self, xid: str, remote: bool) -> _PushState | None:
         st = self._pushes.get(xid)
         if st is None:
-            if remote and sum(1 for s in self._pushes.values() if s.remote) >= MAX_UNKNOWN:
+            if remote and len(self._remote_xids) >= MAX_UNKNOWN:
                 return None  # a peer registering for transfers nobody computes
             st = self._pushes[xid] = _PushState(xid, remote=remote)
-            # Unregistered or unstepped transfers are dropped after a while.
-            self._spawn(self._reap_push(xid))
+            if remote:
+                self._remote_xids.add(xid)
+                # Registered, never computed here: dropped after a while.
+                self._spawn(self._reap_push(st))
         elif not remote:
-            st.remote = False
+            self._unremote(st)
         return st
+
+    def _unremote(self, st: _PushState) -> None:
+        """``st`` is the engine's now (or gone): its registration no longer
+        counts against what peers may make this side hold."""
+        if st.remote:
+            st.remote = False
+            self._remote_xids.discard(st.xid)
+            if st.registration is not None:
+                self._remote_ids -= st.registration.count
 
     def _push_step(
         self, xid: str, req_id: str, blocks: list[int], bs: int, end: int, final: bool
@@ -576,27 +629,47 @@ class TransferAgent:
             # Never stepped here (finished before it was scheduled): nothing
             # was pushed, so its blocks go back at once.
             self._report_sent(req_id)
+            self._remember_ended(xid)
             return
         st.req_id = req_id  # a registration may have made st before any step
         st.released = True
-        st.remote = False
+        self._unremote(st)
         if not st.ended and (aborted or st.final_end is None):
             # Aborted, or finished before its last chunk was stepped here:
             # nothing more will be computed.
             self._end_push(st, "the prefill request ended before its prefill did")
+        elif not st.ended and st.reg_ids is None:
+            # Computed; the decode side registers now (prefill first), or
+            # never: the blocks wait timeout + grace from here, not longer.
+            self._spawn(self._reap_push(st))
         self._maybe_report(st)
 
     def _on_register(self, src: int, args: list[Any]) -> None:
         xid = str(args[0])
+        if xid in self._ended and xid not in self._pushes:
+            # Too late (the request ended here): tell D now, not at its deadline.
+            self._spawn(self._send(src, _tag("pushfail", xid, "the prefill request ended")))
+            return
         st = self._push_state(xid, remote=True)
         if st is None or st.ended or st.reg_ids is not None:
             return
         if st.registration is None:
             st.registration = Registration(self.layout.num_blocks, RUNS_PER_PART)
+        reg = st.registration
+        before = reg.count
         try:
-            ids = st.registration.add(src, args[1], args[2], args[3])
+            first, ttl = args[4], args[5]
+            if not (type(first) is int and 0 <= first < self.layout.num_blocks):
+                raise ProtocolError(f"a registration's first block index {first!r}")
+            if not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and ttl > 0):
+                raise ProtocolError(f"a registration's deadline {ttl!r}")
+            ids = reg.add(src, args[1], args[2], args[3])
+            if st.remote:
+                self._remote_ids += reg.count - before
+                if self._remote_ids > MAX_UNKNOWN_BLOCKS * self.layout.num_blocks:
+                    raise ProtocolError("too many blocks registered for transfers not computed")
         except ProtocolError as exc:
-            if st.registration.src in (None, src):
+            if reg.src in (None, src):
                 # The registrant's own message does not hold: end the transfer.
                 st.reg_cluster = src
                 self._end_push(st, f"bad registration: {exc}")
@@ -606,7 +679,7 @@ class TransferAgent:
             return
         if ids is None:
             return
-        st.reg_cluster = src
+        st.reg_cluster, st.first = src, first
         if not ids:
             # D needs none of it (a local prefix hit, or it was aborted).
             log.debug("push %s: the decode side takes nothing", xid)
@@ -614,7 +687,8 @@ class TransferAgent:
             self._maybe_report(st)
             return
         st.reg_ids = ids
-        st.deadline = time.monotonic() + self.timeout
+        # P's pushes end by D's deadline (carried in the registration) or its own.
+        st.deadline = time.monotonic() + min(self.timeout, float(ttl))
         self._spawn(self._push_deadline(st))
         for layer in sorted(st.saved):
             self._push_layer(st, layer)
@@ -639,6 +713,9 @@ class TransferAgent:
         end: int,
         prev: asyncio.Task[None] | None,
     ) -> None:
+        """Push blocks ``[i0, i1)`` of the request's list, layer ``layer``: those
+        from the decode side's first registered index on (before it, D has
+        the tokens in its own prefix cache)."""
         if prev is not None:
             # One layer's pushes in order: a re-pushed partial block must
             # not be overtaken by its older copy.
@@ -646,24 +723,27 @@ class TransferAgent:
         if st.ended:
             return
         assert self._cm is not None and st.reg_ids is not None and st.reg_cluster is not None
+        j0 = max(i0, st.first)
         try:
-            if i1 > len(st.reg_ids) or i1 > len(st.blocks):
+            if i1 - st.first > len(st.reg_ids) or i1 > len(st.blocks):
                 raise _TransferFailed(
-                    f"{len(st.reg_ids)} destination blocks registered, {i1} needed"
+                    f"{len(st.reg_ids)} destination blocks registered from block "
+                    f"{st.first}, {i1 - st.first} needed"
                 )
-            left = None if st.deadline is None else max(0.001, st.deadline - time.monotonic())
-            n = self.layout.tensors_per_layer
-            await self._cm.push_blocks(
-                BlocksCacheKey(st.reg_cluster),
-                self._cache,
-                st.blocks[i0:i1],
-                st.reg_ids[i0:i1],
-                src_layer_range=range(layer, layer + 1),
-                dst_layer_range=range(layer, layer + 1),
-                tensor_num_per_layer=n,
-                tag=_tag("kv", st.xid),
-                timeout=left,
-            )
+            if j0 < i1:
+                left = None if st.deadline is None else max(0.001, st.deadline - time.monotonic())
+                n = self.layout.tensors_per_layer
+                await self._cm.push_blocks(
+                    BlocksCacheKey(st.reg_cluster),
+                    self._cache,
+                    st.blocks[j0:i1],
+                    st.reg_ids[j0 - st.first : i1 - st.first],
+                    src_layer_range=range(layer, layer + 1),
+                    dst_layer_range=range(layer, layer + 1),
+                    tensor_num_per_layer=n,
+                    tag=_tag("kv", st.xid),
+                    timeout=left,
+                )
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -693,26 +773,45 @@ class TransferAgent:
         st.ended = True
         self.stats["push_failures"] += 1
         log.warning("aiokvcache: push %s failed: %s", st.xid, why)
+        st.quiescing = True
         self._spawn(self._quiesce_push(st, why))
 
     async def _quiesce_push(self, st: _PushState, why: str) -> None:
-        me = asyncio.current_task()
-        tails = [t for t in st.tails.values() if not t.done() and t is not me]
-        for t in tails:
-            t.cancel()
-        await asyncio.gather(*tails, return_exceptions=True)
-        st.tails.clear()
+        try:
+            tails = [
+                t for t in st.tails.values() if not t.done() and t is not asyncio.current_task()
+            ]
+            for t in tails:
+                t.cancel()
+            await asyncio.gather(*tails, return_exceptions=True)
+        finally:
+            st.quiescing = False
+        self._maybe_report(st)  # its blocks may go back: nothing writes from them any more
         if st.reg_cluster is not None:
             await self._send(st.reg_cluster, _tag("pushfail", st.xid, why[:512]))
-        self._maybe_report(st)
 
     def _maybe_report(self, st: _PushState) -> None:
-        if not (st.ended and st.released and st.req_id is not None):
+        """Report the request sent, once: ended, released by the engine, and
+        no push of it running."""
+        if st.reported or not (st.ended and st.released and st.req_id is not None):
             return
-        if any(not t.done() and t is not asyncio.current_task() for t in st.tails.values()):
-            return  # reported by _quiesce_push, once its pushes are quiescent
+        me = asyncio.current_task()
+        if st.quiescing or any(not t.done() and t is not me for t in st.tails.values()):
+            return  # _quiesce_push or the last push reports it
+        st.reported = True
         self._report_sent(st.req_id)
-        self._pushes.pop(st.xid, None)
+        self._forget_push(st)
+
+    def _forget_push(self, st: _PushState) -> None:
+        self._unremote(st)
+        if self._pushes.get(st.xid) is st:
+            del self._pushes[st.xid]
+        self._remember_ended(st.xid)
+
+    def _remember_ended(self, xid: str) -> None:
+        self._ended[xid] = None
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
 
     async def _push_deadline(self, st: _PushState) -> None:
         assert st.deadline is not None
@@ -720,32 +819,26 @@ class TransferAgent:
         if not st.ended:
             self._end_push(st, f"not pushed within {self.timeout} s")
 
-    async def _reap_push(self, xid: str) -> None:
-        """A transfer nobody registered for, or that the engine never
-        stepped here, ends after timeout + grace."""
+    async def _reap_push(self, st: _PushState) -> None:
+        """A transfer only a peer's registration made (the engine never
+        computed it here), or one the engine finished that nobody registered
+        for, ends after timeout + grace."""
         await asyncio.sleep(self.timeout + self.grace)
-        st = self._pushes.get(xid)
-        if st is None:
+        if self._pushes.get(st.xid) is not st:
             return
         if st.req_id is None:
-            # Only a peer's registration made it: nothing was computed.
-            if not st.ended:
-                self._end_push(st, "the prefill instance never computed it")
-            self._pushes.pop(xid, None)
-        elif not st.ended and st.reg_ids is None:
+            self._end_push(st, "the prefill instance never computed it")
+            self._forget_push(st)
+        elif not st.ended and st.reg_ids is None and st.released:
             st.ended = True
-            log.warning("aiokvcache: push %s: no decode instance registered for it", xid)
+            log.warning("aiokvcache: push %s: no decode instance registered for it", st.xid)
             self._maybe_report(st)
 
     def _on_cancel(self, src: int, xid: str) -> None:
         st = self._pushes.get(xid)
         if st is None or st.ended:
             return
-        bound = (
-            st.reg_cluster
-            if st.reg_cluster is not None
-            else (st.registration.src if st.registration is not None else None)
-        )
+        bound = st.registration.src if st.registration is not None else None
         if bound != src:
             self.stats["dropped_messages"] += 1
             log.warning("aiokvcache: cluster %d cancelled push %s it did not register", src, xid)
@@ -764,38 +857,57 @@ class TransferAgent:
         digest: str | None = None,
         *,
         key: str = "",
+        until_ms: int = 0,
         first: int = 0,
     ) -> None:
         """D: read blocks ``remote_ids[first:first + len(local_ids)]`` of ``peer``'s
-        request ``remote_req_id`` (``remote_ids``: all its block ids, ``key``: its
-        grant key, from its params) into ``local_ids``; ``req_id`` is then
-        reported received, or failed (with ``local_ids`` as invalid blocks)."""
+        request ``remote_req_id`` (``remote_ids``: all its block ids; ``key`` and
+        ``until_ms``: its grant key and the key's expiry, from its params) into
+        ``local_ids``; ``req_id`` is then reported received, or failed (with
+        ``local_ids`` as invalid blocks), within ``timeout``."""
+        pull = self._pull(
+            peer,
+            remote_req_id,
+            list(remote_ids),
+            int(first),
+            list(local_ids),
+            digest,
+            (key, int(until_ms)),
+        )
+        self._post(self._start_recv, req_id, local_ids, pull)
+
+    def expect_push(
+        self, req_id: str, peer: Peer, xid: str, local_ids: Sequence[int], first: int = 0
+    ) -> None:
+        """D: register ``local_ids`` with ``peer`` for transfer ``xid`` (for the
+        request's blocks ``first``, ``first + 1``... on the prefill side) and
+        wait for its pushes."""
         self._post(
             self._start_recv,
             req_id,
             local_ids,
-            self._pull(
-                peer, remote_req_id, list(remote_ids), int(first), list(local_ids), digest, key
-            ),
-        )
-
-    def expect_push(self, req_id: str, peer: Peer, xid: str, local_ids: Sequence[int]) -> None:
-        """D: register ``local_ids`` with ``peer`` for transfer ``xid`` and wait for its pushes."""
-        self._post(
-            self._start_recv, req_id, local_ids, self._expect_push(peer, xid, list(local_ids))
+            self._expect_push(peer, xid, list(local_ids), int(first)),
         )
 
     def cancel_recv(self, req_id: str) -> None:
         """D: the engine aborted ``req_id``: stop its load; it is reported
-        received (its blocks may go back) once the load is quiescent."""
+        received (its blocks may go back) once nothing writes into them: a
+        pull once it is quiescent, a push once the prefill confirmed its
+        pushes stopped (or their deadline passed)."""
         self._post(self._cancel_recv, req_id)
 
     def free_remote(
-        self, peer: Peer, remote_req_id: str, key: str, remote_ids: Sequence[int]
+        self,
+        peer: Peer,
+        remote_req_id: str,
+        key: str,
+        until_ms: int,
+        remote_ids: Sequence[int],
     ) -> None:
         """D: this side will not read ``peer``'s request (a local prefix hit,
         an abort before the load began): let it free its blocks now."""
-        msg = _tag("free", remote_req_id, key, len(remote_ids), blocks_digest(list(remote_ids)))
+        ids = list(remote_ids)
+        msg = _tag("free", remote_req_id, key, len(ids), blocks_digest(ids), int(until_ms))
         self._post(lambda: self._spawn(self._free_remote(peer, msg)))
 
     def drop_push(self, peer: Peer, xid: str) -> None:
@@ -804,21 +916,13 @@ class TransferAgent:
         self._post(lambda: self._spawn(self._drop_push(peer, xid)))
 
     async def _free_remote(self, peer: Peer, msg: str) -> None:
-        if await self._try_link(peer):
-            await self._send(peer.cluster_id, msg)
+        with contextlib.suppress(_TransferFailed):
+            await self._send_to(peer, msg, self._link_timeout)
 
     async def _drop_push(self, peer: Peer, xid: str) -> None:
         # An empty registration: nothing to push; P ends the transfer.
-        if await self._try_link(peer):
-            await self._send(peer.cluster_id, _tag("reg", xid, 0, 1, []))
-
-    async def _try_link(self, peer: Peer) -> bool:
-        try:
-            await self._link(peer)
-        except Exception as exc:
-            log.info("aiokvcache: cannot reach cluster %d: %s", peer.cluster_id, exc)
-            return False
-        return True
+        with contextlib.suppress(_TransferFailed):
+            await self._send_to(peer, _tag("reg", xid, 0, 1, [], 0, 1.0), self._link_timeout)
 
     def _cancel_recv(self, req_id: str) -> None:
         task = self._recvs.get(req_id)
@@ -827,7 +931,7 @@ class TransferAgent:
             task.cancel()
 
     def _start_recv(
-        self, req_id: str, local_ids: Sequence[int], coro: Coroutine[Any, Any, None]
+        self, req_id: str, local_ids: Sequence[int], coro: Coroutine[Any, Any, int]
     ) -> None:
         ids = list(local_ids)
         task = self._spawn(self._recv(req_id, ids, coro))
@@ -839,24 +943,24 @@ class TransferAgent:
         task: asyncio.Task[None],
         req_id: str,
         local_ids: list[int],
-        coro: Coroutine[Any, Any, None],
+        coro: Coroutine[Any, Any, int],
     ) -> None:
         if self._recvs.get(req_id) is task:
             del self._recvs[req_id]
         coro.close()  # one cancelled before it ever ran was never awaited
         if task.cancelled() and req_id in self._aborted:
-            # The engine aborted it; the load is quiescent (a cancelled
-            # aiokvcache call returns only then): its blocks may go back.
+            # The engine aborted it and nothing writes into its blocks any
+            # more (see cancel_recv): they may go back.
             self._aborted.discard(req_id)
             self.stats["loads_aborted"] += 1
             self._fail_load(req_id, local_ids, "aborted", "the engine aborted the request")
 
     async def _recv(
-        self, req_id: str, local_ids: list[int], coro: Coroutine[Any, Any, None]
+        self, req_id: str, local_ids: list[int], coro: Coroutine[Any, Any, int]
     ) -> None:
         t0 = time.perf_counter()
         try:
-            await coro
+            spans = await coro
         except _TransferFailed as exc:
             self._fail_load(req_id, local_ids, exc.reason, str(exc))
             return
@@ -875,7 +979,7 @@ class TransferAgent:
             tensors = lay.num_layers * lay.tensors_per_layer
             m.seconds.append(took)
             m.bytes.append(len(local_ids) * lay.block_bytes * tensors)
-            m.descriptors.append(len(block_runs(local_ids)) * tensors)
+            m.descriptors.append(spans * tensors)
 
     def _fail_load(self, req_id: str, local_ids: list[int], reason: str, why: str) -> None:
         if reason != "aborted":
@@ -896,8 +1000,9 @@ class TransferAgent:
         first: int,
         local_ids: list[int],
         digest: str | None,
-        key: str,
-    ) -> None:
+        grant: tuple[str, int],
+    ) -> int:
+        """Claim, read, tell P done; returns the contiguous spans read."""
         if digest is not None and digest != self.layout.digest():
             raise _TransferFailed("the prefill instance's KV layout differs from ours", "layout")
         last = first + len(local_ids)
@@ -907,41 +1012,43 @@ class TransferAgent:
                 "layout",
             )
         assert self._cm is not None
-        start = time.monotonic()
+        deadline = time.monotonic() + self.timeout
         nonce = secrets.token_hex(8)
+        key, until = grant
         claimed = False
         log.debug("pull %s from cluster %d: start", rid, peer.cluster_id)
         try:
-            await self._link(peer)
-            fut = self._expect(("grant", nonce), peer.cluster_id)
-            ttl = self.timeout - (time.monotonic() - start)
-            if ttl <= 0:
-                raise TimeoutError
-            claim = _tag(
-                "claim",
-                rid,
-                nonce,
-                key,
-                ttl,
-                first,
-                last,
-                len(remote_all),
-                blocks_digest(remote_all),
-            )
-            claimed = True
-            await self._send(peer.cluster_id, claim, must=True)
-            answer = await asyncio.wait_for(fut, max(0.001, ttl))
-            log.debug("pull %s: %s after %.3f s", rid, answer, time.monotonic() - start)
-            if answer != "grant":
-                raise _TransferFailed(f"the prefill instance refused: {answer}", "refused")
-            await self._cm.pull_blocks(
-                BlocksCacheKey(peer.cluster_id),
-                self._cache,
-                remote_all[first:last],
-                local_ids,
-                tensor_num_per_layer=self.layout.tensors_per_layer,
-                timeout=max(0.001, self.timeout - (time.monotonic() - start)),
-            )
+            # Everything (link, claim, grant, read) within timeout; the read
+            # cancelled by it is quiescent before this raises.
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.timeout):
+                fut = self._expect(("grant", nonce), peer.cluster_id)
+                ttl = deadline - time.monotonic()
+                claim = _tag(
+                    "claim",
+                    rid,
+                    nonce,
+                    key,
+                    ttl,
+                    first,
+                    last,
+                    len(remote_all),
+                    blocks_digest(remote_all),
+                    until,
+                )
+                claimed = True
+                await self._send_to(peer, claim, deadline - time.monotonic())
+                answer = await fut
+                log.debug("pull %s: %s", rid, answer)
+                if answer != "grant":
+                    raise _TransferFailed(f"the prefill instance refused: {answer}", "refused")
+                await self._cm.pull_blocks(
+                    BlocksCacheKey(peer.cluster_id),
+                    self._cache,
+                    remote_all[first:last],
+                    local_ids,
+                    tensor_num_per_layer=self.layout.tensors_per_layer,
+                    timeout=max(0.001, deadline - time.monotonic()),
+                )
             self.stats["pulls"] += 1
         except TimeoutError:
             raise _TransferFailed(f"not loaded within {self.timeout} s", "timeout") from None
@@ -951,33 +1058,52 @@ class TransferAgent:
             self._waits.pop(("grant", nonce), None)
             if claimed:  # quiescent by now: P may free them (at its last claim's done)
                 self._spawn(self._send(peer.cluster_id, _tag("done", rid, nonce)))
+        return _spans(remote_all[first:last], local_ids)
 
-    async def _expect_push(self, peer: Peer, xid: str, local_ids: list[int]) -> None:
+    async def _expect_push(self, peer: Peer, xid: str, local_ids: list[int], first: int) -> int:
+        """Register, wait for ``pushed``; returns the contiguous spans written.
+
+        P's pushes are bounded by the deadline the registration carries (what
+        is left of D's ``timeout`` less a margin for the message's way and P's
+        cancel: ``min(grace, timeout / 4)``), D waits ``timeout``: by the time
+        D gives its blocks back, P's pushes have ended. An abort or a failure
+        before that tells P to stop and waits for its word that its pushes
+        are quiescent (or for that deadline)."""
+        deadline = time.monotonic() + self.timeout
+        margin = min(self.grace, self.timeout / 4)
         fut = self._expect(("pushed", xid), peer.cluster_id)
         registered = finished = False
         try:
-            await self._link(peer)
-            runs = block_runs(local_ids)
-            parts = [runs[i : i + RUNS_PER_PART] for i in range(0, len(runs), RUNS_PER_PART)] or [
-                []
-            ]
-            for i, part in enumerate(parts):
-                registered = True
-                await self._send(peer.cluster_id, _tag("reg", xid, i, len(parts), part), must=True)
-            try:
-                answer = await asyncio.wait_for(fut, self.timeout + self.grace)
-            except TimeoutError:
-                raise _TransferFailed(f"not pushed within {self.timeout} s", "timeout") from None
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.timeout):
+                runs = block_runs(local_ids)
+                step = RUNS_PER_PART
+                parts = [runs[i : i + step] for i in range(0, len(runs), step)] or [[]]
+                for i, part in enumerate(parts):
+                    registered = True
+                    left = deadline - time.monotonic() - margin
+                    if left <= 0:
+                        raise TimeoutError
+                    msg = _tag("reg", xid, i, len(parts), part, first, left)
+                    await self._send_to(peer, msg, deadline - time.monotonic())
+                # Shielded: an abort must leave it for P's answer to the cancel.
+                answer = await asyncio.shield(fut)
             finished = True
             if answer != "pushed":
                 raise _TransferFailed(f"the prefill instance failed: {answer}", "prefill")
             self.stats["pushes_received"] += 1
+        except TimeoutError:
+            raise _TransferFailed(f"not pushed within {self.timeout} s", "timeout") from None
         finally:
-            self._waits.pop(("pushed", xid), None)
             if registered and not finished:
-                # Timed out or aborted: P stops (it is bound by its own
-                # deadline all the same).
+                # Timed out or aborted: P stops; its word that it stopped (a
+                # pushfail, once its pushes are quiescent) ends the wait, or
+                # its deadline, which the registration bounded.
                 self._spawn(self._send(peer.cluster_id, _tag("cancel", xid)))
+                left = max(0.0, deadline - time.monotonic())
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(fut), left)
+            self._waits.pop(("pushed", xid), None)
+        return len(block_runs(local_ids))
 
     def _expect(self, key: tuple[str, str], src: int) -> asyncio.Future[Any]:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -1011,24 +1137,48 @@ class TransferAgent:
         if st not in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK):
             raise _TransferFailed(f"cannot link to {peer.host}:{peer.port}: {st.name}", "link")
 
-    async def _send(self, cluster_id: int, tag: str, must: bool = False) -> None:
+    async def _send_to(self, peer: Peer, tag: str, timeout: float) -> None:
+        """Link (once) and send ``tag``, within ``timeout``. A link that went
+        away since (the peer restarted, unlinked, or was declared dead) is
+        made again, once, rather than failing this transfer."""
+        assert self._cm is not None
+        end = time.monotonic() + timeout
+        for attempt in (0, 1):
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            try:
+                await asyncio.wait_for(self._link(peer), left)
+                left = end - time.monotonic()
+                await self._cm.notify(
+                    peer.cluster_id, tag, timeout=max(0.001, min(self._link_timeout, left))
+                )
+                return
+            except LLMException as exc:
+                gone = exc.status_code in (
+                    LLMStatusCode.LLM_NOT_YET_LINK,
+                    LLMStatusCode.LLM_LINK_FAILED,
+                )
+                if attempt or not gone:
+                    raise _TransferFailed(f"cannot reach the peer: {exc}", "link") from exc
+                await self._forget_link(peer.cluster_id)
+
+    async def _send(self, cluster_id: int, tag: str) -> None:
+        """A reply or a notice that need not arrive (the peer's deadlines cover it)."""
         assert self._cm is not None
         try:
             await self._cm.notify(cluster_id, tag, timeout=self._link_timeout)
         except Exception as exc:
-            if must:
-                self._relink(cluster_id)
-                raise _TransferFailed(f"cannot reach the peer: {exc}", "link") from exc
             log.info("aiokvcache: notification to cluster %d lost: %s", cluster_id, exc)
 
-    def _relink(self, cluster_id: int) -> None:
-        """Forget a link that failed, so the next transfer links afresh."""
+    async def _forget_link(self, cluster_id: int) -> None:
+        """Drop our side of a link that went away, so that it is made afresh."""
         self._links.pop(cluster_id, None)
         if self._dd is not None:
             info = LLMClusterInfo()
             info.remote_cluster_id = cluster_id
-            dd = self._dd
-            self._spawn(dd.unlink_clusters([info], force=True))
+            with contextlib.suppress(Exception):
+                await self._dd.unlink_clusters([info], force=True)
 
     # ------------------------------------------------------------ notifications
 

@@ -56,6 +56,7 @@ import logging
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +75,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from ._kvlink import (
     FAILURE_REASONS,
+    GRACE_S,
     KVLayout,
     Peer,
     TransferAgent,
@@ -383,6 +385,7 @@ class _Recv:
     transfer_id: str
     layout: str | None
     grant_keys: list[str] = field(default_factory=list)
+    grant_until: int = 0
 
 
 @dataclass
@@ -395,6 +398,7 @@ class _Drop:
     remote_block_ids: list[int]
     transfer_id: str
     grant_keys: list[str]
+    grant_until: int
 
 
 @dataclass
@@ -404,8 +408,8 @@ class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     recv: dict[str, _Recv] = field(default_factory=dict)
     cancel_recv: set[str] = field(default_factory=set)  # D: aborted while loading
     drops: list[_Drop] = field(default_factory=list)  # D: KV not needed after all
-    # P pull: req id -> (lease in s, block ids)
-    holds: dict[str, tuple[float, list[int]]] = field(default_factory=dict)
+    # P pull: req id -> (lease in s, block ids, grant keys' expiry in ms)
+    holds: dict[str, tuple[float, list[int], int]] = field(default_factory=dict)
     # P push: req id -> (transfer id, block ids, token end of this step, last chunk)
     push_steps: dict[str, tuple[str, list[int], int, bool]] = field(default_factory=dict)
     # P push: req id -> (transfer id, aborted), once the engine finished the request
@@ -512,8 +516,8 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         agent = self._agent
         if agent is None or not isinstance(meta, AioKVMetadata):
             return
-        for rid, (lease, blocks) in meta.holds.items():
-            agent.hold(rid, lease, blocks)
+        for rid, (lease, blocks, until) in meta.holds.items():
+            agent.hold(rid, lease, blocks, until)
         # Transfer ids are per tensor-parallel rank: rank r pushes to rank r.
         suffix = f"/{self._rank}"
         self._step_pushes = []
@@ -526,7 +530,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             log.debug("worker: load %s (%s, %d blocks)", rid, r.mode, len(r.local_block_ids))
             peer = self._rank_peer(r.peers)
             if r.mode == "push":
-                agent.expect_push(rid, peer, r.transfer_id + suffix, r.local_block_ids)
+                agent.expect_push(rid, peer, r.transfer_id + suffix, r.local_block_ids, r.first)
             else:
                 agent.pull(
                     rid,
@@ -536,6 +540,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                     r.local_block_ids,
                     r.layout,
                     key=self._rank_key(r.grant_keys),
+                    until_ms=r.grant_until,
                     first=r.first,
                 )
         for rid in meta.cancel_recv:
@@ -546,7 +551,9 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 agent.drop_push(peer, drop.transfer_id + suffix)
             else:
                 key = self._rank_key(drop.grant_keys)
-                agent.free_remote(peer, drop.remote_request_id, key, drop.remote_block_ids)
+                agent.free_remote(
+                    peer, drop.remote_request_id, key, drop.grant_until, drop.remote_block_ids
+                )
 
     def _rank_key(self, keys: list[str]) -> str:
         """This rank's grant key (rank r claims from the prefill's rank r)."""
@@ -688,12 +695,14 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 remote_block_ids=_flat(params.get("remote_block_ids") or [])
                 if mode == "pull"
                 else [],
-                first=first if mode == "pull" else 0,
-                # A push writes the request's blocks from its first one.
-                local_block_ids=ids[first:last] if mode == "pull" else ids[:last],
+                # Blocks before `first` are in the local prefix cache (they may
+                # be shared with running requests): neither read nor pushed.
+                first=first,
+                local_block_ids=ids[first:last],
                 transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
                 layout=params.get("aiokv_layout"),
                 grant_keys=[str(k) for k in params.get("aiokv_grant_keys") or ()],
+                grant_until=int(params.get("aiokv_grant_until") or 0),
             )
             self._loading.add(rid)
         elif params.get("do_remote_decode"):
@@ -714,6 +723,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             remote_block_ids=_flat(params.get("remote_block_ids") or []),
             transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
             grant_keys=[str(k) for k in params.get("aiokv_grant_keys") or ()],
+            grant_until=int(params.get("aiokv_grant_until") or 0),
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -770,16 +780,26 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             return True, (self._params(request, ids, xid, mode) if ok else None)
         if not ok or not ids:
             return False, None
-        self._staged.holds[rid] = (float(self._cfg["kv_lease_duration"]), ids)
+        lease = float(self._cfg["kv_lease_duration"])
+        # The keys expire with the lease and a grace (for the hand-over to
+        # reach the workers): a claim with these params after that is refused.
+        until = int((time.time() + lease + GRACE_S) * 1000)
+        self._staged.holds[rid] = (lease, ids, until)
         digest = blocks_digest(ids)
         keys = [
-            grant_key(bytes.fromhex(self._peers[r].grant_secret), rid, len(ids), digest)
+            grant_key(bytes.fromhex(self._peers[r].grant_secret), rid, len(ids), digest, until)
             for r in sorted(self._peers)
         ]
-        return True, self._params(request, ids, rid, mode, keys)
+        return True, self._params(request, ids, rid, mode, keys, until)
 
     def _params(
-        self, request: Any, ids: list[int], xid: str, mode: str, keys: list[str] | None = None
+        self,
+        request: Any,
+        ids: list[int],
+        xid: str,
+        mode: str,
+        keys: list[str] | None = None,
+        until: int = 0,
     ) -> dict[str, Any]:
         first = self._peers.get(0)
         return {
@@ -795,6 +815,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             "aiokv_layout": first.layout if first else None,
             "aiokv_transfer_id": xid,
             "aiokv_grant_keys": keys or [],
+            "aiokv_grant_until": until,
             "tp_size": self._tp_size,
             "remote_num_tokens": int(request.num_computed_tokens),
             "transfer_mode": mode,
