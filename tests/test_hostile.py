@@ -196,8 +196,7 @@ ATTACKS: dict[str, Attack] = {
     "bad_auth": bad_auth,
 }
 
-KNOWN = {
-}
+KNOWN = {}
 
 
 @pytest.mark.parametrize(

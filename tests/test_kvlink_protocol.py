@@ -26,82 +26,33 @@ makes, by that: the table says what the old protocol did):
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 import tracemalloc
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
 from aiokvcache.integrations import _kvlink
-from aiokvcache.integrations._kvlink import KVLayout, Peer, TransferAgent
+from aiokvcache.integrations._kvlink import Peer, TransferAgent
+from support.kvlink_harness import (
+    BLOCKS,
+    BS,
+    D_ID,
+    EVIL,
+    LAYERS,
+    P_ID,
+    UNTIL,
+    Recorder,
+    make_agent,
+    until,
+)
 
-LAYERS, BLOCKS, BS = 3, 64, 4
-P_ID, D_ID, EVIL = 11, 22, 33
 FORGED = "f" * 32
-UNTIL = int((time.time() + 3600) * 1000)  # the grant keys' expiry (wall clock, ms)
 
 
 def digest(ids: list[int]) -> str:
     from aiokvcache.integrations._handoff import blocks_digest
 
     return blocks_digest(ids)
-
-
-class Recorder:
-    """Stands in for the agent's CacheManager: records what it sends and lets
-    each test decide how pushes and pulls end."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[int, list[Any]]] = []
-        self.push: Callable[[int], Awaitable[None]] = self._ok
-        self.pull: Callable[[], Awaitable[None]] = self._ok0
-        self.pushes: list[tuple[int, int]] = []  # (cluster, layer)
-
-    @staticmethod
-    async def _ok(layer: int) -> None:
-        await asyncio.sleep(0)
-
-    @staticmethod
-    async def _ok0() -> None:
-        await asyncio.sleep(0)
-
-    async def notify(self, cluster: int, tag: str, timeout: float | None = None) -> None:
-        self.sent.append((cluster, json.loads(tag)[1:]))
-
-    async def push_blocks(self, key: Any, cache: Any, src: Any, dst: Any, **kw: Any) -> None:
-        layer = kw["src_layer_range"].start
-        self.pushes.append((key.prompt_cluster_id, layer))
-        await self.push(layer)
-
-    async def pull_blocks(self, *args: Any, **kw: Any) -> None:
-        await self.pull()
-
-    def kinds(self, to: int | None = None) -> list[str]:
-        return [m[0] for c, m in self.sent if to is None or c == to]
-
-
-async def make_agent(timeout: float = 5.0, grace: float = 1.0) -> tuple[TransferAgent, Recorder]:
-    layout = KVLayout(LAYERS, 1, BLOCKS, 64, BS, tuple(range(1, LAYERS + 1)), "u8")
-    agent = TransferAgent(1, layout, timeout=timeout, grace=grace)
-    rec = Recorder()
-    agent._cm = rec  # type: ignore[assignment]
-    agent._cache = object()
-    agent._loop = asyncio.get_running_loop()
-
-    async def linked(peer: Peer) -> None:
-        return None
-
-    agent._link = linked  # type: ignore[method-assign]
-    return agent, rec
-
-
-async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def settle() -> None:

@@ -49,9 +49,10 @@ async def push_one(dd: kv.LLMDataDist) -> None:
 
 
 async def test_a_frozen_peer_breaks_the_link_then_relinks(transport: str) -> None:
-    async with AsyncPeer("blocks", transport, "2", "4", "4096", lifetime=120) as peer, (
-        kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
-    ) as prompt:
+    async with (
+        AsyncPeer("blocks", transport, "2", "4", "4096", lifetime=120) as peer,
+        kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as prompt,
+    ):
         await prompt.init(options(transport, peer_timeout=PEER_TIMEOUT_MS))
         info = [cluster_info(peer.address, 2)]
         assert (await prompt.link_clusters(info))[0] == S.LLM_SUCCESS
@@ -68,9 +69,10 @@ async def test_a_frozen_peer_breaks_the_link_then_relinks(transport: str) -> Non
 
 
 async def test_relinking_a_silent_peer_is_not_already_linked(transport: str) -> None:
-    async with AsyncPeer("blocks", transport, "2", "4", "4096", lifetime=120) as peer, (
-        kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
-    ) as prompt:
+    async with (
+        AsyncPeer("blocks", transport, "2", "4", "4096", lifetime=120) as peer,
+        kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as prompt,
+    ):
         # The heartbeat is slow here: the liveness check of link_clusters acts first.
         await prompt.init(options(transport, peer_timeout=60_000))
         info = [cluster_info(peer.address, 2)]

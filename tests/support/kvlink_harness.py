@@ -1,0 +1,93 @@
+"""A ``TransferAgent`` (the vLLM connector's engine-independent half) driven on
+a test's own event loop, its aiokvcache calls replaced by a :class:`Recorder`:
+no network, no vLLM. Used by tests/test_kvlink_protocol.py and
+tests/test_review_connector.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiokvcache.integrations._kvlink import KVLayout, Peer, TransferAgent
+
+LAYERS, BLOCKS, BS = 3, 64, 4
+#: The clusters the tests play: the prefill, the decode, a hostile third.
+P_ID, D_ID, EVIL = 11, 22, 33
+#: Grant keys' expiry the tests use (wall clock, ms): an hour ahead.
+UNTIL = int((time.time() + 3600) * 1000)
+
+
+class Recorder:
+    """Stands in for the agent's CacheManager: records what it sends; each test
+    decides how long a notification takes and how pushes and pulls end."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, list[Any]]] = []
+        self.notify_delay: Callable[[list[Any]], float] = lambda msg: 0.0
+        self.push: Callable[[int], Awaitable[None]] = self._ok
+        self.pull: Callable[[], Awaitable[None]] = self._ok0
+        self.pushes: list[tuple[int, int]] = []  # (cluster, layer)
+
+    @staticmethod
+    async def _ok(layer: int) -> None:
+        await asyncio.sleep(0)
+
+    @staticmethod
+    async def _ok0() -> None:
+        await asyncio.sleep(0)
+
+    async def notify(self, cluster: int, tag: str, timeout: float | None = None) -> None:
+        msg = json.loads(tag)[1:]
+        delay = self.notify_delay(msg)
+        if delay:
+            await asyncio.sleep(delay)
+        self.sent.append((cluster, msg))
+
+    async def push_blocks(self, key: Any, cache: Any, src: Any, dst: Any, **kw: Any) -> None:
+        layer = kw["src_layer_range"].start
+        self.pushes.append((key.prompt_cluster_id, layer))
+        await self.push(layer)
+
+    async def pull_blocks(self, *args: Any, **kw: Any) -> None:
+        await self.pull()
+
+    def kinds(self, to: int | None = None) -> list[str]:
+        return [m[0] for c, m in self.sent if to is None or c == to]
+
+
+async def make_agent(
+    timeout: float = 5.0, grace: float = 1.0, blocks: int = BLOCKS
+) -> tuple[TransferAgent, Recorder]:
+    """An agent on the running loop, speaking through a Recorder; every peer
+    counts as linked."""
+    layout = KVLayout(LAYERS, 1, blocks, 64, BS, tuple(range(1, LAYERS + 1)), "u8")
+    agent = TransferAgent(1, layout, timeout=timeout, grace=grace)
+    rec = Recorder()
+    agent._cm = rec  # type: ignore[assignment]
+    agent._cache = object()
+    agent._loop = asyncio.get_running_loop()
+
+    async def linked(peer: Peer) -> None:
+        return None
+
+    agent._link = linked  # type: ignore[method-assign]
+    return agent, rec
+
+
+async def close_agent(agent: TransferAgent) -> None:
+    """Cancel what the agent still runs (the tests' loop outlives it)."""
+    for t in list(agent._tasks):
+        t.cancel()
+    await asyncio.gather(*agent._tasks, return_exceptions=True)
+    if agent._hold_timer is not None:
+        agent._hold_timer.cancel()
+
+
+async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.01)
