@@ -59,9 +59,14 @@ BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
 
 def tiny_model(directory: str | None = None) -> str:
     """A directory holding the tiny Llama's config.json."""
-    d = directory or tempfile.mkdtemp(prefix="tinyllama-")
+    return model_dir(TINY_LLAMA, directory)
+
+
+def model_dir(config: dict[str, Any], directory: str | None = None) -> str:
+    """A directory holding ``config`` as a dummy-weight model's config.json."""
+    d = directory or tempfile.mkdtemp(prefix="llama-")
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA, f)
+        json.dump(config, f)
     return d
 
 
@@ -221,6 +226,8 @@ def _serve(
                 conn.send(("error", repr(exc)))
         elif cmd == "threads":
             conn.send(("ok", {"threads": _threads()}))
+        elif cmd == "metrics":
+            conn.send(("ok", {"port": _metrics_port()}))
         elif cmd == "stats":
             conn.send(("ok", _connector_stats()))
         elif cmd == "digests":
@@ -229,6 +236,19 @@ def _serve(
 
 
 _timed_ids = iter(range(1 << 62))
+_metrics: list[int] = []
+
+
+def _metrics_port() -> int:
+    """Serve this process's Prometheus registry (the one vLLM's stat loggers,
+    with ``disable_log_stats=False``, register into) over HTTP, as ``vllm
+    serve``'s ``/metrics`` does; returns the port (started once)."""
+    if not _metrics:
+        import prometheus_client
+
+        server, _ = prometheus_client.start_http_server(0, addr="127.0.0.1")
+        _metrics.append(int(server.server_port))
+    return _metrics[0]
 
 
 def _generate_timed(
@@ -249,7 +269,7 @@ def _generate_timed(
 
     engine = llm.llm_engine
     t0 = time.monotonic()
-    order: list[str] = []
+    order: list[tuple[str, str]] = []
     for prompt, p in zip(prompts, params, strict=True):
         sp = SamplingParams(
             temperature=0,
@@ -257,38 +277,59 @@ def _generate_timed(
             detokenize=False,
             ignore_eos=True,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": dict(p)} if p is not None else None,
+            extra_args={"kv_transfer_params": _own_cache_count(p)} if p is not None else None,
         )
-        rid = engine.add_request(
-            f"timed-{next(_timed_ids)}", TokensPrompt(prompt_token_ids=prompt), sp
-        )
-        order.append(rid)
-    rows = {
-        rid: {"tokens": [], "times": [], "finish": None, "params": None, "num_cached_tokens": None}
-        for rid in order
-    }
+        rid = f"timed-{next(_timed_ids)}"
+        internal = engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
+        order.append((rid, internal))
+    rows: dict[str, dict[str, Any]] = {}
+    for rid, internal in order:
+        # Outputs carry the id given (vLLM adds a suffix to it inside).
+        row: dict[str, Any] = {
+            "id": internal,
+            "tokens": [],
+            "times": [],
+            "finish": None,
+            "params": None,
+            "num_cached_tokens": None,
+        }
+        rows[rid] = rows[internal] = row
     while engine.has_unfinished_requests():
         outs = engine.step()
         now = time.monotonic()
         for o in outs:
-            row = rows.get(o.request_id)
-            if row is None:
+            got = rows.get(o.request_id)
+            if got is None:
                 continue
             c = o.outputs[0]
             new = list(c.token_ids)
-            row["tokens"].extend(new)
-            row["times"].extend([now] * len(new))
-            if o.num_cached_tokens is not None:
-                row["num_cached_tokens"] = o.num_cached_tokens
+            got["tokens"].extend(new)
+            got["times"].extend([now] * len(new))
+            if o.num_cached_tokens is not None:  # set on the first output only
+                got["num_cached_tokens"] = max(got["num_cached_tokens"] or 0, o.num_cached_tokens)
             if o.finished:
-                row["finish"] = c.finish_reason
-                row["params"] = o.kv_transfer_params
-    return {"rows": [rows[r] for r in order], "start": t0, "seconds": time.monotonic() - t0}
+                got["finish"] = c.finish_reason
+                got["params"] = o.kv_transfer_params
+    return {"rows": [rows[r] for r, _ in order], "start": t0, "seconds": time.monotonic() - t0}
+
+
+def _own_cache_count(params: dict[str, Any]) -> dict[str, Any]:
+    """A decode request's params without ``remote_prefill_cached_tokens``.
+
+    vLLM reports that (the prefill's own prefix-cache hits) as the decode
+    request's ``num_cached_tokens``; without it the decode reports the
+    tokens it did not compute itself, those it loaded among them. Nothing
+    else reads it."""
+    return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
 
 
 def _threads() -> list[dict[str, Any]]:
-    """This process's threads: id, name, allowed cores, CPU seconds so far."""
+    """This process's threads: id, name (the OS's; ``py:NAME`` for a Python
+    thread, whose OS name is the process's), allowed cores, CPU seconds so far."""
+    import threading
+
     tick = os.sysconf("SC_CLK_TCK")
+    py = {t.native_id: t.name for t in threading.enumerate()}
     out = []
     for tid in sorted(os.listdir("/proc/self/task"), key=int):
         try:
@@ -297,6 +338,8 @@ def _threads() -> list[dict[str, Any]]:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
             cpu = (int(fields[11]) + int(fields[12])) / tick
+            if int(tid) in py:
+                name = f"py:{py[int(tid)]}"
             out.append(
                 {
                     "tid": int(tid),
@@ -329,7 +372,7 @@ def _count_nixl_stats() -> None:
                 _NIXL_TOTALS[f"{key}_sum"] = _NIXL_TOTALS.get(f"{key}_sum", 0) + sum(values)
         return original(self)
 
-    NixlKVConnectorStats.clone_and_reset = clone_and_reset  # type: ignore[method-assign]
+    NixlKVConnectorStats.clone_and_reset = clone_and_reset
 
 
 def _connector_stats() -> dict[str, Any]:
@@ -455,6 +498,11 @@ class Instance:
         self._conn.send(("generate_timed", (prompts, max_tokens, params or [None] * len(prompts))))
         self._pending = True
 
+    def metrics_url(self) -> str:
+        """Where this instance's Prometheus metrics are served (``/metrics``)."""
+        self._conn.send(("metrics", None))
+        return f"http://127.0.0.1:{self.result(30)['port']}/metrics"
+
     def stats(self) -> dict[str, Any]:
         self._conn.send(("stats", None))
         return self.result(30)
@@ -522,10 +570,12 @@ def disaggregated(
             first = {"do_remote_decode": True, "transfer_mode": mode}
         start(p, ps, 1, [dict(first) for _ in ps])
         pre = p.result()
+        prefill_done = time.monotonic()
         params = [r["params"] for r in pre["rows"]]
         start(d, ps, max_tokens, params)
         out = d.result()
         out["prefill_seconds"] = pre["seconds"]
+        out["prefill_done"] = prefill_done
         out["sent"] = sent
         return out
     # decode-first (push): D registers its blocks, then P computes and pushes
@@ -559,8 +609,10 @@ def disaggregated(
         [{"do_remote_decode": True, "transfer_mode": "push", "aiokv_transfer_id": x} for x in xids],
     )
     pre = p.result()
+    prefill_done = time.monotonic()
     out = d.result()
     out["prefill_seconds"] = pre["seconds"]
+    out["prefill_done"] = prefill_done
     out["sent"] = sent
     return out
 

@@ -45,7 +45,14 @@ class Pair:
             extra={**base, "port": self.port, "cluster_id": self.cid},
             multiprocess=multiprocess,
         )
-        self.d = disagg.Instance(model, "kv_consumer", extra=base, multiprocess=multiprocess)
+        # Stats on: vLLM's stat loggers (and its Prometheus metrics) run.
+        self.d = disagg.Instance(
+            model,
+            "kv_consumer",
+            extra=base,
+            multiprocess=multiprocess,
+            llm_kw={"disable_log_stats": False},
+        )
         self.address = ("127.0.0.1", self.port, self.cid)
 
     def stop(self) -> None:
@@ -173,6 +180,131 @@ def test_prefill_killed_fails_the_request_in_time_and_decode_goes_on(
     # The decode instance serves the next requests as before.
     out = disagg.disaggregated(pair.p, pair.d, prompts, MAX_TOKENS, "pull", "prefill-first")
     assert tokens(out) == reference
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """A Prometheus text page: sample name with labels -> value."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_vllm_metrics_show_the_transfers(
+    pair: Pair, prompts: list[list[int]], reference: list[list[int]]
+) -> None:
+    """The decode instance's Prometheus endpoint (the registry `vllm serve`'s
+    /metrics serves, here served by the test's instance) has the
+    vllm:aiokvcache_* series, fed through vLLM's own stats path
+    (get_kv_connector_stats -> scheduler -> stat loggers)."""
+    out = disagg.disaggregated(pair.p, pair.d, prompts[:3], MAX_TOKENS, "pull")
+    assert tokens(out) == reference[:3]
+    m = _scrape(pair.d.metrics_url())
+    count = [v for k, v in m.items() if k.startswith("vllm:aiokvcache_xfer_time_seconds_count")]
+    assert count and count[0] >= 3, sorted(k for k in m if "aiokvcache" in k)
+    size = [v for k, v in m.items() if k.startswith("vllm:aiokvcache_bytes_transferred_sum")]
+    assert size and size[0] > 0
+    assert any(k.startswith("vllm:aiokvcache_num_descriptors_bucket") for k in m)
+    failed = [k for k in m if k.startswith("vllm:aiokvcache_num_failed_transfers_total")]
+    assert any('reason="timeout"' in k for k in failed), failed
+
+
+#: 12 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes: 48 KiB of KV per token,
+#: 18 MiB per 384-token prompt; its prefill takes long enough to kill it midway.
+MID_LLAMA = {
+    **disagg.TINY_LLAMA,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 8192,
+}
+
+
+def test_prefill_killed_while_its_pushes_move(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Decode first, push: the prefill writes each layer into the decode's
+    blocks as it computes. It is killed midway through its prefill, with some
+    layers landed and others not: every request ends as a load failure within
+    the decode's deadline (never with tokens computed on half a KV), and the
+    decode instance serves the next requests."""
+    model = disagg.model_dir(MID_LLAMA, str(tmp_path_factory.mktemp("midllama")))
+    port, cid = disagg.free_port(), 12000 + disagg.free_port() % 1000
+    timeout = 8.0
+    base = {"transport": "tcp", "timeout": timeout, "mode": "push"}
+    p = disagg.Instance(model, "kv_producer", extra={**base, "port": port, "cluster_id": cid})
+    d = disagg.Instance(model, "kv_consumer", extra=base)
+    try:
+        ps = disagg.prompts([384] * 4)
+        ref = tokens(p.generate(ps, MAX_TOKENS))
+        t0 = time.monotonic()
+        p.generate(ps, 1)  # how long its prefill of these takes, here and now
+        prefill = time.monotonic() - t0
+        addr = ("127.0.0.1", port, cid)
+        out = disagg.disaggregated(p, d, ps[:1], MAX_TOKENS, "push", "decode-first", addr)
+        assert tokens(out) == ref[:1]  # linked, warm
+        before = d.stats()
+        stamp = time.monotonic_ns()
+        d.submit(
+            ps,
+            MAX_TOKENS,
+            [
+                {
+                    "do_remote_prefill": True,
+                    "transfer_mode": "push",
+                    "remote_host": "127.0.0.1",
+                    "remote_port": port,
+                    "remote_cluster_id": cid,
+                    "aiokv_transfer_id": f"kill-{stamp}-{i}",
+                }
+                for i in range(len(ps))
+            ],
+        )
+        time.sleep(0.5)  # the registrations are in
+        p.submit(
+            ps,
+            1,
+            [
+                {"do_remote_decode": True, "transfer_mode": "push", "aiokv_transfer_id": x}
+                for x in (f"kill-{stamp}-{i}" for i in range(len(ps)))
+            ],
+        )
+        time.sleep(0.4 * prefill)
+        t_kill = time.monotonic()
+        p.kill()
+        try:
+            res = d.result(120)
+            assert all(r["finish"] not in ("length", "stop") for r in res["rows"]), res["rows"]
+        except RuntimeError:
+            pass  # vLLM raised the load error
+        took = time.monotonic() - t_kill
+        after = d.stats()
+        moved = after["layers_received"] - before["layers_received"]
+        assert moved > 0, "nothing had landed when the prefill was killed"
+        assert after["pushes_received"] == before["pushes_received"]
+        assert after["load_failures"] - before["load_failures"] == len(ps)
+        assert took < timeout + 15, took  # its deadline, and vLLM's step on 2 busy cores
+        print(
+            f"killed {0.4 * prefill:.2f} s into a {prefill:.2f} s prefill; {moved} layer "
+            f"pushes had landed; the decode failed them {took:.2f} s later"
+        )
+        # The decode instance goes on: a fresh prefill instance serves it.
+        p2 = disagg.Instance(model, "kv_producer", extra={**base, "port": port, "cluster_id": cid})
+        try:
+            out = disagg.disaggregated(p2, d, ps[:2], MAX_TOKENS, "push", "prefill-first")
+            assert tokens(out) == ref[:2]
+        finally:
+            p2.stop()
+    finally:
+        d.stop()
+        p.kill()
 
 
 def test_default_multiprocess_engines(model: str, prompts: list[list[int]]) -> None:

@@ -690,8 +690,18 @@ class TransferAgent:
         # P's pushes end by D's deadline (carried in the registration) or its own.
         st.deadline = time.monotonic() + min(self.timeout, float(ttl))
         self._spawn(self._push_deadline(st))
-        for layer in sorted(st.saved):
-            self._push_layer(st, layer)
+        layers = range(self.layout.num_layers)
+        end = st.final_end
+        if end is not None and not st.pushed and all(st.saved.get(x, 0) >= end for x in layers):
+            # The prefill is done (prefill first): every layer in one call,
+            # one notification, instead of one per layer.
+            task = self._spawn(self._push_range(st, layers, 0, -(-end // st.block_size), end, None))
+            for x in layers:
+                st.pushed[x] = end
+                st.tails[x] = task
+        else:
+            for layer in sorted(st.saved):
+                self._push_layer(st, layer)
         self._check_pushed(st)
 
     def _push_layer(self, st: _PushState, layer: int) -> None:
@@ -702,20 +712,22 @@ class TransferAgent:
         bs = st.block_size
         i0, i1 = a // bs, -(-b // bs)
         prev = st.tails.get(layer)
-        st.tails[layer] = self._spawn(self._push_range(st, layer, i0, i1, b, prev))
+        st.tails[layer] = self._spawn(
+            self._push_range(st, range(layer, layer + 1), i0, i1, b, prev)
+        )
 
     async def _push_range(
         self,
         st: _PushState,
-        layer: int,
+        layers: range,
         i0: int,
         i1: int,
         end: int,
         prev: asyncio.Task[None] | None,
     ) -> None:
-        """Push blocks ``[i0, i1)`` of the request's list, layer ``layer``: those
-        from the decode side's first registered index on (before it, D has
-        the tokens in its own prefix cache)."""
+        """Push blocks ``[i0, i1)`` of the request's list, ``layers``: those from
+        the decode side's first registered index on (before it, D has the
+        tokens in its own prefix cache)."""
         if prev is not None:
             # One layer's pushes in order: a re-pushed partial block must
             # not be overtaken by its older copy.
@@ -738,8 +750,8 @@ class TransferAgent:
                     self._cache,
                     st.blocks[j0:i1],
                     st.reg_ids[j0 - st.first : i1 - st.first],
-                    src_layer_range=range(layer, layer + 1),
-                    dst_layer_range=range(layer, layer + 1),
+                    src_layer_range=layers,
+                    dst_layer_range=layers,
                     tensor_num_per_layer=n,
                     tag=_tag("kv", st.xid),
                     timeout=left,
@@ -747,9 +759,10 @@ class TransferAgent:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._end_push(st, f"layer {layer}: {exc}")
+            self._end_push(st, f"layers {layers.start}-{layers.stop - 1}: {exc}")
             return
-        st.landed[layer] = max(st.landed.get(layer, 0), end)
+        for layer in layers:
+            st.landed[layer] = max(st.landed.get(layer, 0), end)
         self._check_pushed(st)
 
     def _check_pushed(self, st: _PushState) -> None:
