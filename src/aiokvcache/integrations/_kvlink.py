@@ -327,6 +327,7 @@ class TransferAgent:
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._waits: dict[tuple[str, str], tuple[int, asyncio.Future[Any]]] = {}
         self._recvs: dict[str, asyncio.Task[None]] = {}  # D: request id -> its load
+        self._closing = False
         self._aborted: set[str] = set()  # D: loads cancelled because the engine aborted them
         self._links: dict[int, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -421,6 +422,7 @@ class TransferAgent:
         return addr
 
     async def _shutdown(self) -> None:
+        self._closing = True
         if self._hold_timer is not None:
             self._hold_timer.cancel()
         for t in list(self._tasks):
@@ -929,12 +931,12 @@ class TransferAgent:
         self._post(lambda: self._spawn(self._drop_push(peer, xid)))
 
     async def _free_remote(self, peer: Peer, msg: str) -> None:
-        with contextlib.suppress(_TransferFailed):
+        with contextlib.suppress(Exception):
             await self._send_to(peer, msg, self._link_timeout)
 
     async def _drop_push(self, peer: Peer, xid: str) -> None:
         # An empty registration: nothing to push; P ends the transfer.
-        with contextlib.suppress(_TransferFailed):
+        with contextlib.suppress(Exception):
             await self._send_to(peer, _tag("reg", xid, 0, 1, [], 0, 1.0), self._link_timeout)
 
     def _cancel_recv(self, req_id: str) -> None:
@@ -1107,15 +1109,28 @@ class TransferAgent:
         except TimeoutError:
             raise _TransferFailed(f"not pushed within {self.timeout} s", "timeout") from None
         finally:
+            aborted = False
             if registered and not finished:
                 # Timed out or aborted: P stops; its word that it stopped (a
                 # pushfail, once its pushes are quiescent) ends the wait, or
-                # its deadline, which the registration bounded.
+                # its deadline, which the registration bounded. An abort that
+                # comes meanwhile does not end the wait (it is reported as
+                # one after it); a shutdown does (the agent's listener, which
+                # would take P's word, is gone, and finalize ends the link).
                 self._spawn(self._send(peer.cluster_id, _tag("cancel", xid)))
-                left = max(0.0, deadline - time.monotonic())
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(fut), left)
+                while not fut.done() and not self._closing:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    try:
+                        await asyncio.wait_for(asyncio.shield(fut), left)
+                    except asyncio.CancelledError:
+                        aborted = True
+                    except Exception:
+                        break
             self._waits.pop(("pushed", xid), None)
+            if aborted:
+                raise asyncio.CancelledError
         return len(block_runs(local_ids))
 
     def _expect(self, key: tuple[str, str], src: int) -> asyncio.Future[Any]:
