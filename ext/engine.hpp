@@ -311,6 +311,9 @@ class Engine {
     uint64_t ep_id;
   };
   std::unordered_map<std::string, NoteKey> note_keys_;
+  // The link a message's header (its key) names, or null; stamps its
+  // endpoint heard. Progress thread only.
+  const NoteKey* keyed(const void* header, size_t header_length);
   std::atomic<uint64_t> notes_queued_{0}, notes_dropped_{0}, copy_faults_{0};
 
   // UCX and the loop's file descriptors (engine.cpp, progress.cpp).

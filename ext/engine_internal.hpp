@@ -14,7 +14,8 @@
 namespace akv {
 
 constexpr unsigned kAmId = 7;
-// Keep-alives (EngineConfig::keepalive): header = the link's key, no payload.
+// Keep-alives (EngineConfig::keepalive): header = the link's key; one byte,
+// 1 when the sender asks for one back at once (keepalive_now), else 0.
 constexpr unsigned kKeepaliveAmId = 8;
 // Empty progress polls, at least, before a thread with jobs in flight arms
 // the worker and sleeps (besides EngineConfig::spin since its last work).

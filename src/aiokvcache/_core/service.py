@@ -704,9 +704,7 @@ class PeerService:
         engine = self._state.engine
         while True:
             await asyncio.sleep(timeout / 4)
-            with self._state.lock:
-                current = self._state.links.get(link.cluster_id) is link and not link.broken
-            if not current or link.conn.closed:
+            if not self._heartbeat_current(link):
                 return
             try:
                 silent = engine.silent_s(link.ep)
@@ -722,9 +720,7 @@ class PeerService:
                 return  # the endpoint is gone: the link is being dropped
             if silent <= timeout:
                 continue
-            with self._state.lock:
-                current = self._state.links.get(link.cluster_id) is link and not link.broken
-            if not current or link.conn.closed:
+            if not self._heartbeat_current(link):
                 return
             log.warning(
                 "aiokvcache: cluster %d silent for %.1f s: link broken", link.cluster_id, silent
@@ -732,6 +728,12 @@ class PeerService:
             self.break_link(link, f"peer silent for {timeout:.1f} s")
             await link.conn.close(f"peer silent for {timeout:.1f} s")
             return
+
+    def _heartbeat_current(self, link: Link) -> bool:
+        """``link`` is still the cluster's link, unbroken, its connection open."""
+        with self._state.lock:
+            current = self._state.links.get(link.cluster_id) is link and not link.broken
+        return current and not link.conn.closed
 
     async def handle_request(
         self, conn: control.ControlConnection, op: str, body: dict[str, Any]
@@ -759,8 +761,6 @@ class PeerService:
             await until(lambda: self._released_now(live))
             # A job released unproven may move bytes until the endpoint closed.
             await until(lambda: not engine.endpoint_unproven(link.ep))
-            return {}
-        if op == "ping":
             return {}
         if op == "probe_info":
             return self._probe_info()

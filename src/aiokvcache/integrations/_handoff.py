@@ -127,9 +127,7 @@ class PullHolds:
         self._seq = 0
         # Released ids -> when their key expires (ms), in release order.
         self._released: collections.OrderedDict[str, int] = collections.OrderedDict()
-        #: Counters: grants given, claims refused, leases that ran out unread.
-        self.grants = 0
-        self.refusals = 0
+        #: Leases that ran out unread.
         self.expired = 0
 
     def __len__(self) -> int:
@@ -226,7 +224,6 @@ class PullHolds:
         h.claims[src, nonce] = max(end, h.claims.get((src, nonce), end))
         h.read = False
         self._schedule(rid, end)
-        self.grants += 1
         return Answer(src, rid, nonce, "grant")
 
     def done(self, src: int, rid: str, nonce: str) -> bool:
@@ -341,7 +338,6 @@ class PullHolds:
         return False
 
     def _refuse(self, src: int, rid: str, nonce: str, why: str) -> Answer:
-        self.refusals += 1
         return Answer(src, rid, nonce, "refused", why)
 
     def _release(self, rid: str, h: _Hold) -> None:

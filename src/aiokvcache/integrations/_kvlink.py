@@ -507,18 +507,17 @@ class TransferAgent:
         answer = self._holds.claim(
             src, rid, nonce, key, ttl, first, last, n, digest, until, now, _wall_ms()
         )
-        self._answer_claims([answer])
+        self._answer_claim(answer)
         self._tick_holds()
 
-    def _answer_claims(self, answers: list[Answer]) -> None:
-        for a in answers:
-            if a.kind == "grant":
-                self.stats["grants"] += 1
-                self._spawn(self._send(a.to, _tag("grant", a.rid, a.nonce)))
-            else:
-                self.stats["refusals"] += 1
-                log.info("aiokvcache: claim of %s by cluster %d refused: %s", a.rid, a.to, a.why)
-                self._spawn(self._send(a.to, _tag("refused", a.rid, a.nonce, a.why[:256])))
+    def _answer_claim(self, a: Answer) -> None:
+        if a.kind == "grant":
+            self.stats["grants"] += 1
+            self._spawn(self._send(a.to, _tag("grant", a.rid, a.nonce)))
+        else:
+            self.stats["refusals"] += 1
+            log.info("aiokvcache: claim of %s by cluster %d refused: %s", a.rid, a.to, a.why)
+            self._spawn(self._send(a.to, _tag("refused", a.rid, a.nonce, a.why[:256])))
 
     def _on_done(self, src: int, rid: str, nonce: str) -> None:
         if self._holds.done(src, rid, nonce):
