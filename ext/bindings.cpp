@@ -238,6 +238,8 @@ PYBIND11_MODULE(_native, m) {
             e.keep.erase(rid);
           },
           py::arg("region_id"))
+      .def("mem_quarantine", &Engine::mem_quarantine, py::arg("region_id"),
+           py::call_guard<py::gil_scoped_release>())
       .def(
           "rkey_pack",
           [](PyEngine& e, uint64_t rid) {
@@ -396,6 +398,7 @@ PYBIND11_MODULE(_native, m) {
              d["inline_copies"] = s.inline_copies;
              d["notifications_dropped"] = s.notifications_dropped;
              d["copy_faults"] = s.copy_faults;
+             d["quarantined_bytes"] = s.quarantined_bytes;
              return d;
            })
       .def(

@@ -198,7 +198,7 @@ EngineStats Engine::stats() const {
                      notes_sent_.load(),     notes_received_.load(), n_eps_.load(),
                      ep_errors_.load(),      n_regions_.load(),      inflight_snapshot_.load(),
                      bytes_direct_.load(),   unconfirmed_snapshot_.load(), inline_copies_.load(),
-                     notes_dropped_.load(),  copy_faults_.load()};
+                     notes_dropped_.load(),  copy_faults_.load(),    quarantined_bytes_.load()};
 }
 
 std::string Engine::info() {
@@ -247,6 +247,7 @@ void Engine::close() {
   for (auto& kv : regions_) unmap_region(context_, *kv.second);
   regions_.clear();
   n_regions_ = 0;
+  quarantined_bytes_ = 0;
   ucp_cleanup(context_);
   worker_ = nullptr;
   context_ = nullptr;

@@ -130,6 +130,7 @@ struct EngineStats {
   uint64_t inline_copies;  // transfers copy_inline did on the caller's thread
   uint64_t notifications_dropped;  // unattributed, or over the queue's cap
   uint64_t copy_faults;  // direct copies a peer's vanished memory stopped (SIGBUS)
+  uint64_t quarantined_bytes;  // retired regions' address ranges held until close
 };
 
 // Its definition is split by responsibility: engine.cpp (setup, stats,
@@ -156,6 +157,10 @@ class Engine {
   std::pair<uint64_t, uint64_t> mem_alloc(uint64_t len);  // -> (region id, address)
   uint64_t mem_register(uint64_t addr, uint64_t len);
   void mem_release(uint64_t region_id);
+  // A retired allocated region a peer may still write (its link was cut off
+  // unconfirmed): its pages go back now, its addresses stay an inert mapping
+  // until close() (see quarantine_region). mem_release refuses it after.
+  void mem_quarantine(uint64_t region_id);
   std::string rkey_pack(uint64_t region_id);
   uint64_t rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t base, uint64_t len);
   void rkey_release(uint64_t rkey_id);
@@ -400,6 +405,7 @@ class Engine {
   bool drain_lanes();
   void stop_lanes();
   std::unordered_map<uint64_t, std::unique_ptr<Region>> regions_;
+  void count_regions();  // n_regions_ and quarantined_bytes_ from regions_
   // Lifecycle (engine.cpp).
   bool destroying_ = false;  // after shutdown: callbacks only free requests
   uint64_t next_region_ = 1, next_ep_ = 1, next_rkey_ = 1;
@@ -419,6 +425,7 @@ class Engine {
   std::atomic<uint64_t> unconfirmed_snapshot_{0};
   std::atomic<uint64_t> notes_sent_{0}, notes_received_{0};
   std::atomic<uint64_t> n_eps_{0}, ep_errors_{0}, n_regions_{0}, inflight_snapshot_{0};
+  std::atomic<uint64_t> quarantined_bytes_{0};
 };
 
 }  // namespace akv

@@ -1,5 +1,13 @@
 #include "memory.hpp"
 
+#include <sys/mman.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
 namespace akv {
 
 Region map_region(ucp_context_h ctx, void* addr, uint64_t len, bool allocate) {
@@ -26,6 +34,7 @@ Region map_region(ucp_context_h ctx, void* addr, uint64_t len, bool allocate) {
   r.memh = memh;
   r.addr = allocate ? attr.address : addr;
   r.len = len;
+  r.span = allocate ? std::max<uint64_t>(len, attr.length) : len;
   r.allocated = allocate;
   return r;
 }
@@ -35,6 +44,29 @@ void unmap_region(ucp_context_h ctx, Region& r) {
     ucp_mem_unmap(ctx, r.memh);
     r.memh = nullptr;
   }
+}
+
+void quarantine_region(Region& r) {
+  if (!r.allocated) throw InvalidArgument("only engine-allocated regions can be quarantined");
+  if (r.quarantined) return;
+  // The mapping stays UCX's (its free at close must find what it made: a
+  // SysV attachment, posix shared memory, huge pages); only the pages go.
+  // Whole pages inside the allocation only: with UCX's heap fallback the
+  // bytes around it are malloc's.
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  uint64_t begin = (reinterpret_cast<uint64_t>(r.addr) + page - 1) / page * page;
+  uint64_t end = (reinterpret_cast<uint64_t>(r.addr) + r.span) / page * page;
+  if (end > begin) {
+    void* p = reinterpret_cast<void*>(begin);
+    // Shared memory: free the pages themselves (the object's, not only our
+    // view of them). Private memory refuses that; dropping its pages there
+    // leaves zero pages that a late write fills again, at most what the
+    // peer still had posted.
+    if (::madvise(p, end - begin, MADV_REMOVE) != 0 && ::madvise(p, end - begin, MADV_DONTNEED) != 0) {
+      throw Error(std::string("madvise over a retired region failed: ") + std::strerror(errno));
+    }
+  }
+  r.quarantined = true;
 }
 
 std::string pack_rkey(ucp_context_h ctx, const Region& r) {

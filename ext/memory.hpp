@@ -16,12 +16,23 @@ struct Region {
   ucp_mem_h memh = nullptr;
   void* addr = nullptr;
   uint64_t len = 0;
+  // What UCX reports it mapped for an allocated region (it may round the
+  // length up, e.g. to whole huge pages); len for registered memory.
+  uint64_t span = 0;
   bool allocated = false;
+  // Retired with a peer that may still write it: its pages went back to the
+  // system and its address range holds an inert scratch mapping until the
+  // worker (every connection that could carry a late write) is gone.
+  bool quarantined = false;
 };
 
 // Throw UcxFailure when UCX refuses, InvalidArgument for a zero length.
 Region map_region(ucp_context_h ctx, void* addr, uint64_t len, bool allocate);
 void unmap_region(ucp_context_h ctx, Region& r);
+// Give an allocated region's pages back, keeping its mapping (and UCX's
+// registration) in place: its addresses read zeros and take late writes
+// until close() unmaps them (see Region::quarantined).
+void quarantine_region(Region& r);
 std::string pack_rkey(ucp_context_h ctx, const Region& r);
 
 }  // namespace akv

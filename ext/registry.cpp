@@ -95,7 +95,7 @@ std::pair<uint64_t, uint64_t> Engine::mem_alloc(uint64_t len) {
     r->id = next_region_++;
     auto out = std::make_pair(r->id, reinterpret_cast<uint64_t>(r->addr));
     regions_[r->id] = std::move(r);
-    n_regions_ = regions_.size();
+    count_regions();
     return out;
   });
 }
@@ -107,7 +107,7 @@ uint64_t Engine::mem_register(uint64_t addr, uint64_t len) {
     r->id = next_region_++;
     uint64_t id = r->id;
     regions_[id] = std::move(r);
-    n_regions_ = regions_.size();
+    count_regions();
     return id;
   });
 }
@@ -116,10 +116,36 @@ void Engine::mem_release(uint64_t region_id) {
   call<void>([this, region_id]() {
     auto it = regions_.find(region_id);
     if (it == regions_.end()) throw InvalidArgument("unknown region id");
+    if (it->second->quarantined) throw InvalidArgument("region is quarantined until close");
     unmap_region(context_, *it->second);
     regions_.erase(it);
-    n_regions_ = regions_.size();
+    count_regions();
   });
+}
+
+void Engine::mem_quarantine(uint64_t region_id) {
+  call<void>([this, region_id]() {
+    auto it = regions_.find(region_id);
+    if (it == regions_.end()) throw InvalidArgument("unknown region id");
+    // Its registration stays: UCX's free would unmap the addresses, which
+    // must not be handed out again while a late write could reach them.
+    // close() unregisters it after the worker (and its sockets) went.
+    quarantine_region(*it->second);
+    count_regions();
+  });
+}
+
+void Engine::count_regions() {
+  uint64_t n = 0, q = 0;
+  for (const auto& kv : regions_) {
+    if (kv.second->quarantined) {
+      q += kv.second->span;
+    } else {
+      ++n;
+    }
+  }
+  n_regions_ = n;
+  quarantined_bytes_ = q;
 }
 
 std::string Engine::rkey_pack(uint64_t region_id) {

@@ -659,28 +659,25 @@ async def test_finalize_keeps_registered_buffers_until_the_engine_stopped() -> N
 # forced) peer whose posted puts are still in flight is not waited for, so
 # they land in memory that was released and reused. Run in a child
 # (lt_victim.py unlink): a put into unmapped memory is a SIGSEGV.
+#
+# And a peer cut off unconfirmed is not done when our endpoint to it closes:
+# UCX's TCP transport keeps applying what arrives on a connection the peer
+# opened until the peer closes it (the forced-unlink variants failed so, in
+# CI and here, about one run in five). Such memory is quarantined: its pages
+# go back, its addresses stay an inert mapping until finalize.
 
 
 @pytest.mark.parametrize("how", ["plain", "force"])
 @pytest.mark.parametrize("freeze", ["frozen", pytest.param("running", marks=pytest.mark.slow)])
 def test_unlink_then_deallocate_waits_for_the_peers_puts(
-    transport: str, how: str, freeze: str, request: pytest.FixtureRequest
+    transport: str, how: str, freeze: str
 ) -> None:
     # "frozen": the pusher is stopped just before our unlink (its posted puts
     # wait in it) and continued once canaries fill X's memory: deterministic.
     # "running": as it comes; a race on d2734be, so a few attempts.
-    if (transport, how, freeze) == ("tcp", "force", "running"):
-        # Found at the end of the session that fixed the vLLM connector: it
-        # fails about 1 run in 4-6 at 8a8b1c4 as at its successor (puts the
-        # running peer had posted before our forced unlink still land after
-        # deallocate_cache: our worker applies what arrives on the peer's TCP
-        # connection, which our forced close does not tear down). Open: see
-        # the closing note; the frozen variant (deterministic) stays strict.
-        request.applymarker(
-            pytest.mark.xfail(strict=False, reason="known race: forced unlink over tcp")
-        )
     attempts = 1 if freeze == "frozen" else 3
-    for attempt in range(attempts):
+    live = 0
+    for attempt in range(attempts + 2):
         rc, res, tail = run_victim("unlink", transport, how, freeze)
         assert rc == 0, f"attempt {attempt}: our process died (rc {rc}): {tail}"
         assert res is not None, tail
@@ -688,14 +685,20 @@ def test_unlink_then_deallocate_waits_for_the_peers_puts(
             f"attempt {attempt}: the unlinked peer's puts landed in memory reused after "
             f"deallocate_cache: {res}"
         )
-        assert res["pushes_ok"] >= 1, f"the peer was not pushing into X: {res}"
         assert res["released"], f"X's memory was never released: {res}"
-        if transport == "tcp" and freeze == "frozen":
-            # Its puts are applied by us when it resumes: not over before.
-            assert not res["released_before_thaw"], (
-                f"X's memory was released while the unlinked peer (frozen) still had puts "
-                f"posted to it: {res}"
-            )
+        if not res["live_at_unlink"]:
+            continue  # the link broke before the unlink (a stalled TCP start): again
+        assert res["pushes_ok"] >= 1, f"the peer was not pushing into X: {res}"
+        if how == "force" or freeze == "frozen":
+            # Never confirmed by the peer: quarantined, not freed.
+            assert res["quarantined"] >= 2 * (16 << 20), res
+        else:
+            # A live peer confirmed the unlink: freed, not quarantined.
+            assert res["quarantined"] == 0, res
+        live += 1
+        if live == attempts:
+            break
+    assert live == attempts, "the peer's link never stayed up until the unlink"
 
 
 # ================================================================ item 6

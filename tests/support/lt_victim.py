@@ -180,6 +180,9 @@ async def unlink_scenario(
             regions = cm.stats()["regions"]
             # The peer does not listen: only its cluster id matters here.
             info = cluster_info("127.0.0.1:1", 1)
+            link = dd._links.get(1)
+            live_at_unlink = link is not None and not link.broken
+            x_spans = [(a, size) for a in x.tensor_addrs]
             if freeze == "frozen":
                 peer.signal(signal.SIGSTOP)
             rc, per = await dd.unlink_clusters([info], timeout=1000, force=how == "force")
@@ -198,8 +201,21 @@ async def unlink_scenario(
             await asyncio.sleep(1.0)
             bad = sum(int(np.count_nonzero(t != CANARY)) for c in canaries for t in c.tensors)
             summary = await peer.call("loop_join", loop="l", wait=60)
+            quarantined = int(cm.stats()["quarantined_bytes"])
+            # Quarantined, X's addresses still map (inert) memory: what the
+            # peer wrote after the unlink landed there, harmlessly.
+            late = 0
+            if quarantined:
+                from aiokvcache import _native
+
+                for a, n in x_spans:
+                    view = np.frombuffer(_native.buffer_from_address(a, n), np.uint8)
+                    late += int(np.count_nonzero(view))
         result(
+            live_at_unlink=live_at_unlink,
+            late_bytes_in_quarantine=late,
             unlink=[rc.name, [s.name for s in per]],
+            quarantined=quarantined,
             released_before_thaw=released_early,
             released=released,
             canary_bytes_changed=bad,

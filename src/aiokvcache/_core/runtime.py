@@ -199,3 +199,6 @@ class Runtime:
             st.registry.blocks_keys.clear()
         for rec in recs:
             rec.cache._invalidate()
+        # The engine is closed (its worker and every connection gone): user
+        # buffers held since a peer was cut off may go now.
+        st.held_until_close.clear()

@@ -59,10 +59,9 @@ _PEER_FINALIZING = "the peer finalized"
 _FORCE_UNLINKED = "force-unlinked"
 # Native releases and endpoint closes are polled (never waited for in an
 # executor thread a hostile peer could tie up), from this interval up to
-# _POLL_MAX_S; a warning when a retirement waits longer than _CLOSE_WARN_S.
+# _POLL_MAX_S.
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.02
-_CLOSE_WARN_S = 10.0
 # The data-path probe of a new link: a nonce put to the peer and read back.
 _NONCE_BYTES = 16
 # The longest probe a peer may ask of us (probe_back); longer asks are cut.
@@ -514,9 +513,10 @@ class PeerService:
         """Unlink each cluster in turn; one status each.
 
         As in LLM-DataDist: a cluster with no link is SUCCESS; a plain
-        unlink tells the peer, which drops its side too and answers once its
-        own transfers on the link are released (the link is then proven
-        quiescent); ``force`` tears down our side only — the peer's link
+        unlink waits until our transfers on the link are released, then
+        tells the peer, which drops its side too and answers once its own
+        are released (the link is then proven quiescent on both sides);
+        ``force`` tears down our side only — the peer's link
         breaks (its transfers fail) but stays until it unlinks, so both
         sides may force-unlink in any order.
         """
@@ -528,10 +528,13 @@ class PeerService:
                 results.append(LLMStatusCode.LLM_SUCCESS)
                 continue
             reason = _FORCE_UNLINKED if force else "unlinked"
-            self.drop_link(link, reason)
+            live = self.drop_link(link, reason)
             try:
                 async with asyncio.timeout(timeout_ms / 1000):
                     if not force:
+                        # Our jobs on the link are over before we ask: the
+                        # peer counts the link quiescent once it answers.
+                        await self._settled(live, link.ep)
                         with contextlib.suppress(LLMException):
                             await link.conn.request("unlink", {}, timeout=timeout_ms / 1000)
                             self._quiesced(link)
@@ -756,11 +759,10 @@ class PeerService:
             # A plain unlink: our side goes, and our transfers on the link are
             # released, before the peer's call returns: it may then treat the
             # link as quiescent (LLM-DataDist's disconnect waits so too).
-            live = self.drop_link(link, "unlinked by peer")
-            engine = st.engine
-            await until(lambda: self._released_now(live))
-            # A job released unproven may move bytes until the endpoint closed.
-            await until(lambda: not engine.endpoint_unproven(link.ep))
+            await self._settled(self.drop_link(link, "unlinked by peer"), link.ep)
+            # The peer's own jobs on the link were over before it asked (see
+            # unlink_all): nothing it posted can reach our memory any more.
+            self._quiesced(link)
             return {}
         if op == "probe_info":
             return self._probe_info()
@@ -783,6 +785,13 @@ class PeerService:
         # order on one connection), so the peer never installs metadata it
         # was told is gone.
         return self._serve_lookup(link, op, body)
+
+    async def _settled(self, ids: list[int], ep: int) -> None:
+        """Our jobs ``ids`` are released, and none released unproven on
+        ``ep`` can move bytes any more (its close completed)."""
+        engine = self._state.engine
+        await until(lambda: self._released_now(ids))
+        await until(lambda: not engine.endpoint_unproven(ep))
 
     def _released_now(self, ids: list[int]) -> bool:
         engine = self._state.engine
@@ -1045,23 +1054,26 @@ class PeerService:
         every link its metadata went out on — current or long dropped — is
         proven quiescent: a live peer confirms the invalidation (it released
         its jobs on the cache first); a peer that confirmed an unlink already
-        counts; any other (frozen, cut off, gone, replaced) is cut off and
-        the memory waits until our endpoint to it is closed at the transport.
-        Reuse never follows from a timer alone. If the wait is interrupted
-        (finalize), the memory goes only once the engine has fully closed;
-        otherwise it is kept (leaked, never reused).
+        counts. Any other (frozen, cut off, gone, replaced) is cut off, and
+        the memory is quarantined instead of freed (:meth:`_quarantine`):
+        nothing on our side can prove such a peer done. Reuse never follows
+        from a timer alone. If the wait is interrupted (finalize), the memory
+        goes only once the engine has fully closed; otherwise it is kept
+        (leaked, never reused).
         """
         st = self._state
-        proven = False
+        waited = False
         try:
             await until(lambda: st.leases_over(leases))
             # A job of ours released unproven (its peer froze) may still move
             # bytes of the cache until its endpoint's close completes.
             await until(lambda: st.used_quiet(rec))
             await self._quiesce_exposure(rec)
-            proven = True
+            waited = True
         finally:
-            if proven or st.engine.closed:
+            if waited and rec.unproven and not st.engine.closed:
+                self._quarantine(rec, owners)
+            elif waited or st.engine.closed:
                 for rid, _, _ in rec.regions:
                     # A closed engine freed every region already.
                     with contextlib.suppress(native.EngineClosedError):
@@ -1075,10 +1087,40 @@ class PeerService:
                     rec.cache_id,
                 )
 
+    def _quarantine(self, rec: LocalCache, owners: Any) -> None:
+        """Retire ``rec`` whose memory a cut-off peer may still write.
+
+        Our endpoint's close proves nothing about the peer's side: UCX's TCP
+        transport keeps receiving on a connection the peer opened until the
+        peer closes it, and a thawed peer first sends what it had posted. So
+        the addresses are never handed out again before finalize: allocated
+        memory gives its pages back and keeps an inert mapping at its
+        addresses (``Engine.mem_quarantine``); registered user buffers stay
+        registered and referenced until finalize.
+        """
+        st = self._state
+        if rec.allocated:
+            try:
+                for rid, _, _ in rec.regions:
+                    st.engine.mem_quarantine(rid)
+            except native.NativeError as exc:
+                log.warning("aiokvcache: cache %d's memory is kept: %s", rec.cache_id, exc)
+            st.ctl.guard_free(rec.guard_slot)
+            return
+        log.warning(
+            "aiokvcache: cache %d's buffers stay registered until finalize: a peer that "
+            "held its metadata was cut off before it confirmed it is done with it",
+            rec.cache_id,
+        )
+        st.held_until_close.append(owners)
+        st.ctl.guard_free(rec.guard_slot)
+
     async def _quiesce_exposure(self, rec: LocalCache) -> None:
         """Every link that ever saw ``rec``'s metadata is proven quiescent."""
         st = self._state
         with st.lock:
+            if any(lk.cut_off for lk in rec.exposed):
+                rec.unproven = True
             exposed = [lk for lk in rec.exposed if not lk.quiescent]
             rec.exposed.clear()
             current = {lk for lk in exposed if st.links.get(lk.cluster_id) is lk and not lk.broken}
@@ -1088,26 +1130,33 @@ class PeerService:
         for lk in exposed:
             if lk not in done and not lk.quiescent:
                 await self._cut_off(lk, f"it did not confirm that cache {rec.cache_id} is gone")
+            if lk.cut_off:
+                rec.unproven = True
 
     async def _cut_off(self, link: Link, why: str) -> None:
-        """Drop ``link`` and wait until our endpoint to the peer is closed."""
-        with self._state.lock:
-            current = self._state.links.get(link.cluster_id) is link
+        """Drop ``link`` without the peer's confirmation.
+
+        Nothing on our side proves the peer done: closing our endpoint stops
+        our own traffic, but UCX's TCP transport keeps applying what arrives
+        on a connection the peer opened until the peer closes it. Every cache
+        the link saw is marked unproven and is quarantined, not freed, when
+        it retires (see :meth:`_quarantine`); no retirement waits for it.
+        """
+        st = self._state
+        with st.lock:
+            current = st.links.get(link.cluster_id) is link
+            link.cut_off = True
         if current and not link.broken:
             log.warning("aiokvcache: cutting off cluster %d: %s", link.cluster_id, why)
         self.drop_link(link, f"cut off: {why}")
         if not link.conn.closed:
             self.spawn(link.conn.close(f"cut off: {why}"))
-        engine = self._state.engine
-        if not await until(lambda: engine.endpoint_closed(link.ep), _CLOSE_WARN_S):
-            log.warning(
-                "aiokvcache: endpoint to cluster %d still closing after %.0f s; the "
-                "retired memory waits for it",
-                link.cluster_id,
-                _CLOSE_WARN_S,
-            )
-            await until(lambda: engine.endpoint_closed(link.ep))
-        self._quiesced(link)
+        with st.lock:
+            link.quiescent = True
+            for rec in st.registry.caches.values():
+                if link in rec.exposed:
+                    rec.exposed.discard(link)
+                    rec.unproven = True
 
     async def _invalidate_at(self, link: Link, cache_id: int) -> bool:
         try:

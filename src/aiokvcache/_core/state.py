@@ -93,6 +93,10 @@ class LocalCache:
     #: Its retirement word in the control region (see :mod:`.ctlregion`):
     #: slot index, or -1 without one.
     guard_slot: int = -1
+    #: Set when a link its metadata went out on was cut off unconfirmed: that
+    #: peer may still write it, so its memory is never handed out again
+    #: before finalize (see ``PeerService._release_later``).
+    unproven: bool = False
 
     @property
     def cache_id(self) -> int:
@@ -148,10 +152,13 @@ class Link:
     ctl_span: tuple[int, int] = (0, 0)
     #: Set once the link's data path moved bytes both ways.
     up: bool = False
-    #: Set once nothing the peer posted on this link can still reach our
-    #: memory: it confirmed an unlink after its jobs were released, or our
-    #: endpoint to it closed at the transport.
+    #: Set once no retirement waits for this link any more: the peer
+    #: confirmed an unlink after its jobs were released (nothing it posted
+    #: can reach our memory), or it was cut off (our endpoint to it closed;
+    #: what it posted may still land, see ``LocalCache.unproven``).
     quiescent: bool = False
+    #: Set when it was cut off: dropped without the peer's confirmation.
+    cut_off: bool = False
 
 
 #: How many tensor spans before an address cache_at() looks at.
@@ -272,6 +279,9 @@ class State:
         self.finalized = False
         #: Probe slots and retirement words (see :mod:`.ctlregion`).
         self.ctl = ControlRegion(engine)
+        #: Owners of registered user buffers retired unproven: referenced
+        #: until finalize (the engine keeps their registrations until close).
+        self.held_until_close: list[Any] = []
 
     # ------------------------------------------------------------- leases
 
