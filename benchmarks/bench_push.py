@@ -1,6 +1,6 @@
 """push_cache throughput between two processes, beside ucx_perftest and memcpy.
 
-Workload (issue 3): a decode process owns a cache of 32 layers x (K, V) x
+Workload: a decode process owns a cache of 32 layers x (K, V) x
 1 MiB; this process pushes its own copy with one ``push_cache`` per layer,
 all 32 layers in flight at once, again and again. Baselines measured in the
 same run: ``ucx_perftest -t ucp_put_bw -s 1MiB`` over the same UCX transports,

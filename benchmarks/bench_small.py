@@ -1,6 +1,6 @@
 """Small transfers: per-layer push time, loop CPU per call, idle progress CPU.
 
-Workload (issue 10): a decode process owns one cache of 32 layers x (K, V)
+Workload: a decode process owns one cache of 32 layers x (K, V)
 x S bytes (S = 2 KiB, 16 KiB, 128 KiB); this process pushes its copy with
 one ``push_cache`` per layer, either all 32 in flight at once or each
 awaited before the next. Baseline measured in the same run:
@@ -12,7 +12,7 @@ CPU time for one awaited job that moves nothing (the bridge alone).
     python benchmarks/bench_small.py                    # shm and tcp
     python benchmarks/bench_small.py --transport shm --seconds 2
 
-Targets (issue 10): all in flight at 2 KiB <= 10 us per layer on shm; each
+Targets: all in flight at 2 KiB <= 10 us per layer on shm; each
 awaited at 2 KiB <= 30 us on shm, <= 60 us on tcp; loop CPU per call <= 8 us.
 """
 

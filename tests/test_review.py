@@ -1,4 +1,4 @@
-"""Review of 43bb274 + 47da2d3 (issue 19): tests that fail on the change.
+"""Review of the lifetimes change (43bb274 + 47da2d3): tests that failed on it.
 
 Each test states the promise it holds the code to (docs/design.md,
 docs/api.md) and how it fails. Peers are in-process instances, or child
@@ -104,7 +104,7 @@ async def regions_at_most(cm: kv.CacheManager, want: int, seconds: float) -> boo
 # peer's reply to our own get lands in whatever is mapped there next.
 # Promise: docs/api.md 7.6 step 3 "no byte of a peer's transfer lands in
 # freed or reused memory"; design.md "Retired memory is never reused while a
-# peer could still write into it"; issue 19 "retirement waits for every
+# peer could still write into it"; "retirement waits for every
 # endpoint that ever ... ran a job on it". (TCP only: a direct copy leaves
 # nothing outstanding.)
 

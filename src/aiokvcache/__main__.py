@@ -124,12 +124,6 @@ def _error(exc: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m aiokvcache``."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["_decode"]:
-        # Internal and unlisted, kept for older callers: the bench's decode
-        # side, now ``python -m aiokvcache._peer decode``.
-        from . import _peer
-
-        return _peer.main(["decode", *argv[1:]])
     args = _parser().parse_args(argv)
     _setup_logging(args.debug)
     try:

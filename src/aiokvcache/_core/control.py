@@ -606,7 +606,7 @@ class ControlConnection:
 
     # -- sending ----------------------------------------------------------
 
-    # timeout= on every awaitable is the library's API convention (STYLE.md).
+    # timeout= on every awaitable is the library's API convention.
     async def request(
         self,
         op: str,
