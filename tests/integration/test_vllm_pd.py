@@ -237,16 +237,22 @@ def test_prefill_killed_while_its_pushes_move(tmp_path_factory: pytest.TempPathF
     decode instance serves the next requests."""
     model = disagg.model_dir(MID_LLAMA, str(tmp_path_factory.mktemp("midllama")))
     port, cid = disagg.free_port(), 12000 + disagg.free_port() % 1000
-    timeout = 8.0
-    base = {"transport": "tcp", "timeout": timeout, "mode": "push"}
-    p = disagg.Instance(model, "kv_producer", extra={**base, "port": port, "cluster_id": cid})
-    d = disagg.Instance(model, "kv_consumer", extra=base)
+    base = {"transport": "tcp", "mode": "push"}
+    # The prefill's own push deadline is not what fails here (it is killed):
+    # the decode's is, sized below from the prefill time measured now.
+    p_extra = {**base, "timeout": 300.0, "port": port, "cluster_id": cid}
+    p = disagg.Instance(model, "kv_producer", extra=p_extra)
+    d: disagg.Instance | None = None
     try:
         ps = disagg.prompts([384] * 4)
         ref = tokens(p.generate(ps, MAX_TOKENS))
         t0 = time.monotonic()
         p.generate(ps, 1)  # how long its prefill of these takes, here and now
         prefill = time.monotonic() - t0
+        # Enough for a whole prefill of all four on a machine this fast (a
+        # 2-core VM took 2-28 s for it), and at least 8 s.
+        timeout = max(8.0, 2.0 * prefill)
+        d = disagg.Instance(model, "kv_consumer", extra={**base, "timeout": timeout})
         addr = ("127.0.0.1", port, cid)
         out = disagg.disaggregated(p, d, ps[:1], MAX_TOKENS, "push", "decode-first", addr)
         assert tokens(out) == ref[:1]  # linked, warm
@@ -296,14 +302,15 @@ def test_prefill_killed_while_its_pushes_move(tmp_path_factory: pytest.TempPathF
             f"pushes had landed; the decode failed them {took:.2f} s later"
         )
         # The decode instance goes on: a fresh prefill instance serves it.
-        p2 = disagg.Instance(model, "kv_producer", extra={**base, "port": port, "cluster_id": cid})
+        p2 = disagg.Instance(model, "kv_producer", extra=p_extra)
         try:
             out = disagg.disaggregated(p2, d, ps[:2], MAX_TOKENS, "push", "prefill-first")
             assert tokens(out) == ref[:2]
         finally:
             p2.stop()
     finally:
-        d.stop()
+        if d is not None:
+            d.stop()
         p.kill()
 
 

@@ -831,7 +831,7 @@ class TransferAgent:
         assert st.deadline is not None
         await asyncio.sleep(max(0.0, st.deadline - time.monotonic()))
         if not st.ended:
-            self._end_push(st, f"not pushed within {self.timeout} s")
+            self._end_push(st, f"not pushed within {self.timeout:g} s")
 
     async def _reap_push(self, st: _PushState) -> None:
         """A transfer only a peer's registration made (the engine never
@@ -1106,7 +1106,7 @@ class TransferAgent:
                 raise _TransferFailed(f"the prefill instance failed: {answer}", "prefill")
             self.stats["pushes_received"] += 1
         except TimeoutError:
-            raise _TransferFailed(f"not pushed within {self.timeout} s", "timeout") from None
+            raise _TransferFailed(f"not pushed within {self.timeout:g} s", "timeout") from None
         finally:
             aborted = False
             if registered and not finished:
