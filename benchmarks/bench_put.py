@@ -195,6 +195,7 @@ async def measure_puts(
 ) -> float:
     """Awaited puts per second with ``window`` in flight, in steady state."""
     from aiokvcache._core.runner import run_jobs
+
     jobs = [[link.put_job(0, i * size if distinct else 0, size)] for i in range(window)]
     done = 0
     stop = False
@@ -258,6 +259,7 @@ async def ticker(samples: list[float], stop: asyncio.Event, period: float = 0.00
 async def measure_lag(link: Link, total: int, *, min_seconds: float, max_pushes: int) -> Lag:
     """Ticker lateness on an idle loop, then while pushes of ``total`` bytes are in flight."""
     from aiokvcache._core.runner import run_jobs
+
     lag = Lag()
     stop = asyncio.Event()
     task = asyncio.create_task(ticker(lag.idle, stop))
