@@ -247,6 +247,7 @@ void Engine::close() {
   for (auto& kv : regions_) unmap_region(context_, *kv.second);
   regions_.clear();
   n_regions_ = 0;
+  n_quarantined_ = 0;
   quarantined_bytes_ = 0;
   ucp_cleanup(context_);
   worker_ = nullptr;

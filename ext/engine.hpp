@@ -405,7 +405,8 @@ class Engine {
   bool drain_lanes();
   void stop_lanes();
   std::unordered_map<uint64_t, std::unique_ptr<Region>> regions_;
-  void count_regions();  // n_regions_ and quarantined_bytes_ from regions_
+  uint64_t n_quarantined_ = 0;  // of regions_ (they stay there until close)
+  void count_regions();  // n_regions_: regions_ not quarantined
   // Lifecycle (engine.cpp).
   bool destroying_ = false;  // after shutdown: callbacks only free requests
   uint64_t next_region_ = 1, next_ep_ = 1, next_rkey_ = 1;

@@ -48,7 +48,6 @@ void unmap_region(ucp_context_h ctx, Region& r) {
 
 void quarantine_region(Region& r) {
   if (!r.allocated) throw InvalidArgument("only engine-allocated regions can be quarantined");
-  if (r.quarantined) return;
   // The mapping stays UCX's (its free at close must find what it made: a
   // SysV attachment, posix shared memory, huge pages); only the pages go.
   // Whole pages inside the allocation only: with UCX's heap fallback the

@@ -21,8 +21,8 @@ struct Region {
   uint64_t span = 0;
   bool allocated = false;
   // Retired with a peer that may still write it: its pages went back to the
-  // system and its address range holds an inert scratch mapping until the
-  // worker (every connection that could carry a late write) is gone.
+  // system; its mapping stays (zero pages that take late writes) until the
+  // worker (every connection that could carry one) is gone.
   bool quarantined = false;
 };
 

@@ -130,23 +130,15 @@ void Engine::mem_quarantine(uint64_t region_id) {
     // Its registration stays: UCX's free would unmap the addresses, which
     // must not be handed out again while a late write could reach them.
     // close() unregisters it after the worker (and its sockets) went.
+    if (it->second->quarantined) return;
     quarantine_region(*it->second);
+    ++n_quarantined_;
+    quarantined_bytes_ += it->second->span;
     count_regions();
   });
 }
 
-void Engine::count_regions() {
-  uint64_t n = 0, q = 0;
-  for (const auto& kv : regions_) {
-    if (kv.second->quarantined) {
-      q += kv.second->span;
-    } else {
-      ++n;
-    }
-  }
-  n_regions_ = n;
-  quarantined_bytes_ = q;
-}
+void Engine::count_regions() { n_regions_ = regions_.size() - n_quarantined_; }
 
 std::string Engine::rkey_pack(uint64_t region_id) {
   return call<std::string>([this, region_id]() {

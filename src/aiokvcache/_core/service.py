@@ -1062,16 +1062,16 @@ class PeerService:
         (leaked, never reused).
         """
         st = self._state
-        waited = False
+        waited = proven = False
         try:
             await until(lambda: st.leases_over(leases))
             # A job of ours released unproven (its peer froze) may still move
             # bytes of the cache until its endpoint's close completes.
             await until(lambda: st.used_quiet(rec))
-            await self._quiesce_exposure(rec)
+            proven = await self._quiesce_exposure(rec)
             waited = True
         finally:
-            if waited and rec.unproven and not st.engine.closed:
+            if waited and not proven and not st.engine.closed:
                 self._quarantine(rec, owners)
             elif waited or st.engine.closed:
                 for rid, _, _ in rec.regions:
@@ -1105,23 +1105,22 @@ class PeerService:
                     st.engine.mem_quarantine(rid)
             except native.NativeError as exc:
                 log.warning("aiokvcache: cache %d's memory is kept: %s", rec.cache_id, exc)
-            st.ctl.guard_free(rec.guard_slot)
-            return
-        log.warning(
-            "aiokvcache: cache %d's buffers stay registered until finalize: a peer that "
-            "held its metadata was cut off before it confirmed it is done with it",
-            rec.cache_id,
-        )
-        st.held_until_close.append(owners)
+        else:
+            log.warning(
+                "aiokvcache: cache %d's buffers stay registered until finalize: a peer that "
+                "held its metadata was cut off before it confirmed it is done with it",
+                rec.cache_id,
+            )
+            st.held_until_close.append(owners)
         st.ctl.guard_free(rec.guard_slot)
 
-    async def _quiesce_exposure(self, rec: LocalCache) -> None:
-        """Every link that ever saw ``rec``'s metadata is proven quiescent."""
+    async def _quiesce_exposure(self, rec: LocalCache) -> bool:
+        """Every link that ever saw ``rec``'s metadata is quiescent: True
+        when each proved it (confirmed), False when one was cut off."""
         st = self._state
         with st.lock:
-            if any(lk.cut_off for lk in rec.exposed):
-                rec.unproven = True
-            exposed = [lk for lk in rec.exposed if not lk.quiescent]
+            seen = list(rec.exposed)
+            exposed = [lk for lk in seen if not lk.quiescent]
             rec.exposed.clear()
             current = {lk for lk in exposed if st.links.get(lk.cluster_id) is lk and not lk.broken}
         asked = [lk for lk in exposed if lk in current]
@@ -1129,34 +1128,28 @@ class PeerService:
         done = {lk for lk, ok in zip(asked, confirmed, strict=True) if ok}
         for lk in exposed:
             if lk not in done and not lk.quiescent:
-                await self._cut_off(lk, f"it did not confirm that cache {rec.cache_id} is gone")
-            if lk.cut_off:
-                rec.unproven = True
+                self._cut_off(lk, f"it did not confirm that cache {rec.cache_id} is gone")
+        return not any(lk.cut_off for lk in seen)
 
-    async def _cut_off(self, link: Link, why: str) -> None:
+    def _cut_off(self, link: Link, why: str) -> None:
         """Drop ``link`` without the peer's confirmation.
 
         Nothing on our side proves the peer done: closing our endpoint stops
         our own traffic, but UCX's TCP transport keeps applying what arrives
-        on a connection the peer opened until the peer closes it. Every cache
-        the link saw is marked unproven and is quarantined, not freed, when
-        it retires (see :meth:`_quarantine`); no retirement waits for it.
+        on a connection the peer opened until the peer closes it. The link
+        stays in the exposure of every cache it saw, so each of them is
+        quarantined, not freed, when it retires (see :meth:`_quarantine`);
+        no retirement waits for it.
         """
         st = self._state
         with st.lock:
             current = st.links.get(link.cluster_id) is link
-            link.cut_off = True
+            link.cut_off = link.quiescent = True
         if current and not link.broken:
             log.warning("aiokvcache: cutting off cluster %d: %s", link.cluster_id, why)
         self.drop_link(link, f"cut off: {why}")
         if not link.conn.closed:
             self.spawn(link.conn.close(f"cut off: {why}"))
-        with st.lock:
-            link.quiescent = True
-            for rec in st.registry.caches.values():
-                if link in rec.exposed:
-                    rec.exposed.discard(link)
-                    rec.unproven = True
 
     async def _invalidate_at(self, link: Link, cache_id: int) -> bool:
         try:

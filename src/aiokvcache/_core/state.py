@@ -93,10 +93,6 @@ class LocalCache:
     #: Its retirement word in the control region (see :mod:`.ctlregion`):
     #: slot index, or -1 without one.
     guard_slot: int = -1
-    #: Set when a link its metadata went out on was cut off unconfirmed: that
-    #: peer may still write it, so its memory is never handed out again
-    #: before finalize (see ``PeerService._release_later``).
-    unproven: bool = False
 
     @property
     def cache_id(self) -> int:
@@ -154,8 +150,8 @@ class Link:
     up: bool = False
     #: Set once no retirement waits for this link any more: the peer
     #: confirmed an unlink after its jobs were released (nothing it posted
-    #: can reach our memory), or it was cut off (our endpoint to it closed;
-    #: what it posted may still land, see ``LocalCache.unproven``).
+    #: can reach our memory), or it was cut off (``cut_off``: what it posted
+    #: may still land; see ``PeerService._quarantine``).
     quiescent: bool = False
     #: Set when it was cut off: dropped without the peer's confirmation.
     cut_off: bool = False
