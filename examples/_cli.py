@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 import aiokvcache as kv
+from aiokvcache.options import TRANSPORTS
 from aiokvcache.testing import PeerExited
 
 
@@ -75,7 +76,7 @@ def add_transport(ap: argparse.ArgumentParser) -> None:
     """``--transport``, in the place each example's help lists it."""
     ap.add_argument(
         "--transport",
-        choices=["auto", "shm", "tcp", "rdma"],
+        choices=TRANSPORTS,
         default="auto",
         help="the UCX transports for the bytes: auto lets UCX choose (shared memory on "
         "one host); shm, tcp or rdma (InfiniBand verbs) forces one (default: %(default)s)",

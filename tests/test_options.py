@@ -419,3 +419,48 @@ def test_net_devices_option() -> None:
         cfg.net_devices = 3  # type: ignore[assignment]
     with pytest.raises(LLMException, match=KEY_NET_DEVICES):
         EngineOptions.from_options({KEY_NET_DEVICES: "a;b"})
+
+
+# ---------------------------------------------------------------- the option table
+
+
+def test_every_option_of_the_table_is_an_llmconfig_property_built_from_it() -> None:
+    from aiokvcache._core.option_table import OPTIONS
+
+    for opt in OPTIONS:
+        prop = LLMConfig.__dict__.get(opt.prop)
+        assert isinstance(prop, property), opt.prop
+        assert prop.fget is not None and prop.fget.__qualname__.startswith("_option_property")
+        assert prop.__doc__ is not None and prop.__doc__.endswith(f"Key ``{opt.key}``.")
+        cfg = LLMConfig()
+        assert getattr(cfg, opt.prop) == opt.unset
+    assert len({opt.key for opt in OPTIONS}) == len({opt.prop for opt in OPTIONS}) == len(OPTIONS)
+
+
+def test_every_engine_options_field_comes_from_one_option_with_its_default() -> None:
+    from aiokvcache._core.option_table import OPTIONS
+
+    owners: dict[str, str] = {}
+    for opt in OPTIONS:
+        for name in opt.fields:
+            assert name not in owners, f"{name} is set by {owners[name]} and {opt.key}"
+            owners[name] = opt.key
+    fields = {f.name: f for f in dataclasses.fields(EngineOptions)}
+    assert set(fields) - set(owners) == {"unknown_keys", "no_effect_keys"}
+    for opt in OPTIONS:
+        if len(opt.fields) == 1:
+            assert fields[opt.fields[0]].default == opt.default, opt.key
+
+
+def test_tuning_tables_are_generated_from_the_option_table() -> None:
+    from pathlib import Path
+
+    from aiokvcache._core.option_table import regenerate
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "tuning.md"
+    text = path.read_text(encoding="utf-8")
+    assert text.count("<!-- generated: ") == 2
+    assert regenerate(text) == text, (
+        "docs/tuning.md's tables differ from the option table: run "
+        "python -m aiokvcache._core.option_table docs/tuning.md"
+    )

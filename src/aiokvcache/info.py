@@ -19,6 +19,7 @@ from . import (
     Placement,
     __version__,
 )
+from .options import TRANSPORTS
 
 PROMPT_ID, DECODER_ID = 1, 2
 
@@ -32,7 +33,7 @@ def info() -> int:
     print(f"python     {platform.python_version()} ({sys.executable})")
     print(f"numpy      {np.__version__}")
     print(f"UCX        {native.ucx_version()}")
-    for transport in ("auto", "shm", "tcp", "rdma"):
+    for transport in TRANSPORTS:
         try:
             eng = native.Engine(transport)
         except Exception as exc:
