@@ -73,16 +73,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ._kvlink import (
-    FAILURE_REASONS,
-    GRACE_S,
-    KVLayout,
-    Peer,
-    TransferAgent,
-    blocks_digest,
-    cluster_id_for,
-    grant_key,
-)
+from ._handoff import blocks_digest, grant_key
+from ._kvlink import TransferAgent, cluster_id_for
+from ._kvtypes import GRACE_S, KVLayout, Peer
+from ._results import FAILURE_REASONS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
