@@ -11,14 +11,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from aiokvcache.integrations._kvlink import (
-    KVLayout,
-    Peer,
-    TransferAgent,
-    TransferResults,
-    block_runs,
-    cluster_id_for,
-)
+from aiokvcache.integrations._kvlink import TransferAgent, cluster_id_for
+from aiokvcache.integrations._kvtypes import KVLayout, Peer, block_runs
+from aiokvcache.integrations._results import TransferResults
 
 LAYERS, BLOCKS, BLOCK_BYTES, BS = 3, 16, 256, 4
 

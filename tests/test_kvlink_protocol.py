@@ -32,7 +32,8 @@ from typing import Any
 import pytest
 
 from aiokvcache.integrations import _kvlink
-from aiokvcache.integrations._kvlink import Peer, TransferAgent
+from aiokvcache.integrations._kvlink import TransferAgent
+from aiokvcache.integrations._kvtypes import Peer
 from support.kvlink_harness import (
     BLOCKS,
     BS,
@@ -95,11 +96,11 @@ async def test_a_failed_layer_is_never_reported_pushed() -> None:
             raise RuntimeError("link failed")
 
     rec.push = push
-    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
-    agent._push_step("x", "p-req", [1, 2, 3], BS, 12, True)
+    agent.deliver(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
+    agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 12, True)
     for layer in range(LAYERS):
-        agent._layer_saved(["x"], layer)
-    agent._push_release("x", "p-req", False)
+        agent.push_sender.layer_saved(["x"], layer)
+    agent.push_sender.release("x", "p-req", False)
     await until(lambda: {"pushed", "pushfail"} & set(rec.kinds(D_ID)))
     await asyncio.sleep(0.2)
     assert rec.kinds(D_ID) == ["pushfail"], rec.sent
@@ -108,25 +109,25 @@ async def test_a_failed_layer_is_never_reported_pushed() -> None:
 
 async def test_a_cancel_from_a_cluster_that_did_not_register_is_ignored() -> None:
     agent, rec = await make_agent()
-    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
-    agent._dispatch(EVIL, "cancel", ["x"])
-    agent._push_step("x", "p-req", [1, 2, 3], BS, 12, True)
+    agent.deliver(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
+    agent.deliver(EVIL, "cancel", ["x"])
+    agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 12, True)
     for layer in range(LAYERS):
-        agent._layer_saved(["x"], layer)
+        agent.push_sender.layer_saved(["x"], layer)
     await until(lambda: "pushed" in rec.kinds(D_ID))
     assert "pushfail" not in rec.kinds(D_ID)
 
 
 async def test_a_registration_part_from_another_cluster_cannot_redirect_the_push() -> None:
     agent, rec = await make_agent()
-    agent._dispatch(D_ID, "reg", ["x", 0, 2, [[10, 2]], 0, 5.0])
-    agent._dispatch(EVIL, "reg", ["x", 1, 2, [[40, 1]], 0, 5.0])  # completes it, from elsewhere
-    agent._push_step("x", "p-req", [1, 2, 3], BS, 12, True)
+    agent.deliver(D_ID, "reg", ["x", 0, 2, [[10, 2]], 0, 5.0])
+    agent.deliver(EVIL, "reg", ["x", 1, 2, [[40, 1]], 0, 5.0])  # completes it, from elsewhere
+    agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 12, True)
     for layer in range(LAYERS):
-        agent._layer_saved(["x"], layer)
+        agent.push_sender.layer_saved(["x"], layer)
     await settle()
     assert not rec.pushes and "pushed" not in rec.kinds(), rec.sent
-    agent._dispatch(D_ID, "reg", ["x", 1, 2, [[20, 1]], 0, 5.0])
+    agent.deliver(D_ID, "reg", ["x", 1, 2, [[20, 1]], 0, 5.0])
     await until(lambda: "pushed" in rec.kinds(D_ID))
     assert {c for c, _ in rec.pushes} == {D_ID}
     assert not [m for c, m in rec.sent if c == EVIL]
@@ -134,8 +135,8 @@ async def test_a_registration_part_from_another_cluster_cannot_redirect_the_push
 
 async def test_decode_first_registered_then_released_before_any_step_is_reported_sent() -> None:
     agent, _ = await make_agent()
-    agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
-    agent._push_release("x", "p-req", True)  # the engine never stepped it here
+    agent.deliver(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
+    agent.push_sender.release("x", "p-req", True)  # the engine never stepped it here
     await until(lambda: "p-req" in sent_rids(agent), timeout=3)
 
 
@@ -143,7 +144,7 @@ async def test_a_huge_registration_is_refused_before_anything_is_built() -> None
     agent, rec = await make_agent()
     tracemalloc.start()
     try:
-        agent._dispatch(D_ID, "reg", ["x", 0, 1, [[0, 20_000_000]], 0, 5.0])
+        agent.deliver(D_ID, "reg", ["x", 0, 1, [[0, 20_000_000]], 0, 5.0])
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -157,9 +158,9 @@ async def test_registrations_nobody_computes_are_bounded_and_reaped(
     monkeypatch.setattr(_kvlink, "MAX_UNKNOWN", 50, raising=False)
     agent, _ = await make_agent(timeout=0.5, grace=0.3)
     for i in range(80):
-        agent._dispatch(EVIL, "reg", [f"x{i}", 0, 1, [[i % BLOCKS, 1]], 0, 5.0])
-    assert len(agent._pushes) <= 50
-    await until(lambda: not agent._pushes, timeout=5)
+        agent.deliver(EVIL, "reg", [f"x{i}", 0, 1, [[i % BLOCKS, 1]], 0, 5.0])
+    assert len(agent.push_sender.transfers) <= 50
+    await until(lambda: not agent.push_sender.transfers, timeout=5)
 
 
 # ------------------------------------------------------------------ pull, prefill side
@@ -167,7 +168,7 @@ async def test_registrations_nobody_computes_are_bounded_and_reaped(
 
 async def test_a_claim_without_the_key_the_prefills_scheduler_made_is_refused() -> None:
     agent, rec = await make_agent()
-    agent._dispatch(EVIL, "claim", claim(agent, "ghost", "n1", key=FORGED))
+    agent.deliver(EVIL, "claim", claim(agent, "ghost", "n1", key=FORGED))
     await until(lambda: bool(answers(rec, EVIL)), timeout=5)
     assert answers(rec, EVIL)[0][0] == "refused", rec.sent
     assert agent.pending() == 0
@@ -175,20 +176,20 @@ async def test_a_claim_without_the_key_the_prefills_scheduler_made_is_refused() 
 
 async def test_a_claim_before_the_hand_over_is_granted_and_released_only_after_it() -> None:
     agent, rec = await make_agent()
-    agent._dispatch(D_ID, "claim", claim(agent, "r", "n1"))
+    agent.deliver(D_ID, "claim", claim(agent, "r", "n1"))
     await until(lambda: bool(answers(rec, D_ID)))
     assert answers(rec, D_ID)[0][:3] == ["grant", "r", "n1"]
-    agent._dispatch(D_ID, "done", ["r", "n1"])
+    agent.deliver(D_ID, "done", ["r", "n1"])
     await settle()
     assert "r" not in sent_rids(agent)  # the engine has not handed it over yet
-    agent._hold("r", 30.0, [1, 2, 3], UNTIL)
+    agent.pull_server.hold("r", 30.0, [1, 2, 3], UNTIL)
     await until(lambda: "r" in sent_rids(agent))
 
 
 @pytest.mark.parametrize("bad", ["key", "blocks", "range"])
 async def test_a_claim_with_a_wrong_key_or_other_blocks_is_refused(bad: str) -> None:
     agent, rec = await make_agent()
-    agent._hold("r", 30.0, [1, 2, 3], UNTIL)
+    agent.pull_server.hold("r", 30.0, [1, 2, 3], UNTIL)
     msg = claim(agent, "r", "n1")
     if bad == "key":
         msg[2] = FORGED
@@ -196,45 +197,45 @@ async def test_a_claim_with_a_wrong_key_or_other_blocks_is_refused(bad: str) -> 
         msg[7] = digest([1, 2, 4])  # the key was made for [1, 2, 3]
     else:
         msg[5] = 4  # past the request's 3 blocks
-    agent._dispatch(EVIL, "claim", msg)
+    agent.deliver(EVIL, "claim", msg)
     await until(lambda: bool(answers(rec, EVIL)))
     assert answers(rec, EVIL)[0][0] == "refused", rec.sent
 
 
 async def test_done_from_another_cluster_does_not_release() -> None:
     agent, rec = await make_agent()
-    agent._hold("r", 30.0, [1, 2, 3], UNTIL)
-    agent._dispatch(D_ID, "claim", claim(agent, "r", "n1"))
+    agent.pull_server.hold("r", 30.0, [1, 2, 3], UNTIL)
+    agent.deliver(D_ID, "claim", claim(agent, "r", "n1"))
     await until(lambda: bool(answers(rec, D_ID)))
-    agent._dispatch(EVIL, "done", ["r", "n1"])
-    agent._dispatch(EVIL, "free", ["r", FORGED, 3, digest([1, 2, 3]), UNTIL])
+    agent.deliver(EVIL, "done", ["r", "n1"])
+    agent.deliver(EVIL, "free", ["r", FORGED, 3, digest([1, 2, 3]), UNTIL])
     await settle()
     assert "r" not in sent_rids(agent)
-    agent._dispatch(D_ID, "done", ["r", "n1"])
+    agent.deliver(D_ID, "done", ["r", "n1"])
     await until(lambda: "r" in sent_rids(agent))
 
 
 async def test_the_first_of_two_claims_done_does_not_release() -> None:
     agent, rec = await make_agent()
-    agent._hold("r", 30.0, [1, 2, 3], UNTIL)
-    agent._dispatch(D_ID, "claim", claim(agent, "r", "n1"))
-    agent._dispatch(EVIL, "claim", claim(agent, "r", "n2"))
+    agent.pull_server.hold("r", 30.0, [1, 2, 3], UNTIL)
+    agent.deliver(D_ID, "claim", claim(agent, "r", "n1"))
+    agent.deliver(EVIL, "claim", claim(agent, "r", "n2"))
     await until(lambda: bool(answers(rec, D_ID)) and bool(answers(rec, EVIL)))
-    agent._dispatch(D_ID, "done", ["r", "n1"])
-    agent._dispatch(D_ID, "done", ["r", "n1"])  # duplicated
+    agent.deliver(D_ID, "done", ["r", "n1"])
+    agent.deliver(D_ID, "done", ["r", "n1"])  # duplicated
     await settle()
     assert "r" not in sent_rids(agent)
-    agent._dispatch(EVIL, "done", ["r", "n2"])
+    agent.deliver(EVIL, "done", ["r", "n2"])
     await until(lambda: "r" in sent_rids(agent))
-    agent._dispatch(D_ID, "claim", claim(agent, "r", "n3"))  # late: refused, never granted
+    agent.deliver(D_ID, "claim", claim(agent, "r", "n3"))  # late: refused, never granted
     await until(lambda: len(answers(rec, D_ID)) == 2)
     assert answers(rec, D_ID)[1][0] == "refused"
 
 
 async def test_a_grant_lasts_the_claimers_deadline_not_the_prefill_timeout() -> None:
     agent, rec = await make_agent(timeout=0.5, grace=0.2)
-    agent._hold("r", 0.1, [1, 2, 3], UNTIL)
-    agent._dispatch(D_ID, "claim", claim(agent, "r", "n1", ttl=2.5))
+    agent.pull_server.hold("r", 0.1, [1, 2, 3], UNTIL)
+    agent.deliver(D_ID, "claim", claim(agent, "r", "n1", ttl=2.5))
     await until(lambda: bool(answers(rec, D_ID)))
     await asyncio.sleep(1.5)  # past P's timeout + grace and the lease
     assert "r" not in sent_rids(agent)
@@ -246,10 +247,10 @@ async def test_claims_before_hand_over_are_bounded(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(_kvlink, "MAX_UNKNOWN", 50, raising=False)
     agent, rec = await make_agent()
     for i in range(80):
-        agent._dispatch(EVIL, "claim", claim(agent, f"f{i}", "n", key=FORGED))
+        agent.deliver(EVIL, "claim", claim(agent, f"f{i}", "n", key=FORGED))
     assert agent.pending() == 0  # forged keys leave nothing behind
     for i in range(80):
-        agent._dispatch(D_ID, "claim", claim(agent, f"r{i}", "n"))
+        agent.deliver(D_ID, "claim", claim(agent, f"r{i}", "n"))
     await settle()
     assert agent.pending() <= 50
     assert [a[0] for a in answers(rec, D_ID)].count("refused") == 30
@@ -257,9 +258,9 @@ async def test_claims_before_hand_over_are_bounded(monkeypatch: pytest.MonkeyPat
 
 async def test_free_with_the_key_releases_at_once() -> None:
     agent, _ = await make_agent()
-    agent._hold("r", 30.0, [1, 2, 3], UNTIL)
+    agent.pull_server.hold("r", 30.0, [1, 2, 3], UNTIL)
     key = agent.grant_key("r", [1, 2, 3], UNTIL)
-    agent._dispatch(D_ID, "free", ["r", key, 3, digest([1, 2, 3]), UNTIL])
+    agent.deliver(D_ID, "free", ["r", key, 3, digest([1, 2, 3]), UNTIL])
     await until(lambda: "r" in sent_rids(agent))
 
 
@@ -281,7 +282,7 @@ async def test_an_abort_cancels_an_in_flight_pull_and_reports_it_once_quiescent(
     agent.pull("d-req", Peer("h", 1, P_ID), "r", [1, 2, 3], [7, 8, 9], key=FORGED)
     await until(lambda: "claim" in rec.kinds(P_ID))
     nonce = next(m for c, m in rec.sent if m[0] == "claim")[2]
-    agent._dispatch(P_ID, "grant", ["r", nonce])
+    agent.deliver(P_ID, "grant", ["r", nonce])
     await asyncio.wait_for(entered.wait(), 5)
     agent.cancel_recv("d-req")
     await until(lambda: quiescent.is_set())
@@ -296,6 +297,6 @@ async def test_a_grant_from_another_cluster_is_ignored() -> None:
     agent.pull("d-req", Peer("h", 1, P_ID), "r", [1, 2, 3], [7, 8, 9], key=FORGED)
     await until(lambda: "claim" in rec.kinds(P_ID))
     nonce = next(m for c, m in rec.sent if m[0] == "claim")[2]
-    agent._dispatch(EVIL, "grant", ["r", nonce])
+    agent.deliver(EVIL, "grant", ["r", nonce])
     await until(lambda: bool(agent.take_results().failed_recving), timeout=5)
     assert agent.stats["pulls"] == 0

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 
 from aiokvcache.integrations._handoff import PullHolds, blocks_digest
-from aiokvcache.integrations._kvlink import KVLayout, Peer, TransferAgent
+from aiokvcache.integrations._kvlink import TransferAgent
+from aiokvcache.integrations._kvtypes import KVLayout, Peer
 from support.kvlink_harness import (
     BLOCKS,
     BS,
@@ -44,13 +45,13 @@ async def test_an_aborted_push_is_reported_sent_exactly_once() -> None:
     # D's side is slow or dead: the pushfail notification takes a while.
     rec.notify_delay = lambda msg: 0.3 if msg[0] == "pushfail" else 0.0
     try:
-        agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
-        agent._push_step("x", "p-req", [1, 2, 3], BS, 8, False)  # first chunk
+        agent.deliver(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
+        agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 8, False)  # first chunk
         for layer in range(LAYERS):
-            agent._layer_saved(["x"], layer)
+            agent.push_sender.layer_saved(["x"], layer)
         await until(lambda: len(rec.pushes) == LAYERS)
         await asyncio.sleep(0.05)  # those pushes landed; none is running now
-        agent._push_release("x", "p-req", True)  # the client aborted it
+        agent.push_sender.release("x", "p-req", True)  # the client aborted it
         reports = []
         # vLLM's worker collects results once per engine step.
         for _ in range(60):
@@ -86,7 +87,7 @@ async def test_an_aborted_push_load_is_not_reported_before_the_prefill_stopped()
             "the blocks were given back while the prefill may still push into them"
         )
         # P's word that its pushes are quiescent (its answer to the cancel).
-        agent._dispatch(P_ID, "pushfail", ["x", "the decode side cancelled it"])
+        agent.deliver(P_ID, "pushfail", ["x", "the decode side cancelled it"])
         await until(lambda: "d-req" in agent.take_results().finished_recving, timeout=2)
     finally:
         await close_agent(agent)
@@ -134,10 +135,10 @@ def test_a_stale_claim_after_the_released_memory_evicted_it_is_refused() -> None
 async def test_a_push_to_a_decode_side_with_more_blocks_than_the_prefill_lands() -> None:
     agent, rec = await make_agent(blocks=BLOCKS)  # P: 64 blocks; D has 256
     try:
-        agent._dispatch(D_ID, "reg", ["x", 0, 1, [[100, 3]], 0, 5.0])  # D's blocks 100..102
-        agent._push_step("x", "p-req", [1, 2, 3], BS, 12, True)
+        agent.deliver(D_ID, "reg", ["x", 0, 1, [[100, 3]], 0, 5.0])  # D's blocks 100..102
+        agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 12, True)
         for layer in range(LAYERS):
-            agent._layer_saved(["x"], layer)
+            agent.push_sender.layer_saved(["x"], layer)
         await until(lambda: bool({"pushed", "pushfail"} & set(rec.kinds(D_ID))))
         assert rec.kinds(D_ID) == ["pushed"], rec.sent
     finally:
@@ -159,16 +160,16 @@ async def test_a_push_to_a_decode_side_with_more_blocks_than_the_prefill_lands()
 async def test_a_long_prefill_is_still_pushed_when_the_decode_side_registers_after_it() -> None:
     agent, rec = await make_agent(timeout=0.5, grace=0.2)
     try:
-        agent._push_step("x", "p-req", [1, 2, 3], BS, 4, False)  # chunk 1
+        agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 4, False)  # chunk 1
         for layer in range(LAYERS):
-            agent._layer_saved(["x"], layer)
+            agent.push_sender.layer_saved(["x"], layer)
         await asyncio.sleep(0.9)  # the prefill is still computing (chunked, busy engine)
-        agent._push_step("x", "p-req", [1, 2, 3], BS, 12, True)  # last chunk
+        agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 12, True)  # last chunk
         for layer in range(LAYERS):
-            agent._layer_saved(["x"], layer)
-        agent._push_release("x", "p-req", False)  # finished: the proxy now calls D
+            agent.push_sender.layer_saved(["x"], layer)
+        agent.push_sender.release("x", "p-req", False)  # finished: the proxy now calls D
         await asyncio.sleep(0.05)
-        agent._dispatch(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])  # D registers at once
+        agent.deliver(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])  # D registers at once
         await asyncio.sleep(0.3)  # well within P's timeout from the registration
         assert "pushed" in rec.kinds(D_ID), (
             f"D registered right after the prefill ended and got {rec.kinds(D_ID)}"
@@ -209,11 +210,11 @@ async def test_a_bogus_done_costs_the_same_whatever_the_prefill_holds() -> None:
     try:
         loop = asyncio.get_running_loop()
         for i in range(5000):  # the state machine directly: no tick each
-            agent._holds.hold(f"h{i}", [i % BLOCKS], 600.0, UNTIL, loop.time())
-        agent._holds._holds = Counting(agent._holds._holds)
+            agent.pull_server.holds.hold(f"h{i}", [i % BLOCKS], 600.0, UNTIL, loop.time())
+        agent.pull_server.holds._holds = Counting(agent.pull_server.holds._holds)
         for i in range(200):
-            agent._dispatch(EVIL, "done", [f"nobody{i}", "n"])  # no key, changes nothing
-            agent._dispatch(EVIL, "free", [f"nobody{i}", "k", 1, "d", UNTIL])
+            agent.deliver(EVIL, "done", [f"nobody{i}", "n"])  # no key, changes nothing
+            agent.deliver(EVIL, "free", [f"nobody{i}", "k", 1, "d", UNTIL])
         assert Counting.walks == 0, f"{Counting.walks} walks of 5000 held requests"
     finally:
         await close_agent(agent)
@@ -281,9 +282,9 @@ def test_a_load_after_the_link_went_away_relinks_instead_of_failing() -> None:
         # The prefill side drops the link (as its heartbeat does after a pause).
         info = LLMClusterInfo()
         info.remote_cluster_id = d.agent.cluster_id
-        assert p.agent._dd is not None and p.agent._loop is not None
+        assert p.agent.links.dd is not None and p.agent._loop is not None
         asyncio.run_coroutine_threadsafe(
-            p.agent._dd.unlink_clusters([info], force=True), p.agent._loop
+            p.agent.links.dd.unlink_clusters([info], force=True), p.agent._loop
         ).result(10)
         time.sleep(0.5)
         key = p.agent.grant_key("p2", [1, 2], UNTIL)
@@ -345,7 +346,7 @@ async def test_the_descriptor_metric_counts_the_spans_that_moved() -> None:
         agent.pull("d-req", Peer("h", 1, P_ID), "r", remote, local, key="k" * 32)
         await until(lambda: "claim" in rec.kinds(P_ID))
         nonce = next(m for c, m in rec.sent if m[0] == "claim")[2]
-        agent._dispatch(P_ID, "grant", ["r", nonce])
+        agent.deliver(P_ID, "grant", ["r", nonce])
         await until(lambda: "done" in rec.kinds(P_ID))
         spans = runs(np.array(local, np.int64), np.array(remote, np.int64))[2].size
         m = agent.take_metrics()

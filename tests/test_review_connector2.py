@@ -9,7 +9,7 @@ import asyncio
 import time
 
 from aiokvcache import LLMException, LLMStatusCode
-from aiokvcache.integrations._kvlink import Peer
+from aiokvcache.integrations._kvtypes import Peer
 from support.kvlink_harness import P_ID, close_agent, make_agent, until
 
 # ---------------------------------------------------------------------------
@@ -72,7 +72,7 @@ async def test_an_abort_during_the_abort_wait_is_reported_as_an_abort_and_not_le
             await asyncio.sleep(0.02)
         assert got is not None and "d-req" in got.finished_recving
         await asyncio.sleep(0.05)
-        assert not agent._aborted, f"abort swallowed, id leaked: {agent._aborted}"
+        assert not agent.receiver.aborted, f"abort swallowed, id leaked: {agent.receiver.aborted}"
         assert "d-req" not in got.failed_recving, "an aborted load reported as a failed one"
     finally:
         await close_agent(agent)

@@ -11,7 +11,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiokvcache.integrations._kvlink import KVLayout, Peer, TransferAgent
+from aiokvcache.integrations._kvlink import TransferAgent
+from aiokvcache.integrations._kvtypes import KVLayout, Peer
 
 LAYERS, BLOCKS, BS = 3, 64, 4
 #: The clusters the tests play: the prefill, the decode, a hostile third.
@@ -66,14 +67,14 @@ async def make_agent(
     layout = KVLayout(LAYERS, 1, blocks, 64, BS, tuple(range(1, LAYERS + 1)), "u8")
     agent = TransferAgent(1, layout, timeout=timeout, grace=grace)
     rec = Recorder()
-    agent._cm = rec  # type: ignore[assignment]
-    agent._cache = object()
+    agent.links.cm = rec  # type: ignore[assignment]
+    agent.links.cache = object()
     agent._loop = asyncio.get_running_loop()
 
     async def linked(peer: Peer) -> None:
         return None
 
-    agent._link = linked  # type: ignore[method-assign]
+    agent.links.link = linked  # type: ignore[method-assign]
     return agent, rec
 
 
@@ -82,8 +83,7 @@ async def close_agent(agent: TransferAgent) -> None:
     for t in list(agent._tasks):
         t.cancel()
     await asyncio.gather(*agent._tasks, return_exceptions=True)
-    if agent._hold_timer is not None:
-        agent._hold_timer.cancel()
+    agent.pull_server.stop()
 
 
 async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:

@@ -1,8 +1,9 @@
 """The vLLM connector's hand-off protocol, as state machines without I/O.
 
 Nothing here sends, sleeps or reads a clock: each method takes ``now`` and
-returns what to answer or release; :mod:`._kvlink` carries the messages and
-runs the clock. Every message is bound to the link it arrived on (``src``,
+returns what to answer or release; the agent's sides
+(:mod:`._prefill_pull`, :mod:`._prefill_push`) carry the messages and run the
+clock. Every message is bound to the link it arrived on (``src``,
 the cluster id aiokvcache attributed it to by the link's key, never what the
 payload says) and, for pull, to the request's *grant key*.
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -73,16 +72,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ._kvlink import (
-    FAILURE_REASONS,
-    GRACE_S,
-    KVLayout,
-    Peer,
-    TransferAgent,
-    blocks_digest,
-    cluster_id_for,
-    grant_key,
-)
+from ._handoff import blocks_digest, grant_key
+from ._kvlink import TransferAgent, cluster_id_for
+from ._kvtypes import GRACE_S, Peer
+from ._vllm_layout import kv_layout
+from ._vllm_metrics import AioKVPromMetrics, AioKVStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -151,214 +145,6 @@ if os.environ.get("AIOKVCACHE_VLLM_DEBUG"):
     log.setLevel(logging.DEBUG)
 
 
-def _layer_key(name: str) -> tuple[int, ...]:
-    """Sort ``model.layers.10`` after ``model.layers.2``."""
-    return tuple(int(x) for x in re.findall(r"\d+", name))
-
-
-def kv_layout(
-    kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int
-) -> tuple[KVLayout, list[str], list[torch.Tensor]]:
-    """How vLLM's per-layer KV tensors map onto one aiokvcache blocks cache.
-
-    Accepted per-layer layouts (all layers alike), block ``b`` contiguous in
-    each tensor:
-
-    - ``[num_blocks, ...]``: K and V of a block together (vLLM's CPU
-      backend, ``[num_blocks, kv_heads, block_size, 2 * head_size]``;
-      FlashInfer's ``[num_blocks, 2, ...]``; MLA): one tensor per layer;
-    - ``[2, num_blocks, ...]``: K and V apart (FlashAttention's
-      ``[2, num_blocks, block_size, kv_heads, head_size]``): two tensors
-      per layer, K then V.
-
-    Returns the layout, the layer names in layer order and the tensors
-    (kept alive by the caller while registered). Raises ``ValueError``
-    naming the layer for anything else, and for device memory: aiokvcache
-    moves host memory.
-    """
-    if not kv_caches:
-        raise ValueError("kv_caches is empty")
-    names = sorted(kv_caches, key=_layer_key)
-    parts: list[torch.Tensor] = []
-    per_layer: int | None = None
-    block_bytes: int | None = None
-    dtype = None
-    for name in names:
-        t = kv_caches[name]
-        if t.device.type != "cpu":
-            raise ValueError(
-                f"kv_caches[{name!r}] is on {t.device}: aiokvcache moves host memory only "
-                "(vLLM's CPU backend)"
-            )
-        if t.dim() >= 2 and t.shape[0] == num_blocks and t.is_contiguous():
-            mine = [t]
-        elif t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks and t.is_contiguous():
-            mine = [t[0], t[1]]
-        else:
-            raise ValueError(
-                f"kv_caches[{name!r}]: unsupported KV layout shape={tuple(t.shape)} "
-                f"stride={t.stride()} for {num_blocks} blocks: expected a contiguous "
-                "[num_blocks, ...] or [2, num_blocks, ...] tensor"
-            )
-        bb = mine[0].numel() // num_blocks * mine[0].element_size()
-        if per_layer is None:
-            per_layer, block_bytes, dtype = len(mine), bb, t.dtype
-        elif (len(mine), bb, t.dtype) != (per_layer, block_bytes, dtype):
-            raise ValueError(f"kv_caches[{name!r}] differs in layout from {names[0]!r}")
-        parts.extend(mine)
-    assert per_layer is not None and block_bytes is not None
-    layout = KVLayout(
-        len(names),
-        per_layer,
-        num_blocks,
-        block_bytes,
-        block_size,
-        tuple(p.data_ptr() for p in parts),
-        str(dtype),
-    )
-    return layout, names, parts
-
-
-def _empty_stats() -> dict[str, Any]:
-    return {
-        "transfer_duration": [],
-        "bytes_transferred": [],
-        "num_descriptors": [],
-        "failures": dict.fromkeys(FAILURE_REASONS, 0),
-        "num_kv_expired_reqs": 0,
-    }
-
-
-@dataclass
-class AioKVStats(KVConnectorStats):  # type: ignore[misc,unused-ignore]
-    """One interval's transfers, as vLLM carries them from workers to its loggers.
-
-    ``data``: one entry per successful load in ``transfer_duration`` (seconds,
-    the engine's hand-over to the last byte), ``bytes_transferred`` and
-    ``num_descriptors``; ``failures`` (reason -> count) and
-    ``num_kv_expired_reqs`` (the prefill side's leases that ran out unread).
-    """
-
-    def __post_init__(self) -> None:
-        if not self.data:
-            self.reset()
-
-    def reset(self) -> None:
-        self.data = _empty_stats()
-
-    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        o = other.data
-        for key in ("transfer_duration", "bytes_transferred", "num_descriptors"):
-            self.data[key].extend(o.get(key, ()))
-        for reason, n in o.get("failures", {}).items():
-            self.data["failures"][reason] = self.data["failures"].get(reason, 0) + int(n)
-        self.data["num_kv_expired_reqs"] += int(o.get("num_kv_expired_reqs", 0))
-        return self
-
-    def is_empty(self) -> bool:
-        d = self.data
-        return not (
-            d["transfer_duration"] or any(d["failures"].values()) or d["num_kv_expired_reqs"]
-        )
-
-    def reduce(self) -> dict[str, int | float]:
-        d = self.data
-        times = sorted(d["transfer_duration"])
-        n = len(times)
-        mib = sum(d["bytes_transferred"]) / 2**20
-        out: dict[str, int | float] = {
-            "Num successful transfers": n,
-            "Avg xfer time (ms)": round(sum(times) / n * 1e3, 3) if n else 0,
-            "P90 xfer time (ms)": round(times[min(n - 1, int(0.9 * n))] * 1e3, 3) if n else 0,
-            "Avg MB per transfer": round(mib / n, 3) if n else 0,
-            "Throughput (MB/s)": round(mib / sum(times), 3) if n and sum(times) > 0 else 0,
-            "Avg number of descriptors": round(sum(d["num_descriptors"]) / n, 1) if n else 0,
-            "Num failed transfers": sum(d["failures"].values()),
-            "Num KV expired reqs": d["num_kv_expired_reqs"],
-        }
-        for reason, count in d["failures"].items():
-            if count:
-                out[f"Failed ({reason})"] = count
-        return out
-
-
-class AioKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,unused-ignore]
-    """``vllm:aiokvcache_*`` series, made with the metric classes vLLM passes."""
-
-    def __init__(
-        self,
-        vllm_config: Any,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> None:
-        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-        def per_engine(metric: Any) -> dict[int, Any]:
-            return {i: metric.labels(*v) for i, v in per_engine_labelvalues.items()}
-
-        # 100 µs to 60 s: a small shm load to a starved or slow peer.
-        seconds = [1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 60.0]
-        self._time = per_engine(
-            self._histogram_cls(
-                name="vllm:aiokvcache_xfer_time_seconds",
-                documentation="aiokvcache KV loads: seconds from the engine's hand-over "
-                "to the last byte (push: includes the prefill's compute).",
-                buckets=seconds,
-                labelnames=labelnames,
-            )
-        )
-        self._bytes = per_engine(
-            self._histogram_cls(
-                name="vllm:aiokvcache_bytes_transferred",
-                documentation="aiokvcache KV loads: bytes per load.",
-                buckets=[2.0 ** (10 + 2 * i) for i in range(13)],  # 1 KiB .. 16 GiB
-                labelnames=labelnames,
-            )
-        )
-        self._descs = per_engine(
-            self._histogram_cls(
-                name="vllm:aiokvcache_num_descriptors",
-                documentation="aiokvcache KV loads: contiguous block runs times tensors per load.",
-                buckets=[1, 4, 16, 64, 256, 1024, 4096, 16384, 65536],
-                labelnames=labelnames,
-            )
-        )
-        failed = self._counter_cls(
-            name="vllm:aiokvcache_num_failed_transfers",
-            documentation="aiokvcache KV loads that failed, by reason: "
-            + ", ".join(FAILURE_REASONS),
-            labelnames=[*labelnames, "reason"],
-        )
-        self._failed = {
-            i: {r: failed.labels(*v, r) for r in FAILURE_REASONS}
-            for i, v in per_engine_labelvalues.items()
-        }
-        self._expired = per_engine(
-            self._counter_cls(
-                name="vllm:aiokvcache_num_kv_expired_reqs",
-                documentation="Requests whose held KV blocks nobody read before their "
-                "lease ran out (tracked on the prefill instance).",
-                labelnames=labelnames,
-            )
-        )
-
-    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        d = transfer_stats_data
-        for value in d.get("transfer_duration", ()):
-            self._time[engine_idx].observe(value)
-        for value in d.get("bytes_transferred", ()):
-            self._bytes[engine_idx].observe(value)
-        for value in d.get("num_descriptors", ()):
-            self._descs[engine_idx].observe(value)
-        failed = self._failed[engine_idx]
-        for reason, count in d.get("failures", {}).items():
-            if count and reason in failed:
-                failed[reason].inc(count)
-        if d.get("num_kv_expired_reqs"):
-            self._expired[engine_idx].inc(d["num_kv_expired_reqs"])
-
-
 @dataclass
 class AioKVHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc,unused-ignore]
     """What a worker tells its scheduler at start-up: where its engine listens."""
@@ -370,6 +156,22 @@ class AioKVHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc,unused-
     # The worker's grant-key secret (hex): for its own scheduler, which makes
     # each handed-over request's key; never in a request's params.
     grant_secret: str = ""
+
+
+def _flat(block_ids: Any) -> list[int]:
+    """vLLM's block ids: a list, or one list per KV cache group (only one here)."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        if len(block_ids) != 1:
+            raise ValueError("AioKVConnector supports one KV cache group")
+        block_ids = block_ids[0]
+    return [int(b) for b in block_ids]
+
+
+def _remote_peers(params: dict[str, Any]) -> list[list[Any]]:
+    """A request's prefill workers, ``[host, port, cluster_id]`` each, from its params."""
+    return params.get("aiokv_peers") or [
+        [params.get("remote_host"), params.get("remote_port"), params.get("remote_cluster_id")]
+    ]
 
 
 @dataclass
@@ -400,6 +202,20 @@ class _Drop:
     grant_keys: list[str]
     grant_until: int
 
+    @classmethod
+    def from_params(cls, params: dict[str, Any], mode: str) -> _Drop:
+        """The drop of the request whose params are ``params`` (``mode``: the
+        connector's, unless the params name one)."""
+        return cls(
+            mode=str(params.get("transfer_mode") or mode),
+            peers=_remote_peers(params),
+            remote_request_id=str(params.get("remote_request_id", "")),
+            remote_block_ids=_flat(params.get("remote_block_ids") or []),
+            transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
+            grant_keys=[str(k) for k in params.get("aiokv_grant_keys") or ()],
+            grant_until=int(params.get("aiokv_grant_until") or 0),
+        )
+
 
 @dataclass
 class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
@@ -414,15 +230,6 @@ class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     push_steps: dict[str, tuple[str, list[int], int, bool]] = field(default_factory=dict)
     # P push: req id -> (transfer id, aborted), once the engine finished the request
     push_release: dict[str, tuple[str, bool]] = field(default_factory=dict)
-
-
-def _flat(block_ids: Any) -> list[int]:
-    """vLLM's block ids: a list, or one list per KV cache group (only one here)."""
-    if block_ids and isinstance(block_ids[0], (list, tuple)):
-        if len(block_ids) != 1:
-            raise ValueError("AioKVConnector supports one KV cache group")
-        block_ids = block_ids[0]
-    return [int(b) for b in block_ids]
 
 
 class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
@@ -681,7 +488,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             if num_external_tokens <= 0:
                 # Everything is in the local prefix cache: the prefill
                 # instance may free its blocks now.
-                self._staged.drops.append(self._drop(params))
+                self._staged.drops.append(_Drop.from_params(params, self._mode))
                 return
             bs = self._block_size
             ids = _flat(blocks.get_block_ids())
@@ -690,7 +497,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             mode = str(params.get("transfer_mode") or self._mode)
             self._staged.recv[rid] = _Recv(
                 mode=mode,
-                peers=self._remote_peers(params),
+                peers=_remote_peers(params),
                 remote_request_id=str(params.get("remote_request_id", "")),
                 remote_block_ids=_flat(params.get("remote_block_ids") or [])
                 if mode == "pull"
@@ -708,23 +515,6 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         elif params.get("do_remote_decode"):
             if str(params.get("transfer_mode") or self._mode) == "push":
                 self._push_reqs[rid] = (request, str(params.get("aiokv_transfer_id") or rid))
-
-    @staticmethod
-    def _remote_peers(params: dict[str, Any]) -> list[list[Any]]:
-        return params.get("aiokv_peers") or [
-            [params.get("remote_host"), params.get("remote_port"), params.get("remote_cluster_id")]
-        ]
-
-    def _drop(self, params: dict[str, Any]) -> _Drop:
-        return _Drop(
-            mode=str(params.get("transfer_mode") or self._mode),
-            peers=self._remote_peers(params),
-            remote_request_id=str(params.get("remote_request_id", "")),
-            remote_block_ids=_flat(params.get("remote_block_ids") or []),
-            transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
-            grant_keys=[str(k) for k in params.get("aiokv_grant_keys") or ()],
-            grant_until=int(params.get("aiokv_grant_until") or 0),
-        )
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._staged = self._staged, AioKVMetadata()
@@ -753,7 +543,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             # load, and the prefill instance may free its blocks now.
             params["do_remote_prefill"] = False
             if params.get("remote_host") or params.get("aiokv_peers"):
-                self._staged.drops.append(self._drop(params))
+                self._staged.drops.append(_Drop.from_params(params, self._mode))
             return False, None
         if rid in self._loading:
             # Aborted while its KV loads: stop the load. vLLM keeps the blocks

@@ -1,0 +1,329 @@
+"""The decode side of a transfer: loads (pulls, or waits for a prefill's
+pushes) into the engine's blocks, each reported received or failed once
+nothing writes into those blocks any more."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from .. import BlocksCacheKey, LLMException
+from ._handoff import blocks_digest
+from ._kvtypes import (
+    RUNS_PER_PART,
+    KVLayout,
+    Peer,
+    TransferFailed,
+    block_digest,
+    block_runs,
+    spans,
+)
+from ._links import Links
+from ._results import Results
+from ._wire import Cancel, Claim, Done, Free, Grant, Pushed, PushFail, Refused, Reg
+
+__all__ = ["Receiver"]
+
+log = logging.getLogger("aiokvcache.vllm")
+
+
+class Receiver:
+    """D: the engine's loads, each a task on the agent's loop thread (which
+    alone calls this class), and the peers' answers they wait for, each bound
+    to the peer it was asked of."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        timeout: float,
+        grace: float,
+        links: Links,
+        results: Results,
+        stats: dict[str, int],
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+        record_digests: bool = False,
+    ) -> None:
+        self.layout = layout
+        self.timeout = timeout
+        self.grace = grace
+        self._links = links
+        self._results = results
+        self._stats = stats
+        self._spawn = spawn
+        #: Seconds each of the last 1000 successful loads took.
+        self.load_seconds: collections.deque[float] = collections.deque(maxlen=1000)
+        #: With ``record_digests``: request id -> block digest of what it loaded.
+        self.digests: dict[str, str] | None = {} if record_digests else None
+        #: Loads cancelled because the engine aborted them, not yet reported.
+        self.aborted: set[str] = set()
+        self._waits: dict[tuple[str, str], tuple[int, asyncio.Future[Any]]] = {}
+        self._recvs: dict[str, asyncio.Task[None]] = {}  # request id -> its load
+        self._closing = False
+
+    def pending(self) -> int:
+        """Answers this side waits for."""
+        return len(self._waits)
+
+    def stop(self) -> None:
+        """The agent shuts down: no peer's answer will come any more."""
+        self._closing = True
+
+    # ------------------------------------------------------------ loads
+
+    def start(self, req_id: str, local_ids: Sequence[int], coro: Coroutine[Any, Any, int]) -> None:
+        """Run load ``coro`` of ``req_id`` into ``local_ids`` (it returns the
+        spans it moved); report it when it ends."""
+        ids = list(local_ids)
+        task = self._spawn(self._recv(req_id, ids, coro))
+        self._recvs[req_id] = task
+        task.add_done_callback(lambda t: self._recv_done(t, req_id, ids, coro))
+
+    def cancel(self, req_id: str) -> None:
+        """The engine aborted ``req_id``: stop its load (see ``TransferAgent.cancel_recv``)."""
+        task = self._recvs.get(req_id)
+        if task is not None and not task.done():
+            self.aborted.add(req_id)
+            task.cancel()
+
+    def _recv_done(
+        self,
+        task: asyncio.Task[None],
+        req_id: str,
+        local_ids: list[int],
+        coro: Coroutine[Any, Any, int],
+    ) -> None:
+        if self._recvs.get(req_id) is task:
+            del self._recvs[req_id]
+        coro.close()  # one cancelled before it ever ran was never awaited
+        if task.cancelled() and req_id in self.aborted:
+            # The engine aborted it and nothing writes into its blocks any
+            # more (see cancel): they may go back.
+            self.aborted.discard(req_id)
+            self._stats["loads_aborted"] += 1
+            self._fail(req_id, local_ids, "aborted", "the engine aborted the request")
+
+    async def _recv(
+        self, req_id: str, local_ids: list[int], coro: Coroutine[Any, Any, int]
+    ) -> None:
+        t0 = time.perf_counter()
+        try:
+            moved = await coro
+        except TransferFailed as exc:
+            self._fail(req_id, local_ids, exc.reason, str(exc))
+            return
+        except Exception as exc:
+            self._fail(req_id, local_ids, "other", str(exc))
+            return
+        took = time.perf_counter() - t0
+        self._stats["blocks_loaded"] += len(local_ids)
+        self.load_seconds.append(took)
+        if self.digests is not None:
+            self.digests[req_id] = block_digest(self.layout, local_ids)
+        lay = self.layout
+        tensors = lay.num_layers * lay.tensors_per_layer
+        self._results.loaded(
+            req_id, took, len(local_ids) * lay.block_bytes * tensors, moved * tensors
+        )
+
+    def _fail(self, req_id: str, local_ids: list[int], reason: str, why: str) -> None:
+        if reason != "aborted":
+            log.warning("aiokvcache: request %s: KV load failed: %s", req_id, why)
+            self._stats["load_failures"] += 1
+        self._results.failed(req_id, local_ids, reason)
+
+    # ------------------------------------------------------------ pull
+
+    async def pull(
+        self,
+        peer: Peer,
+        rid: str,
+        remote_all: list[int],
+        first: int,
+        local_ids: list[int],
+        digest: str | None,
+        grant: tuple[str, int],
+    ) -> int:
+        """Claim, read, tell P done; returns the contiguous spans read."""
+        if digest is not None and digest != self.layout.digest():
+            raise TransferFailed("the prefill instance's KV layout differs from ours", "layout")
+        last = first + len(local_ids)
+        if not local_ids or not 0 <= first < last <= len(remote_all):
+            raise TransferFailed(
+                f"blocks [{first}, {last}) of a request of {len(remote_all)} remote blocks",
+                "layout",
+            )
+        assert self._links.cm is not None
+        deadline = time.monotonic() + self.timeout
+        nonce = secrets.token_hex(8)
+        key, until = grant
+        claimed = False
+        log.debug("pull %s from cluster %d: start", rid, peer.cluster_id)
+        try:
+            # Everything (link, claim, grant, read) within timeout; the read
+            # cancelled by it is quiescent before this raises.
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.timeout):
+                fut = self._expect(("grant", nonce), peer.cluster_id)
+                ttl = deadline - time.monotonic()
+                n, digest_all = len(remote_all), blocks_digest(remote_all)
+                claim = Claim(rid, nonce, key, ttl, first, last, n, digest_all, until)
+                claimed = True
+                await self._links.send_to(peer, claim, deadline - time.monotonic())
+                await self._read(peer, rid, await fut, remote_all[first:last], local_ids, deadline)
+            self._stats["pulls"] += 1
+        except TimeoutError:
+            raise TransferFailed(f"not loaded within {self.timeout} s", "timeout") from None
+        except LLMException as exc:
+            raise TransferFailed(str(exc), "link") from exc
+        finally:
+            self._waits.pop(("grant", nonce), None)
+            if claimed:  # quiescent by now: P may free them (at its last claim's done)
+                self._spawn(self._links.send(peer.cluster_id, Done(rid, nonce)))
+        return spans(remote_all[first:last], local_ids)
+
+    async def _read(
+        self,
+        peer: Peer,
+        rid: str,
+        answer: str,
+        remote: list[int],
+        local_ids: list[int],
+        deadline: float,
+    ) -> None:
+        """P answered the claim with ``answer``: read ``remote`` into ``local_ids``."""
+        assert self._links.cm is not None
+        log.debug("pull %s: %s", rid, answer)
+        if answer != "grant":
+            raise TransferFailed(f"the prefill instance refused: {answer}", "refused")
+        await self._links.cm.pull_blocks(
+            BlocksCacheKey(peer.cluster_id),
+            self._links.cache,
+            remote,
+            local_ids,
+            tensor_num_per_layer=self.layout.tensors_per_layer,
+            timeout=max(0.001, deadline - time.monotonic()),
+        )
+
+    def free_remote(self, peer: Peer, msg: Free) -> None:
+        """Tell ``peer`` this side will not read its request."""
+        self._spawn(self._notice(peer, msg))
+
+    # ------------------------------------------------------------ push
+
+    async def expect_push(self, peer: Peer, xid: str, local_ids: list[int], first: int) -> int:
+        """Register, wait for ``pushed``; returns the contiguous spans written.
+
+        P's pushes are bounded by the deadline the registration carries (what
+        is left of D's ``timeout`` less a margin for the message's way and P's
+        cancel: ``min(grace, timeout / 4)``), D waits ``timeout``: by the time
+        D gives its blocks back, P's pushes have ended. An abort or a failure
+        before that tells P to stop and waits for its word that its pushes
+        are quiescent (or for that deadline)."""
+        deadline = time.monotonic() + self.timeout
+        fut = self._expect(("pushed", xid), peer.cluster_id)
+        registered = finished = False
+        try:
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.timeout):
+                registered = True
+                await self._register(peer, xid, local_ids, first, deadline)
+                # Shielded: an abort must leave it for P's answer to the cancel.
+                answer = await asyncio.shield(fut)
+            finished = True
+            if answer != "pushed":
+                raise TransferFailed(f"the prefill instance failed: {answer}", "prefill")
+            self._stats["pushes_received"] += 1
+        except TimeoutError:
+            raise TransferFailed(f"not pushed within {self.timeout:g} s", "timeout") from None
+        finally:
+            aborted = False
+            if registered and not finished:
+                aborted = await self._stop_pushes(peer, xid, fut, deadline)
+            self._waits.pop(("pushed", xid), None)
+            if aborted:
+                raise asyncio.CancelledError
+        return len(block_runs(local_ids))
+
+    async def _register(
+        self, peer: Peer, xid: str, local_ids: list[int], first: int, deadline: float
+    ) -> None:
+        """Send ``local_ids`` to ``peer`` for transfer ``xid``, in parts."""
+        margin = min(self.grace, self.timeout / 4)
+        runs = block_runs(local_ids)
+        step = RUNS_PER_PART
+        parts = [runs[i : i + step] for i in range(0, len(runs), step)] or [[]]
+        for i, part in enumerate(parts):
+            left = deadline - time.monotonic() - margin
+            if left <= 0:
+                raise TimeoutError
+            msg = Reg(xid, i, len(parts), part, first, left)
+            await self._links.send_to(peer, msg, deadline - time.monotonic())
+
+    async def _stop_pushes(
+        self, peer: Peer, xid: str, fut: asyncio.Future[Any], deadline: float
+    ) -> bool:
+        """Timed out or aborted: P stops; its word that it stopped (a
+        pushfail, once its pushes are quiescent) ends the wait, or its
+        deadline, which the registration bounded. An abort that comes
+        meanwhile does not end the wait (it is reported as one after it,
+        whence the result: whether one came); a shutdown does (the agent's
+        listener, which would take P's word, is gone, and finalize ends the
+        link)."""
+        self._spawn(self._links.send(peer.cluster_id, Cancel(xid)))
+        aborted = False
+        while not fut.done() and not self._closing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), left)
+            except asyncio.CancelledError:
+                aborted = True
+            except Exception:
+                break
+        return aborted
+
+    def drop_push(self, peer: Peer, xid: str) -> None:
+        """Tell ``peer`` this side will not take transfer ``xid``'s pushes."""
+        # An empty registration: nothing to push; P ends the transfer.
+        self._spawn(self._notice(peer, Reg(xid, 0, 1, [], 0, 1.0)))
+
+    async def _notice(self, peer: Peer, msg: Free | Reg) -> None:
+        with contextlib.suppress(Exception):
+            await self._links.send_to(peer, msg, self._links.link_timeout)
+
+    # ------------------------------------------------------------ answers
+
+    def _expect(self, key: tuple[str, str], src: int) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waits[key] = (src, fut)
+        return fut
+
+    def on_grant(self, src: int, m: Grant) -> None:
+        self._answer(src, ("grant", m.nonce), "grant")
+
+    def on_refused(self, src: int, m: Refused) -> None:
+        self._answer(src, ("grant", m.nonce), m.why)
+
+    def on_pushed(self, src: int, m: Pushed) -> None:
+        self._answer(src, ("pushed", m.xid), "pushed")
+
+    def on_pushfail(self, src: int, m: PushFail) -> None:
+        self._answer(src, ("pushed", m.xid), m.why)
+
+    def _answer(self, src: int, key: tuple[str, str], value: Any) -> None:
+        entry = self._waits.get(key)
+        if entry is None:
+            return
+        want, fut = entry
+        if src != want:
+            self._stats["dropped_messages"] += 1
+            log.warning("aiokvcache: cluster %d answered for cluster %d: dropped", src, want)
+            return
+        if not fut.done():
+            fut.set_result(value)

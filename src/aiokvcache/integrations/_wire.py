@@ -1,0 +1,258 @@
+"""The vLLM connector's messages on the wire: one dataclass per message.
+
+A message travels as an aiokvcache notification tag (or a push's tag): a JSON
+list ``["aiokv", op, field...]``, with no spaces, the fields in the order the
+dataclass declares them. :func:`decode` checks what a message must hold to be
+routed (its op and its field count) and raises :class:`ProtocolError`
+otherwise. Fields a state machine checks itself (a claim's key, deadline and
+range; a registration's parts and runs) stay as the peer sent them, typed
+``Any``: those machines answer a bad value (a refusal, a ``pushfail``), which a
+dropped message would not.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from ._handoff import ProtocolError
+
+__all__ = [
+    "PREFIX",
+    "Cancel",
+    "Claim",
+    "Done",
+    "Free",
+    "Grant",
+    "Layer",
+    "Message",
+    "Op",
+    "PushFail",
+    "Pushed",
+    "Refused",
+    "Reg",
+    "decode",
+    "parse",
+]
+
+#: How every connector tag starts (others are not the connector's: ignored).
+PREFIX = '["aiokv"'
+
+
+class Op(enum.StrEnum):
+    """What a message is (its second list item)."""
+
+    CLAIM = "claim"  # D -> P: may I read a request's blocks until my deadline?
+    GRANT = "grant"  # P -> D: yes, held until done or that deadline
+    REFUSED = "refused"  # P -> D: no
+    DONE = "done"  # D -> P: this claim's read ended (quiescent)
+    FREE = "free"  # D -> P: this side will not read the request
+    REG = "reg"  # D -> P: one part of a push transfer's destination blocks
+    KV = "kv"  # P -> D: a push's tag
+    PUSHED = "pushed"  # P -> D: every layer landed
+    PUSHFAIL = "pushfail"  # P -> D: the transfer ended without that (and is quiescent)
+    CANCEL = "cancel"  # D -> P: stop pushing
+
+
+def _str(args: list[Any], i: int, default: str) -> str:
+    return str(args[i]) if len(args) > i else default
+
+
+@dataclass(frozen=True)
+class _Message:
+    OP: ClassVar[Op]
+    #: Fields a peer must send (those after it have defaults).
+    ARITY: ClassVar[int]
+
+    def encode(self) -> str:
+        """The tag: ``["aiokv", op, field...]``, compact JSON."""
+        values = [getattr(self, f.name) for f in fields(self)]
+        return json.dumps(["aiokv", str(self.OP), *values], separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Claim(_Message):
+    """D asks to read blocks ``[first, last)`` of request ``rid``'s ``n``
+    blocks (whose list hashes to ``digest``) for ``ttl`` seconds, with the
+    request's grant ``key``, valid until ``until_ms``; ``nonce`` names the claim."""
+
+    OP = Op.CLAIM
+    ARITY = 9
+    rid: str
+    nonce: str
+    key: Any
+    ttl: Any
+    first: Any
+    last: Any
+    n: Any
+    digest: Any
+    until_ms: Any
+
+    @classmethod
+    def from_args(cls, a: list[Any]) -> Claim:
+        return cls(str(a[0]), str(a[1]), *a[2:9])
+
+
+@dataclass(frozen=True)
+class Grant(_Message):
+    """P granted claim ``nonce`` of ``rid``."""
+
+    OP = Op.GRANT
+    ARITY = 2
+    rid: str
+    nonce: str
+
+    @classmethod
+    def from_args(cls, a: list[Any]) -> Grant:
+        return cls(str(a[0]), str(a[1]))
+
+
+@dataclass(frozen=True)
+class Refused(_Message):
+    """P refused claim ``nonce`` of ``rid``, for ``why``."""
+
+    OP = Op.REFUSED
+    ARITY = 2
+    rid: str
+    nonce: str
+    why: str = "refused"
+
+    @classmethod
+    def from_args(cls, a: list[Any]) -> Refused:
+        return cls(str(a[0]), str(a[1]), _str(a, 2, "refused"))
+
+
+@dataclass(frozen=True)
+class Done(_Message):
+    """D's claim ``nonce`` of ``rid`` ended: its read is quiescent."""
+
+    OP = Op.DONE
+    ARITY = 2
+    rid: str
+    nonce: str
+
+    @classmethod
+    def from_args(cls, a: list[Any]) -> Done:
+        return cls(str(a[0]), str(a[1]))
+
+
+@dataclass(frozen=True)
+class Free(_Message):
+    """D will not read ``rid`` (its ``n`` blocks hashing to ``digest``), with
+    the request's grant ``key``, valid until ``until_ms``."""
+
+    OP = Op.FREE
+    ARITY = 5
+    rid: str
+    key: Any
+    n: Any
+    digest: Any
+    until_ms: Any
+
+    @classmethod
+    def from_args(cls, a: list[Any]) -> Free:
+        return cls(str(a[0]), *a[1:5])
+
+
+@dataclass(frozen=True)
+class Reg(_Message):
+    """Part ``part`` of ``parts`` of D's block ids for push transfer ``xid``,
+    as ``[start, count]`` ``runs``, for P's blocks ``first``, ``first + 1``...;
+    P's pushes end within ``ttl`` seconds."""
+
+    OP = Op.REG
+    ARITY = 6
+    xid: str
+    part: Any
+    parts: Any
+    runs: Any
+    first: Any
+    ttl: Any
+
+    @classmethod
+    def from_args(cls, a: list[Any]) -> Reg:
+        return cls(str(a[0]), *a[1:6])
+
+
+@dataclass(frozen=True)
+class Layer(_Message):
+    """The tag of a push of transfer ``xid`` (D counts them)."""
+
+    OP = Op.KV
+    ARITY = 0
+    xid: str = ""
+
+    @classmethod
+    def from_args(cls, a: list[Any]) -> Layer:
+        return cls(_str(a, 0, ""))
+
+
+@dataclass(frozen=True)
+class Pushed(_Message):
+    """Every layer of push transfer ``xid`` landed."""
+
+    OP = Op.PUSHED
+    ARITY = 1
+    xid: str
+
+    @classmethod
+    def from_args(cls, a: list[Any]) -> Pushed:
+        return cls(str(a[0]))
+
+
+@dataclass(frozen=True)
+class PushFail(_Message):
+    """Push transfer ``xid`` ended without landing, for ``why``; P's pushes of
+    it are quiescent."""
+
+    OP = Op.PUSHFAIL
+    ARITY = 1
+    xid: str
+    why: str = "failed"
+
+    @classmethod
+    def from_args(cls, a: list[Any]) -> PushFail:
+        return cls(str(a[0]), _str(a, 1, "failed"))
+
+
+@dataclass(frozen=True)
+class Cancel(_Message):
+    """D gave push transfer ``xid`` up: P stops and goes quiescent."""
+
+    OP = Op.CANCEL
+    ARITY = 1
+    xid: str
+
+    @classmethod
+    def from_args(cls, a: list[Any]) -> Cancel:
+        return cls(str(a[0]))
+
+
+Message = Claim | Grant | Refused | Done | Free | Reg | Layer | Pushed | PushFail | Cancel
+
+_BY_OP: dict[Op, Any] = {
+    cls.OP: cls for cls in (Claim, Grant, Refused, Done, Free, Reg, Layer, Pushed, PushFail, Cancel)
+}
+
+
+def parse(op: Any, args: list[Any]) -> Message:
+    """The message ``op`` with fields ``args``; :class:`ProtocolError` for an
+    unknown op or too few fields (fields beyond the message's are ignored)."""
+    try:
+        cls = _BY_OP[Op(str(op))]
+    except ValueError:
+        raise ProtocolError(f"unknown message {str(op)!r}") from None
+    if len(args) < cls.ARITY:
+        raise ProtocolError(f"a {cls.OP} message of {len(args)} fields (needs {cls.ARITY})")
+    msg: Message = cls.from_args(args)
+    return msg
+
+
+def decode(tag: str) -> Message:
+    """The message a tag starting with :data:`PREFIX` carries."""
+    msg = json.loads(tag)
+    if not isinstance(msg, list) or len(msg) < 2:
+        raise ProtocolError("a connector message without an op")
+    return parse(msg[1], msg[2:])
