@@ -18,7 +18,7 @@ import pytest_asyncio
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from aiokvcache._core import control
+from aiokvcache._core import connection, control
 from aiokvcache._core.control import (
     MAX_FRAME,
     PROTOCOL_VERSION,
@@ -656,7 +656,7 @@ async def test_request_cancelled_leaves_no_pending_entry(net: Net) -> None:
 async def test_too_many_inflight_requests_get_link_busy(
     net: Net, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(control, "MAX_INFLIGHT_REQUESTS", 2)
+    monkeypatch.setattr(connection, "MAX_INFLIGHT_REQUESTS", 2)
     srv, sh = await net.server()
     conn, _ = await net.connect(srv)
     blocked = [asyncio.ensure_future(conn.request("block", {})) for _ in range(2)]
@@ -757,7 +757,7 @@ async def test_server_close_closes_every_connection(net: Net) -> None:
 async def test_close_does_not_hang_on_a_peer_that_stopped_reading(
     net: Net, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(control, "CLOSE_TIMEOUT", 0.2)
+    monkeypatch.setattr(connection, "CLOSE_TIMEOUT", 0.2)
     srv, sh = await net.server()
     conn, ch = await net.connect(srv)
     await eventually(lambda: len(sh.connected) == 1)
