@@ -10,8 +10,8 @@ The side that calls :func:`connect` (the initiator) and the side whose
 
     initiator -> HELLO        {version, cluster_id, role, nonce, auth}
     acceptor  -> HELLO_REPLY  {same fields, mac}
-    initiator -> AUTH         {mac, worker_address, host_id}
-    acceptor  -> AUTH_OK      {mac, worker_address, host_id}
+    initiator -> AUTH         {mac, worker_address, host_id, note_key}
+    acceptor  -> AUTH_OK      {mac, worker_address, host_id, note_key}
                               (or ERROR_RESPONSE {status, message})
 
 With a shared ``auth_token`` each side proves it with an HMAC-SHA256 over
