@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import logging
 import math
+import pickle
 import random
 import socket
 import struct
@@ -18,10 +20,12 @@ import pytest_asyncio
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from aiokvcache._core import control
+from aiokvcache._core import connection, control
 from aiokvcache._core.control import (
     MAX_FRAME,
     PROTOCOL_VERSION,
+    Closed,
+    CloseReason,
     ControlConnection,
     ControlServer,
     LocalInfo,
@@ -656,7 +660,7 @@ async def test_request_cancelled_leaves_no_pending_entry(net: Net) -> None:
 async def test_too_many_inflight_requests_get_link_busy(
     net: Net, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(control, "MAX_INFLIGHT_REQUESTS", 2)
+    monkeypatch.setattr(connection, "MAX_INFLIGHT_REQUESTS", 2)
     srv, sh = await net.server()
     conn, _ = await net.connect(srv)
     blocked = [asyncio.ensure_future(conn.request("block", {})) for _ in range(2)]
@@ -670,6 +674,37 @@ async def test_too_many_inflight_requests_get_link_busy(
 
 # --------------------------------------------------------------------------
 # closing
+
+
+async def test_close_reasons_read_as_their_text() -> None:
+    cases = [
+        (Closed(CloseReason.LOCAL, "bye now"), "bye now"),
+        (Closed(CloseReason.PEER_CLOSED, "unlinked"), "peer closed: unlinked"),
+        (Closed(CloseReason.PEER_CLOSED), "peer closed"),
+        (Closed(CloseReason.PEER_CLOSED, ""), "peer closed: "),
+        (Closed(CloseReason.PEER_NOT_READING), "the peer does not read its connection"),
+        (Closed(CloseReason.EOF), "connection lost (EOF)"),
+        (Closed(CloseReason.CONNECTION_LOST, "OSError()"), "connection lost: OSError()"),
+        (Closed(CloseReason.WRITE_FAILED, "OSError()"), "write failed: OSError()"),
+        (Closed(CloseReason.PROTOCOL_ERROR, "bad tag"), "protocol error: bad tag"),
+        (Closed(CloseReason.INTERNAL_ERROR, "KeyError('x')"), "internal error: KeyError('x')"),
+    ]
+    for reason, text in cases:
+        assert reason == text and str(reason) == text and f"{reason}" == text
+        for copied in (copy.copy(reason), pickle.loads(pickle.dumps(reason))):
+            assert (copied.kind, copied.detail, copied) == (reason.kind, reason.detail, text)
+
+
+async def test_on_closed_gets_the_kind_of_close(net: Net) -> None:
+    srv, sh = await net.server()
+    conn, ch = await net.connect(srv)
+    await eventually(lambda: len(sh.connected) == 1)
+    await sh.connected[0].close("unlinked")
+    await conn.wait_closed()
+    (_, ours), (_, theirs) = sh.closed[0], ch.closed[0]
+    assert isinstance(ours, Closed) and isinstance(theirs, Closed)
+    assert (ours.kind, ours.detail) == (CloseReason.LOCAL, "unlinked")
+    assert (theirs.kind, theirs.detail) == (CloseReason.PEER_CLOSED, "unlinked")
 
 
 async def test_peer_close_fails_pending_and_reports_once(net: Net) -> None:
@@ -757,7 +792,7 @@ async def test_server_close_closes_every_connection(net: Net) -> None:
 async def test_close_does_not_hang_on_a_peer_that_stopped_reading(
     net: Net, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(control, "CLOSE_TIMEOUT", 0.2)
+    monkeypatch.setattr(connection, "CLOSE_TIMEOUT", 0.2)
     srv, sh = await net.server()
     conn, ch = await net.connect(srv)
     await eventually(lambda: len(sh.connected) == 1)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import aiokvcache as kv
-from aiokvcache._core import control
+from aiokvcache._core import control, frames, handshake
 from aiokvcache._loader import native
 from aiokvcache.testing import AsyncPeer, cluster_info, options, rss_kb
 
@@ -90,12 +90,12 @@ async def huge_length(host: str, port: int) -> None:
 
 
 async def truncated_frames(host: str, port: int) -> None:
-    hello = control._pack_frame(
-        control._Kind.HELLO,
+    hello = frames.pack_frame(
+        frames.Kind.HELLO,
         0,
-        control._hello(
+        handshake.hello_payload(
             control.LocalInfo(99, 0, b"w" * 64, auth_token=TOKEN.encode()),
-            secrets.token_bytes(control._NONCE_LEN),
+            secrets.token_bytes(handshake.NONCE_LEN),
         ),
     )
     sends = [
@@ -119,21 +119,21 @@ async def handshake_then_garbage(host: str, port: int) -> None:
                 local = control.LocalInfo(
                     cid, 0, bytes(eng.worker_address), auth_token=TOKEN.encode()
                 )
-                nonce = secrets.token_bytes(control._NONCE_LEN)
-                hello = control._hello(local, nonce)
-                writer.write(control._pack_frame(control._Kind.HELLO, 0, hello))
-                kind, _, reply = await control._read_frame(reader)
-                assert kind is control._Kind.HELLO_REPLY, kind
-                ids = control._transcript(hello, reply)
-                mine = control._identity(local, secrets.token_bytes(control.NOTE_KEY_LEN))
-                mac = control._mac(
+                nonce = secrets.token_bytes(handshake.NONCE_LEN)
+                hello = handshake.hello_payload(local, nonce)
+                writer.write(frames.pack_frame(frames.Kind.HELLO, 0, hello))
+                kind, _, reply = await frames.read_frame(reader)
+                assert kind is frames.Kind.HELLO_REPLY, kind
+                ids = handshake.transcript(hello, reply)
+                mine = handshake.identity_payload(local, secrets.token_bytes(control.NOTE_KEY_LEN))
+                mac = handshake.compute_mac(
                     local.auth_token, b"aiokvcache-c", reply["nonce"], nonce, ids, mine
                 )
-                tx, rx = control._session(local.auth_token, nonce, reply["nonce"], ids)
-                auth = control._pack_frame(control._Kind.AUTH, 0, {"mac": mac, **mine}, tx)
+                tx, rx = handshake.session_seals(local.auth_token, nonce, reply["nonce"], ids)
+                auth = frames.pack_frame(frames.Kind.AUTH, 0, {"mac": mac, **mine}, tx)
                 writer.write(auth)
-                kind, _, _ = await control._read_frame(reader, rx)
-                assert kind is control._Kind.AUTH_OK, kind
+                kind, _, _ = await frames.read_frame(reader, rx)
+                assert kind is frames.Kind.AUTH_OK, kind
                 garbage = [
                     secrets.token_bytes(512),  # not a frame at all
                     (8).to_bytes(4, "big") + b"\x01\x07" + secrets.token_bytes(6),  # bad kind
