@@ -32,7 +32,6 @@ from . import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
-    LLMClusterInfo,
     LLMDataDist,
     LLMException,
     LLMRole,
@@ -40,7 +39,7 @@ from . import (
     bench,
 )
 from .options import KEY_LISTEN_IP_INFO
-from .testing import DECODER_ID, options
+from .testing import DECODER_ID, cluster_info, options
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
@@ -327,14 +326,6 @@ def _node_options(args: argparse.Namespace) -> dict[str, str]:
     return cfg
 
 
-def _link_info(req: dict[str, Any]) -> LLMClusterInfo:
-    host, port = str(req["address"]).rsplit(":", 1)
-    info = LLMClusterInfo()
-    info.remote_cluster_id = int(req["cluster_id"])
-    info.append_remote_ip_info(host, int(port))
-    return info
-
-
 async def _timed_status(aw: Awaitable[Any]) -> dict[str, Any]:
     """Run ``aw``: its status name, start and end (``time.monotonic()``)."""
     start = time.monotonic()
@@ -352,36 +343,127 @@ async def _timed_status(aw: Awaitable[Any]) -> dict[str, Any]:
     return out
 
 
-async def _node(args: argparse.Namespace) -> None:
-    """An LLMDataDist driven op by op: ``prefill`` and ``decoder`` modes."""
-    role = LLMRole.PROMPT if args.mode == "prefill" else LLMRole.DECODER
-    cfg = _node_options(args)
-    dd = LLMDataDist(role, args.cluster_id)
-    await dd.init(cfg)
-    caches: dict[str, Cache] = {}
-    loops: dict[str, asyncio.Task[list[dict[str, Any]]]] = {}
-    progress: dict[str, list[dict[str, Any]]] = {}
-    _say(
-        {
-            "address": dd.listen_address,
-            "pid": os.getpid(),
-            "cluster_id": args.cluster_id,
-            "rss_kb": _rss_kb(),
-        }
+def _summary(done: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a push loop did so far."""
+    failed = [r for r in done if r["status"] != "LLM_SUCCESS"]
+    return {
+        "done": len(done),
+        "ok": len(done) - len(failed),
+        "failed": failed[:5],
+        "last": done[-1] if done else None,
+        "last_ok_src": next((r["src"] for r in reversed(done) if r not in failed), None),
+        "max_seconds": max((r["seconds"] for r in done), default=0.0),
+    }
+
+
+def _key_of(req: dict[str, Any]) -> CacheKeyByIdAndIndex:
+    return CacheKeyByIdAndIndex(
+        int(req["cluster_id"]), int(req["cache_id"]), int(req.get("index", 0))
     )
 
-    def cache_sha(cache: Cache) -> str:
-        return _sha(b"".join(t.tobytes() for t in cache.tensors))
 
-    def push_of(req: dict[str, Any], src: str | None = None) -> Awaitable[None]:
-        key = CacheKeyByIdAndIndex(
-            int(req["cluster_id"]), int(req["cache_id"]), int(req.get("index", 0))
+def _cache_sha(cache: Cache) -> str:
+    return _sha(b"".join(t.tobytes() for t in cache.tensors))
+
+
+def _fill(cache: Cache, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for t in cache.tensors:
+        t[...] = rng.integers(0, 256, t.shape, dtype=np.uint8)
+
+
+class _Node:
+    """An LLMDataDist driven op by op: the caches and push loops it owns, one
+    method per request op (see :data:`_NODE_OPS`)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.role = LLMRole.PROMPT if args.mode == "prefill" else LLMRole.DECODER
+        self.cfg = _node_options(args)
+        self.dd = LLMDataDist(self.role, args.cluster_id)
+        self.caches: dict[str, Cache] = {}
+        self.loops: dict[str, asyncio.Task[list[dict[str, Any]]]] = {}
+        self.progress: dict[str, list[dict[str, Any]]] = {}
+
+    async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = _NODE_OPS.get(req["op"])
+        if op is None:
+            return _unknown(req)
+        return await op(self, req)
+
+    def stop_loops(self) -> None:
+        for task in self.loops.values():
+            task.cancel()
+
+    # ------------------------------------------------------------ caches
+
+    async def alloc(self, req: dict[str, Any]) -> dict[str, Any]:
+        desc = CacheDesc(
+            int(req["tensors"]), [1, int(req["bytes"])], DataType.DT_UINT8, Placement.HOST
         )
-        return dd.cache_manager.push_cache(
-            key, caches[src or str(req["src"])], timeout=float(req.get("call_timeout", 5))
+        cache = self.dd.cache_manager.allocate_cache(desc)
+        if req.get("seed") is not None:
+            _fill(cache, int(req["seed"]))
+        self.caches[str(req["name"])] = cache
+        return {
+            "cache_id": cache.cache_id,
+            "addrs": cache.tensor_addrs,
+            "tensor_bytes": int(req["bytes"]),
+            "sha": _cache_sha(cache),
+        }
+
+    async def fill(self, req: dict[str, Any]) -> dict[str, Any]:
+        cache = self.caches[str(req["name"])]
+        _fill(cache, int(req["seed"]))
+        return {"sha": _cache_sha(cache)}
+
+    async def hash(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"sha": _cache_sha(self.caches[str(req["name"])])}
+
+    async def free(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.dd.cache_manager.deallocate_cache(self.caches.pop(str(req["name"])))
+        return {"freed": True}
+
+    # ------------------------------------------------------------ links
+
+    async def link(self, req: dict[str, Any]) -> dict[str, Any]:
+        info = cluster_info(str(req["address"]), int(req["cluster_id"]))
+        start = time.monotonic()
+        timeout = int(req.get("timeout_ms", 3000))
+        if req["op"] == "link":
+            rc, per = await self.dd.link_clusters([info], timeout=timeout)
+        else:
+            rc, per = await self.dd.unlink_clusters(
+                [info], timeout=timeout, force=bool(req.get("force"))
+            )
+        return {
+            "status": rc.name,
+            "per": [s.name for s in per],
+            "seconds": time.monotonic() - start,
+        }
+
+    # ------------------------------------------------------------ transfers
+
+    def _push_of(self, req: dict[str, Any], src: str | None = None) -> Awaitable[None]:
+        return self.dd.cache_manager.push_cache(
+            _key_of(req),
+            self.caches[src or str(req["src"])],
+            timeout=float(req.get("call_timeout", 5)),
         )
 
-    async def push_loop(req: dict[str, Any], done: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def push(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await _timed_status(self._push_of(req))
+
+    async def pull(self, req: dict[str, Any]) -> dict[str, Any]:
+        dst = self.caches[str(req["dst"])]
+        timeout = float(req.get("call_timeout", 5))
+        return await _timed_status(
+            self.dd.cache_manager.pull_cache(_key_of(req), dst, timeout=timeout)
+        )
+
+    async def _push_loop(
+        self, req: dict[str, Any], done: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
         # Pushes back to back, from "srcs" in turn (or "src"), for "count"
         # pushes or "seconds", stopping at the first error if "stop_on_error".
         deadline = time.monotonic() + float(req.get("seconds", 60))
@@ -390,114 +472,85 @@ async def _node(args: argparse.Namespace) -> None:
         srcs = [str(x) for x in req.get("srcs", [req.get("src")])]
         while len(done) < count and time.monotonic() < deadline:
             src = srcs[len(done) % len(srcs)]
-            res = await _timed_status(push_of(req, src))
+            res = await _timed_status(self._push_of(req, src))
             res["src"] = src
             done.append(res)
             if res["status"] != "LLM_SUCCESS" and stop_on_error:
                 break
         return done
 
-    def summary(done: list[dict[str, Any]]) -> dict[str, Any]:
-        failed = [r for r in done if r["status"] != "LLM_SUCCESS"]
-        return {
-            "done": len(done),
-            "ok": len(done) - len(failed),
-            "failed": failed[:5],
-            "last": done[-1] if done else None,
-            "last_ok_src": next((r["src"] for r in reversed(done) if r not in failed), None),
-            "max_seconds": max((r["seconds"] for r in done), default=0.0),
+    async def loop(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = str(req["loop"])
+        self.progress[name] = []
+        self.loops[name] = asyncio.create_task(self._push_loop(req, self.progress[name]))
+        return {"started": name}
+
+    async def loop_status(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = str(req["loop"])
+        return {"running": not self.loops[name].done(), **_summary(self.progress[name])}
+
+    async def loop_join(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = str(req["loop"])
+        async with asyncio.timeout(float(req.get("wait", 60))):
+            done = await self.loops.pop(name)
+        return _summary(done)
+
+    # ------------------------------------------------------------ the instance
+
+    async def reinit(self, req: dict[str, Any]) -> dict[str, Any]:
+        # A fresh LLMDataDist (new engine, new links); caches are gone.
+        start = time.monotonic()
+        self.stop_loops()
+        self.loops.clear()
+        self.caches.clear()
+        await self.dd.finalize()
+        self.dd = LLMDataDist(self.role, self.args.cluster_id)
+        await self.dd.init(self.cfg)
+        return {"seconds": time.monotonic() - start, "address": self.dd.listen_address}
+
+    async def rss(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"rss_kb": _rss_kb()}
+
+    async def stats(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {k: int(v) for k, v in self.dd.cache_manager.stats().items()}
+
+
+#: The requests a prefill / decoder node answers, by op.
+_NODE_OPS: dict[str, Callable[[_Node, dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+    "alloc": _Node.alloc,
+    "fill": _Node.fill,
+    "hash": _Node.hash,
+    "free": _Node.free,
+    "link": _Node.link,
+    "unlink": _Node.link,
+    "push": _Node.push,
+    "pull": _Node.pull,
+    "loop": _Node.loop,
+    "loop_status": _Node.loop_status,
+    "loop_join": _Node.loop_join,
+    "reinit": _Node.reinit,
+    "rss": _Node.rss,
+    "stats": _Node.stats,
+}
+
+
+async def _node(args: argparse.Namespace) -> None:
+    """An LLMDataDist driven op by op: ``prefill`` and ``decoder`` modes."""
+    node = _Node(args)
+    await node.dd.init(node.cfg)
+    _say(
+        {
+            "address": node.dd.listen_address,
+            "pid": os.getpid(),
+            "cluster_id": args.cluster_id,
+            "rss_kb": _rss_kb(),
         }
-
-    async def handle(req: dict[str, Any]) -> dict[str, Any]:
-        nonlocal dd
-        op = req["op"]
-        cm = dd.cache_manager
-        if op == "alloc":
-            desc = CacheDesc(
-                int(req["tensors"]), [1, int(req["bytes"])], DataType.DT_UINT8, Placement.HOST
-            )
-            cache = cm.allocate_cache(desc)
-            if req.get("seed") is not None:
-                rng = np.random.default_rng(int(req["seed"]))
-                for t in cache.tensors:
-                    t[...] = rng.integers(0, 256, t.shape, dtype=np.uint8)
-            caches[str(req["name"])] = cache
-            return {
-                "cache_id": cache.cache_id,
-                "addrs": cache.tensor_addrs,
-                "tensor_bytes": int(req["bytes"]),
-                "sha": cache_sha(cache),
-            }
-        if op == "fill":
-            cache = caches[str(req["name"])]
-            rng = np.random.default_rng(int(req["seed"]))
-            for t in cache.tensors:
-                t[...] = rng.integers(0, 256, t.shape, dtype=np.uint8)
-            return {"sha": cache_sha(cache)}
-        if op == "hash":
-            return {"sha": cache_sha(caches[str(req["name"])])}
-        if op == "free":
-            cm.deallocate_cache(caches.pop(str(req["name"])))
-            return {"freed": True}
-        if op in ("link", "unlink"):
-            info = _link_info(req)
-            start = time.monotonic()
-            if op == "link":
-                rc, per = await dd.link_clusters([info], timeout=int(req.get("timeout_ms", 3000)))
-            else:
-                rc, per = await dd.unlink_clusters(
-                    [info], timeout=int(req.get("timeout_ms", 3000)), force=bool(req.get("force"))
-                )
-            return {
-                "status": rc.name,
-                "per": [s.name for s in per],
-                "seconds": time.monotonic() - start,
-            }
-        if op == "push":
-            return await _timed_status(push_of(req))
-        if op == "pull":
-            key = CacheKeyByIdAndIndex(
-                int(req["cluster_id"]), int(req["cache_id"]), int(req.get("index", 0))
-            )
-            dst = caches[str(req["dst"])]
-            timeout = float(req.get("call_timeout", 5))
-            return await _timed_status(cm.pull_cache(key, dst, timeout=timeout))
-        if op == "loop":
-            name = str(req["loop"])
-            progress[name] = []
-            loops[name] = asyncio.create_task(push_loop(req, progress[name]))
-            return {"started": name}
-        if op == "loop_status":
-            name = str(req["loop"])
-            return {"running": not loops[name].done(), **summary(progress[name])}
-        if op == "loop_join":
-            name = str(req["loop"])
-            async with asyncio.timeout(float(req.get("wait", 60))):
-                done = await loops.pop(name)
-            return summary(done)
-        if op == "reinit":
-            # A fresh LLMDataDist (new engine, new links); caches are gone.
-            start = time.monotonic()
-            for task in loops.values():
-                task.cancel()
-            loops.clear()
-            caches.clear()
-            await dd.finalize()
-            dd = LLMDataDist(role, args.cluster_id)
-            await dd.init(cfg)
-            return {"seconds": time.monotonic() - start, "address": dd.listen_address}
-        if op == "rss":
-            return {"rss_kb": _rss_kb()}
-        if op == "stats":
-            return {k: int(v) for k, v in cm.stats().items()}
-        return _unknown(req)
-
+    )
     try:
-        await _serve(handle)
+        await _serve(node.handle)
     finally:
-        for task in loops.values():
-            task.cancel()
-        await dd.finalize()
+        node.stop_loops()
+        await node.dd.finalize()
 
 
 # ------------------------------------------------------------------ main

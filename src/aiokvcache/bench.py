@@ -32,6 +32,7 @@ from . import (
     Cache,
     CacheDesc,
     CacheKeyByIdAndIndex,
+    CacheManager,
     DataType,
     LLMDataDist,
     LLMRole,
@@ -506,71 +507,81 @@ def header(cond: dict[str, Any]) -> str:
     )
 
 
-async def _bench(args: argparse.Namespace) -> int:
-    shape = shape_of(args)
-    total = shape.layer_bytes * shape.layers
-    cond = conditions(args, shape)
-    if not args.json:
-        print(header(cond), flush=True)
-    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
-        # This side first: a transport that cannot start fails here, with
-        # its status, before any decode process exists.
-        await dd.init(engine_options(args.transport, False, args.max_inflight))
-        with Peer("decode", *shape_argv(args), startup_timeout=120) as peer:
-            _, per = await dd.link_clusters(
-                [cluster_info(peer.address, DECODER_ID)], timeout=10_000
+PushLayer = Callable[[int, str], Awaitable[None]]
+
+
+def _source_cache(cm: CacheManager, shape: Shape) -> Cache:
+    """The cache pushed from, filled with seeded random bytes."""
+    if shape.block_tokens:
+        src = cm.allocate_blocks_cache(shape.desc)
+    else:
+        src = cm.allocate_cache(shape.desc)
+    rng = np.random.default_rng(42)
+    for t in src.tensors:
+        t.view(np.uint8)[...] = rng.integers(0, 256, t.nbytes, dtype=np.uint8).reshape(
+            t.view(np.uint8).shape
+        )
+    return src
+
+
+def _layer_pusher(cm: CacheManager, shape: Shape, src: Cache, peer: Peer) -> PushLayer:
+    """Push one layer of ``src`` into the decode process's cache, under a tag."""
+    if shape.block_tokens:
+        bkey = BlocksCacheKey(DECODER_ID)
+        src_blocks = np.arange(shape.num_blocks)
+        dst_blocks = block_order(shape)
+
+        async def push_blocks(layer: int, tag: str) -> None:
+            await cm.push_blocks(
+                bkey, src, src_blocks, dst_blocks, range(layer, layer + 1), tag=tag
             )
-            if per[0] != LLMStatusCode.LLM_SUCCESS:
-                raise make_error(per[0], f"cannot link to the decode process at {peer.address}")
-            cm = dd.cache_manager
-            if shape.block_tokens:
-                src = cm.allocate_blocks_cache(shape.desc)
-            else:
-                src = cm.allocate_cache(shape.desc)
-            rng = np.random.default_rng(42)
-            for t in src.tensors:
-                t.view(np.uint8)[...] = rng.integers(0, 256, t.nbytes, dtype=np.uint8).reshape(
-                    t.view(np.uint8).shape
+
+        return push_blocks
+    key = CacheKeyByIdAndIndex(DECODER_ID, int(peer.hello["cache_id"]), 0)
+
+    async def push_slot(layer: int, tag: str) -> None:
+        await cm.push_cache(key, src, src_layer_range=range(layer, layer + 1), tag=tag)
+
+    return push_slot
+
+
+async def _rounds(
+    args: argparse.Namespace, shape: Shape, peer: Peer, push_layer: PushLayer
+) -> list[list[PassResult]]:
+    """One cold round, then ``args.iterations``: each a transfer-alone and a
+    pipelined pass, in alternating order."""
+    n_rounds = args.iterations + 1
+    progress = _Progress(2 * n_rounds * shape.layers)
+    rounds: list[list[PassResult]] = []
+    try:
+        for r in range(n_rounds):
+            order = ("alone", "pipelined") if r % 2 == 0 else ("pipelined", "alone")
+            passes = []
+            for kind in order:
+                label = "cold round" if r == 0 else f"round {r}/{args.iterations}"
+                progress.describe(f"{label}: {kind}")
+                tag = f"r{r}-{kind}"
+                c_ms = args.compute_ms if kind == "pipelined" else 0.0
+                p = await _push_pass(
+                    kind, push_layer, shape, c_ms, args.compute, tag, progress.layer
                 )
-            if shape.block_tokens:
-                bkey = BlocksCacheKey(DECODER_ID)
-                src_blocks = np.arange(shape.num_blocks)
-                dst_blocks = block_order(shape)
+                reply = await asyncio.to_thread(peer.call, "wait", tag=tag)
+                p.arrivals = {int(k): float(v) for k, v in reply["arrivals"].items()}
+                passes.append(p)
+            rounds.append(passes)
+    finally:
+        progress.close()
+    return rounds
 
-                async def push_layer(layer: int, tag: str) -> None:
-                    await cm.push_blocks(
-                        bkey, src, src_blocks, dst_blocks, range(layer, layer + 1), tag=tag
-                    )
 
-            else:
-                key = CacheKeyByIdAndIndex(DECODER_ID, int(peer.hello["cache_id"]), 0)
-
-                async def push_layer(layer: int, tag: str) -> None:
-                    await cm.push_cache(key, src, src_layer_range=range(layer, layer + 1), tag=tag)
-
-            n_rounds = args.iterations + 1
-            progress = _Progress(2 * n_rounds * shape.layers)
-            rounds: list[list[PassResult]] = []
-            try:
-                for r in range(n_rounds):
-                    order = ("alone", "pipelined") if r % 2 == 0 else ("pipelined", "alone")
-                    passes = []
-                    for kind in order:
-                        label = "cold round" if r == 0 else f"round {r}/{args.iterations}"
-                        progress.describe(f"{label}: {kind}")
-                        tag = f"r{r}-{kind}"
-                        c_ms = args.compute_ms if kind == "pipelined" else 0.0
-                        p = await _push_pass(
-                            kind, push_layer, shape, c_ms, args.compute, tag, progress.layer
-                        )
-                        reply = await asyncio.to_thread(peer.call, "wait", tag=tag)
-                        p.arrivals = {int(k): float(v) for k, v in reply["arrivals"].items()}
-                        passes.append(p)
-                    rounds.append(passes)
-            finally:
-                progress.close()
-            mine = digest(src, slice(None) if shape.block_tokens else 0)
-            verified = (await asyncio.to_thread(peer.call, "digest"))["sha"] == mine
+def _report(
+    args: argparse.Namespace,
+    cond: dict[str, Any],
+    rounds: list[list[PassResult]],
+    total: int,
+    verified: bool,
+) -> None:
+    """The summary (a table or JSON) and the plot asked for."""
     summary = summarize(rounds, total)
     if args.plot:
         piped = [p for r in rounds[1:] for p in r if p.kind == "pipelined"]
@@ -593,4 +604,27 @@ async def _bench(args: argparse.Namespace) -> int:
         print(_table(summary, verified))
         if args.plot:
             print(f"\n  timeline of the median pipelined pass: {args.plot}")
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    shape = shape_of(args)
+    cond = conditions(args, shape)
+    if not args.json:
+        print(header(cond), flush=True)
+    async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
+        # This side first: a transport that cannot start fails here, with
+        # its status, before any decode process exists.
+        await dd.init(engine_options(args.transport, False, args.max_inflight))
+        with Peer("decode", *shape_argv(args), startup_timeout=120) as peer:
+            _, per = await dd.link_clusters(
+                [cluster_info(peer.address, DECODER_ID)], timeout=10_000
+            )
+            if per[0] != LLMStatusCode.LLM_SUCCESS:
+                raise make_error(per[0], f"cannot link to the decode process at {peer.address}")
+            cm = dd.cache_manager
+            src = _source_cache(cm, shape)
+            rounds = await _rounds(args, shape, peer, _layer_pusher(cm, shape, src, peer))
+            mine = digest(src, slice(None) if shape.block_tokens else 0)
+            verified = (await asyncio.to_thread(peer.call, "digest"))["sha"] == mine
+    _report(args, cond, rounds, shape.layer_bytes * shape.layers, verified)
     return 0 if verified else 1
