@@ -1,8 +1,10 @@
 """CacheManager: the public surface for caches and transfers.
 
 Each method checks its own arguments (the exception type and message
-``docs/api.md`` names) and makes one call into the private core, which
-resolves remote caches, plans the native segment tables and runs them.
+``docs/api.md`` names) and makes one call into the private core, reached
+through :class:`~aiokvcache._core.runtime.Runtime`, which checks them against
+the caches they name, resolves remote caches, plans the native segment
+tables and runs them.
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ class LLMDataDist:
         """A snapshot of the links by cluster id (tests look at it)."""
         if self._rt is None:
             return {}
-        return dict(self._rt.links())
+        return self._rt.links()
 
     # ---------------------------------------------------------------- links
 

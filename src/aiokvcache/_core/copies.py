@@ -105,7 +105,7 @@ class LocalCopies:
     async def copy_slot(
         self, d: LocalCache, s: LocalCache, db: int, sb: int, off: int, size: int
     ) -> None:
-        """``copy_cache`` after its argument checks."""
+        """``copy_cache`` after its argument checks: both slots checked, then copied."""
         if d.desc.num_tensors != s.desc.num_tensors:
             raise param_invalid(
                 f"dst has {d.desc.num_tensors} tensors but src has {s.desc.num_tensors}"
@@ -118,7 +118,8 @@ class LocalCopies:
         await _in_thread(self.state, (d, s), _copy_all, views)
 
     async def copy_blocks(self, rec: LocalCache, srcs: list[int], dsts: list[int]) -> None:
-        """``copy_blocks`` after its argument checks: blocks inside one cache, every tensor."""
+        """``copy_blocks`` after its argument checks: blocks inside one cache,
+        every tensor, the ids checked against it first."""
         if not rec.cache.is_blocks_cache:
             raise param_invalid("cache is not a blocks cache")
         nb = planner.num_blocks(rec.desc)
@@ -142,7 +143,8 @@ class LocalCopies:
     async def swap_blocks(
         self, s: LocalCache, d: LocalCache, srcs: list[int], dsts: list[int]
     ) -> None:
-        """``swap_blocks`` after its argument checks: blocks of one cache into another."""
+        """``swap_blocks`` after its argument checks: blocks of one cache into
+        another, both caches and the ids checked first."""
         if not s.cache.is_blocks_cache:
             raise param_invalid("src_cache is not a blocks cache")
         if not d.cache.is_blocks_cache:

@@ -240,11 +240,7 @@ class Runtime:
         with contextlib.suppress(Exception):
             await self.service.call(self.service.close())
         self.service.stop()
-        tasks = list(self.transfers.tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await self.transfers.end_tasks()
         self.caches.drop_all()
         # The engine is closed (its worker and every connection gone): user
         # buffers held since a peer was cut off may go now.

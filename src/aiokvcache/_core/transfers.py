@@ -116,6 +116,14 @@ class Transfers:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    async def end_tasks(self) -> None:
+        """Cancel the background tasks left (finalize) and wait until they end."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     def require_remote_access(self, what: str) -> None:
         """Pushing writes peers' memory: only with llm.EnableRemoteCacheAccessible on."""
         if not self.state.options.enable_remote_cache_accessible:
@@ -220,8 +228,9 @@ class Transfers:
         tag: str | bytes | None,
         tmo: float | None,
     ) -> None:
-        """``push_cache`` after its argument checks; a CacheKey names a slot
-        the peer bound (looked up as ``pull_slot`` does, every time)."""
+        """``push_cache`` after its argument checks: the source slot checked,
+        then the destination looked up (a CacheKey names a slot the peer
+        bound, looked up as ``pull_slot`` does, every time) and pushed."""
         if size != -1:
             raise param_invalid(f"size must be -1 for push_cache, got {size}")
         if src.cache.is_blocks_cache:
@@ -253,7 +262,8 @@ class Transfers:
         size: int,
         tmo: float | None,
     ) -> None:
-        """``pull_cache`` after its argument checks."""
+        """``pull_cache`` after its argument checks: the destination slot
+        checked, then the source looked up and pulled."""
         if dst.cache.is_blocks_cache:
             raise param_invalid("cache is a blocks cache: use pull_blocks")
         if db >= dst.desc.batch_size:
@@ -284,7 +294,8 @@ class Transfers:
         tag: str | bytes | None,
         tmo: float | None,
     ) -> None:
-        """``push_blocks`` after its argument checks."""
+        """``push_blocks`` after its argument checks: the block lists checked
+        against the source cache, then against the remote one it looks up."""
         if not src.cache.is_blocks_cache:
             raise param_invalid("src_cache is not a blocks cache: use push_cache")
         if dst_ids.size == 0:
@@ -341,7 +352,8 @@ class Transfers:
         dst_r: range | None,
         tmo: float | None,
     ) -> None:
-        """``pull_blocks`` after its argument checks."""
+        """``pull_blocks`` after its argument checks: the block lists checked
+        against the destination cache, then against the remote one it looks up."""
         _check_pull_blocks(key, dst, src_ids, dst_ids)
         link = self.state.link_for(key.cluster_id)
         start = asyncio.get_running_loop().time()
