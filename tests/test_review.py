@@ -408,21 +408,21 @@ async def test_a_shrunk_segment_does_not_kill_a_process_that_enabled_faulthandle
 # ====================================================================== 8
 # api.md "Releasing": deallocate_cache & co. "are synchronous and
 # thread-safe [ours]: they may run on any thread". Two threads releasing
-# the same cache: the liveness check (Transfers.local) and the retirement
+# the same cache: the liveness check (LocalCaches.local) and the retirement
 # (retire_local -> Registry.drop) are two critical sections, so both calls
 # can pass the check: both return, the cache is retired twice
 # (allocated_bytes is subtracted twice and goes negative; the second
 # _release_later fails on mem_release: "background task failed"). One of
 # the two must raise KV_CACHE_NOT_EXIST. The test forces the interleaving
 # the scheduler may pick (both threads between check and retirement) with a
-# barrier in front of Transfers.retire; without it the race shows in about
+# barrier in front of LocalCaches.retire; without it the race shows in about
 # 1 of 40 rounds at a short GIL switch interval.
 
 
 async def test_two_threads_deallocating_one_cache_retire_it_once() -> None:
     async with instance("shm", 1, listen=False) as dd:
         cm = dd.cache_manager
-        tr = runtime(dd).transfers
+        tr = runtime(dd).caches
         real_retire = tr.retire
         barrier = threading.Barrier(2)
 

@@ -1,8 +1,10 @@
 """CacheManager: the public surface for caches and transfers.
 
 Each method checks its own arguments (the exception type and message
-``docs/api.md`` names) and makes one call into the private core, which
-resolves remote caches, plans the native segment tables and runs them.
+``docs/api.md`` names) and makes one call into the private core, reached
+through :class:`~aiokvcache._core.runtime.Runtime`, which checks them against
+the caches they name, resolves remote caches, plans the native segment
+tables and runs them.
 """
 
 from __future__ import annotations
@@ -54,6 +56,19 @@ def _check_host_desc(cache_desc: Any) -> CacheDesc:
     return desc
 
 
+def _check_common(
+    tensor_num_per_layer: Any,
+    src_layer_range: Any,
+    dst_layer_range: Any,
+    timeout: Any,
+) -> tuple[int, range | None, range | None, float | None]:
+    """The arguments every remote transfer takes: layers per tensor, layer ranges, timeout."""
+    n = check_int("tensor_num_per_layer", tensor_num_per_layer, 1, 2**31 - 1)
+    src = check_layer_range("src_layer_range", src_layer_range)
+    dst = check_layer_range("dst_layer_range", dst_layer_range)
+    return n, src, dst, check_timeout(timeout)
+
+
 class CacheManager:
     """Allocates, registers and transfers KV caches (LLM-DataDist's ``CacheManager``).
 
@@ -64,11 +79,10 @@ class CacheManager:
     for the rules each call checks.
     """
 
-    __slots__ = ("_check_ready", "_rt", "_tr")
+    __slots__ = ("_check_ready", "_rt")
 
     def __init__(self, runtime: Runtime, check_ready: Any) -> None:
         self._rt = runtime
-        self._tr = runtime.transfers
         self._check_ready = check_ready
 
     def stats(self) -> dict[str, int]:
@@ -78,19 +92,7 @@ class CacheManager:
         registered user memory) not yet released; the engine's own control
         region (probe slots, retirement words) is not among them.
         """
-        st = self._rt.state
-        rcv = self._rt.receiver
-        out = dict(st.engine.stats())
-        out["regions"] = max(0, out["regions"] - 1)  # the control region
-        with st.lock:
-            out.update(caches=len(st.registry.caches), allocated_bytes=st.registry.allocated_bytes)
-        out.update(
-            tag_records=rcv.records,
-            dropped_tag_records=rcv.dropped_records,
-            dropped_notifications=rcv.dropped_notifications,
-            bad_notifications=rcv.bad_notifications,
-        )
-        return out
+        return self._rt.stats()
 
     def allocate_cache(self, cache_desc: CacheDesc, cache_keys: Sequence[CacheKey] = ()) -> Cache:
         """Allocate a cache in memory that same-host peers can map (zero-copy).
@@ -100,8 +102,8 @@ class CacheManager:
         """
         self._check_ready()
         desc = _check_host_desc(cache_desc)
-        keys = self._tr.check_keys(cache_keys, desc.batch_size)
-        return self._tr.allocate("allocate_cache", desc, keys, None, False)
+        keys = self._rt.caches.check_keys(cache_keys, desc.batch_size)
+        return self._rt.caches.allocate("allocate_cache", desc, keys, None, False)
 
     def allocate_blocks_cache(
         self, cache_desc: CacheDesc, blocks_cache_key: BlocksCacheKey | None = None
@@ -115,8 +117,8 @@ class CacheManager:
         """
         self._check_ready()
         desc = _check_host_desc(cache_desc)
-        key = self._tr.check_blocks_key(blocks_cache_key)
-        return self._tr.allocate("allocate_blocks_cache", desc, [], key, True)
+        key = self._rt.caches.check_blocks_key(blocks_cache_key)
+        return self._rt.caches.allocate("allocate_blocks_cache", desc, [], key, True)
 
     def register_cache(
         self,
@@ -137,8 +139,8 @@ class CacheManager:
         desc = _check_host_desc(cache_desc)
         if remote_accessible is not None:
             check_isinstance("remote_accessible", remote_accessible, bool)
-        keys = self._tr.check_keys(cache_keys, desc.batch_size)
-        return self._tr.register(desc, addrs, keys, None, False, remote_accessible)
+        keys = self._rt.caches.check_keys(cache_keys, desc.batch_size)
+        return self._rt.caches.register(desc, addrs, keys, None, False, remote_accessible)
 
     def register_blocks_cache(
         self,
@@ -157,8 +159,8 @@ class CacheManager:
         desc = _check_host_desc(cache_desc)
         if remote_accessible is not None:
             check_isinstance("remote_accessible", remote_accessible, bool)
-        key = self._tr.check_blocks_key(blocks_cache_key)
-        return self._tr.register(desc, addrs, [], key, True, remote_accessible)
+        key = self._rt.caches.check_blocks_key(blocks_cache_key)
+        return self._rt.caches.register(desc, addrs, [], key, True, remote_accessible)
 
     def deallocate_cache(self, cache: Cache) -> None:
         """Free an allocated cache.
@@ -169,14 +171,7 @@ class CacheManager:
         memory. A later push to it fails with KV_CACHE_NOT_EXIST.
         """
         self._check_ready()
-        rec = self._tr.local("cache", cache)
-        if rec.cache.is_blocks_cache:
-            raise param_invalid(
-                f"cache {cache.cache_id} is a blocks cache: use deallocate_blocks_cache"
-            )
-        if not rec.allocated:
-            raise param_invalid(f"cache {cache.cache_id} was registered: use unregister_cache")
-        self._tr.retire(rec)
+        self._rt.caches.deallocate(cache, blocks=False)
 
     def deallocate_blocks_cache(self, cache: Cache) -> None:
         """Free a blocks cache (allocated, or registered: then like :meth:`unregister_cache`).
@@ -184,32 +179,19 @@ class CacheManager:
         Same safety as :meth:`deallocate_cache`; its BlocksCacheKey is unbound.
         """
         self._check_ready()
-        rec = self._tr.local("cache", cache)
-        if not rec.cache.is_blocks_cache:
-            raise param_invalid(
-                f"cache {cache.cache_id} is not a blocks cache: use deallocate_cache"
-            )
-        self._tr.retire(rec)
+        self._rt.caches.deallocate(cache, blocks=True)
 
     def unregister_cache(self, cache_id: int) -> None:
         """Forget a registered cache (see :meth:`deallocate_cache` for safety)."""
         self._check_ready()
         cid = check_int("cache_id", cache_id, 0, 2**63 - 1)
-        with self._rt.state.lock:
-            rec = self._rt.state.registry.caches.get(cid)
-        if rec is None:
-            raise make_error(
-                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache_id {cid} is not registered"
-            )
-        if rec.allocated:
-            raise param_invalid(f"cache {cid} was allocated: use deallocate_cache")
-        self._tr.retire(rec)
+        self._rt.caches.unregister(cid)
 
     def remove_cache_key(self, cache_key: CacheKey) -> None:
         """Unbind a CacheKey from its cache (no-op when it is not bound)."""
         self._check_ready()
         check_isinstance("cache_key", cache_key, CacheKey)
-        self._tr.remove_key(cache_key)
+        self._rt.caches.remove_key(cache_key)
 
     async def push_cache(
         self,
@@ -238,25 +220,18 @@ class CacheManager:
         self._check_ready()
         self._rt.check_loop()
         check_isinstance("dst_cache_key", dst_cache_key, (CacheKeyByIdAndIndex, CacheKey))
-        src = self._tr.local("src_cache", src_cache)
+        src = self._rt.caches.local("src_cache", src_cache)
         sb = check_int("src_batch_index", src_batch_index, 0, 2**31 - 1)
         size_v = check_int("size", size, -(2**63), 2**63 - 1)
-        n, src_r, dst_r, tmo = self._check_common(
+        n, src_r, dst_r, tmo = _check_common(
             tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
         )
         tag_v = check_tag("tag", tag)
         if isinstance(dst_cache_key, CacheKey):
             check_cache_key("dst_cache_key", dst_cache_key)
-        if size_v != -1:
-            raise param_invalid(f"size must be -1 for push_cache, got {size_v}")
-        if src.cache.is_blocks_cache:
-            raise param_invalid("src_cache is a blocks cache: use push_blocks")
-        if sb >= src.desc.batch_size:
-            raise param_invalid(
-                f"src_batch_index={sb} is out of range for a batch size of {src.desc.batch_size}"
-            )
-        self._tr.require_remote_access("push_cache")
-        await self._tr.push_slot(dst_cache_key, src, sb, n, src_r, dst_r, tag_v, tmo)
+        await self._rt.transfers.push_slot(
+            dst_cache_key, src, sb, n, src_r, dst_r, size_v, tag_v, tmo
+        )
 
     async def pull_cache(
         self,
@@ -278,23 +253,15 @@ class CacheManager:
         self._check_ready()
         self._rt.check_loop()
         check_isinstance("cache_key", cache_key, (CacheKey, CacheKeyByIdAndIndex))
-        dst = self._tr.local("cache", cache)
+        dst = self._rt.caches.local("cache", cache)
         db = check_int("batch_index", batch_index, 0, 2**31 - 1)
         size_v = check_int("size", size, -(2**63), 2**63 - 1)
-        n, src_r, dst_r, tmo = self._check_common(
+        n, src_r, dst_r, tmo = _check_common(
             tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
         )
         if isinstance(cache_key, CacheKey):
             check_cache_key("cache_key", cache_key)
-        if dst.cache.is_blocks_cache:
-            raise param_invalid("cache is a blocks cache: use pull_blocks")
-        if db >= dst.desc.batch_size:
-            raise param_invalid(
-                f"batch_index={db} is out of range for a batch size of {dst.desc.batch_size}"
-            )
-        if size_v != -1 and size_v <= 0:
-            raise param_invalid(f"size must be -1 or > 0, got {size_v}")
-        await self._tr.pull_slot(cache_key, dst, db, n, src_r, dst_r, size_v, tmo)
+        await self._rt.transfers.pull_slot(cache_key, dst, db, n, src_r, dst_r, size_v, tmo)
 
     async def copy_cache(
         self,
@@ -315,21 +282,13 @@ class CacheManager:
         self._check_ready()
         if req_id is not None:
             check_int("req_id", req_id, 0, 2**64 - 1)
-        d = self._tr.local("dst", dst)
-        s = self._tr.local("src", src)
+        d = self._rt.caches.local("dst", dst)
+        s = self._rt.caches.local("src", src)
         db = check_int("dst_batch_index", dst_batch_index, 0, 2**31 - 1)
         sb = check_int("src_batch_index", src_batch_index, 0, 2**31 - 1)
         off = check_int("offset", offset, 0, 2**63 - 1)
         size_v = check_int("size", size, -(2**63), 2**63 - 1)
-        if d.desc.num_tensors != s.desc.num_tensors:
-            raise param_invalid(
-                f"dst has {d.desc.num_tensors} tensors but src has {s.desc.num_tensors}"
-            )
-        if db >= d.desc.batch_size:
-            raise param_invalid(f"dst_batch_index={db} is out of range ({d.desc.batch_size})")
-        if sb >= s.desc.batch_size:
-            raise param_invalid(f"src_batch_index={sb} is out of range ({s.desc.batch_size})")
-        await self._tr.copy_slot(d, s, db, sb, off, size_v)
+        await self._rt.copies.copy_slot(d, s, db, sb, off, size_v)
 
     async def push_blocks(
         self,
@@ -357,24 +316,14 @@ class CacheManager:
         self._check_ready()
         self._rt.check_loop()
         check_isinstance("dst_cache_key", dst_cache_key, BlocksCacheKey)
-        src = self._tr.local("src_cache", src_cache)
+        src = self._rt.caches.local("src_cache", src_cache)
         src_ids = planner.block_ids("src_blocks", src_blocks)
         dst_ids = planner.block_ids("dst_blocks", dst_blocks)
-        n, src_r, dst_r, tmo = self._check_common(
+        n, src_r, dst_r, tmo = _check_common(
             tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
         )
         tag_v = check_tag("tag", tag)
-        if not src.cache.is_blocks_cache:
-            raise param_invalid("src_cache is not a blocks cache: use push_cache")
-        if dst_ids.size == 0:
-            raise param_invalid("dst_blocks can not be empty")
-        if src_ids.size != dst_ids.size:
-            raise param_invalid(
-                f"src_blocks has {src_ids.size} blocks but dst_blocks has {dst_ids.size}"
-            )
-        planner.check_in_range("src_blocks", src_ids, planner.num_blocks(src.desc), "src_cache")
-        self._tr.require_remote_access("push_blocks")
-        await self._tr.push_blocks(
+        await self._rt.transfers.push_blocks(
             dst_cache_key, src, src_ids, dst_ids, n, src_r, dst_r, tag_v, tmo
         )
 
@@ -404,53 +353,15 @@ class CacheManager:
         check_isinstance(
             "src_cache_key", src_cache_key, (CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
         )
-        dst = self._tr.local("dst_cache", dst_cache)
+        dst = self._rt.caches.local("dst_cache", dst_cache)
         src_ids = planner.block_ids("src_blocks", src_blocks)
         dst_ids = planner.block_ids("dst_blocks", dst_blocks)
-        n, src_r, dst_r, tmo = self._check_common(
+        n, src_r, dst_r, tmo = _check_common(
             tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
         )
-        if not dst.cache.is_blocks_cache:
-            raise param_invalid("dst_cache is not a blocks cache: use pull_cache")
-        if dst_ids.size == 0:
-            raise param_invalid("dst_blocks can not be empty")
-        nb = planner.num_blocks(dst.desc)
-        planner.check_in_range("dst_blocks", dst_ids, nb, "dst_cache")
-        planner.check_unique("dst_blocks", dst_ids, nb)
-        by_blocks = isinstance(src_cache_key, BlocksCacheKey)
-        if by_blocks:
-            if src_ids.size != dst_ids.size:
-                raise param_invalid(
-                    f"src_blocks has {src_ids.size} blocks but dst_blocks has {dst_ids.size}"
-                )
-        else:
-            if isinstance(src_cache_key, CacheKey):
-                check_cache_key("src_cache_key", src_cache_key)
-            if src_ids.size:
-                raise param_invalid(
-                    "src_blocks must be empty when src_cache_key is not a BlocksCacheKey"
-                )
-        await self._tr.pull_blocks(src_cache_key, dst, src_ids, dst_ids, n, src_r, dst_r, tmo)
-
-    @staticmethod
-    def _mapping(name: str, value: Any, many: bool) -> tuple[list[int], list[int]]:
-        """``{src: [dst, ...]}`` (many) or ``{src: dst}`` as parallel id lists."""
-        if not isinstance(value, dict):
-            raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
-        srcs: list[int] = []
-        dsts: list[int] = []
-        for k, v in value.items():
-            src = check_int(f"{name} key", k, 0, 2**63 - 1)
-            if many:
-                if not isinstance(v, (list, tuple)):
-                    raise TypeError(f"{name}[{src}] must be a list of ints, got {type(v).__name__}")
-                for d in v:
-                    dsts.append(check_int(f"{name}[{src}][]", d, 0, 2**63 - 1))
-                    srcs.append(src)
-            else:
-                dsts.append(check_int(f"{name}[{src}]", v, 0, 2**63 - 1))
-                srcs.append(src)
-        return srcs, dsts
+        await self._rt.transfers.pull_blocks(
+            src_cache_key, dst, src_ids, dst_ids, n, src_r, dst_r, tmo
+        )
 
     async def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
         """Copy blocks inside one blocks cache: ``{src block: [dst block, ...]}``, every tensor.
@@ -459,24 +370,9 @@ class CacheManager:
         and may not also be a source (the result would depend on order).
         """
         self._check_ready()
-        rec = self._tr.local("cache", cache)
-        srcs, dsts = self._mapping("copy_block_info", copy_block_info, True)
-        if not rec.cache.is_blocks_cache:
-            raise param_invalid("cache is not a blocks cache")
-        nb = planner.num_blocks(rec.desc)
-        s_ids = np.asarray(srcs, dtype=np.int64)
-        d_ids = np.asarray(dsts, dtype=np.int64)
-        planner.check_in_range("copy_block_info (source)", s_ids, nb, "cache")
-        planner.check_in_range("copy_block_info (destination)", d_ids, nb, "cache")
-        planner.check_unique("copy_block_info (destination)", d_ids, nb)
-        both = np.intersect1d(s_ids, d_ids)
-        if both.size:
-            raise param_invalid(
-                f"copy_block_info: block {int(both[0])} is both a source and a destination"
-            )
-        if not srcs:
-            return
-        await self._tr.copy_blocks(rec, s_ids, d_ids)
+        rec = self._rt.caches.local("cache", cache)
+        srcs, dsts = planner.block_mapping("copy_block_info", copy_block_info, True)
+        await self._rt.copies.copy_blocks(rec, srcs, dsts)
 
     async def swap_blocks(
         self, src_cache: Cache, dst_cache: Cache, src_to_dst: dict[int, int]
@@ -488,29 +384,10 @@ class CacheManager:
         HOST↔HOST is what is allowed here **[ours]**.
         """
         self._check_ready()
-        s = self._tr.local("src_cache", src_cache)
-        d = self._tr.local("dst_cache", dst_cache)
-        srcs, dsts = self._mapping("src_to_dst", src_to_dst, False)
-        if not s.cache.is_blocks_cache:
-            raise param_invalid("src_cache is not a blocks cache")
-        if not d.cache.is_blocks_cache:
-            raise param_invalid("dst_cache is not a blocks cache")
-        if s is d:
-            raise param_invalid("src_cache and dst_cache are the same cache: use copy_blocks")
-        if s.desc.num_tensors != d.desc.num_tensors:
-            raise param_invalid(
-                f"src_cache has {s.desc.num_tensors} tensors but dst_cache has {d.desc.num_tensors}"
-            )
-        bs = planner.check_block_sizes(s.desc, d.desc, "src_cache", "dst_cache")
-        s_nb, d_nb = planner.num_blocks(s.desc), planner.num_blocks(d.desc)
-        s_ids = np.asarray(srcs, dtype=np.int64)
-        d_ids = np.asarray(dsts, dtype=np.int64)
-        planner.check_in_range("src_to_dst (source)", s_ids, s_nb, "src_cache")
-        planner.check_in_range("src_to_dst (destination)", d_ids, d_nb, "dst_cache")
-        planner.check_unique("src_to_dst (destination)", d_ids, d_nb)
-        if not srcs:
-            return
-        await self._tr.swap_blocks(s, d, s_ids, d_ids, bs)
+        s = self._rt.caches.local("src_cache", src_cache)
+        d = self._rt.caches.local("dst_cache", dst_cache)
+        srcs, dsts = planner.block_mapping("src_to_dst", src_to_dst, False)
+        await self._rt.copies.swap_blocks(s, d, srcs, dsts)
 
     async def transfer_cache_async(
         self,
@@ -554,8 +431,8 @@ class CacheManager:
         self._check_ready()
         self._rt.check_loop()
         return await layerwise.transfer_cache_async(
-            self._tr,
-            self._tr.local("src_cache", src_cache),
+            self._rt.transfers,
+            self._rt.caches.local("src_cache", src_cache),
             layer_synchronizer,
             transfer_configs,
             src_block_indices,
@@ -615,7 +492,7 @@ class CacheManager:
             raise TypeError("tag must be str or bytes, got NoneType")
         tag_v = check_tag("tag", tag)
         assert tag_v is not None
-        await self._tr.notify(cid, tag_v, check_timeout(timeout))
+        await self._rt.transfers.notify(cid, tag_v, check_timeout(timeout))
 
     def discard_tag(self, tag: str | bytes) -> None:
         """Drop what is recorded for ``tag``."""
@@ -628,15 +505,3 @@ class CacheManager:
         self._rt.check_loop()
         async for note in self._rt.receiver.subscribe():
             yield note
-
-    @staticmethod
-    def _check_common(
-        tensor_num_per_layer: Any,
-        src_layer_range: Any,
-        dst_layer_range: Any,
-        timeout: Any,
-    ) -> tuple[int, range | None, range | None, float | None]:
-        n = check_int("tensor_num_per_layer", tensor_num_per_layer, 1, 2**31 - 1)
-        src = check_layer_range("src_layer_range", src_layer_range)
-        dst = check_layer_range("dst_layer_range", dst_layer_range)
-        return n, src, dst, check_timeout(timeout)

@@ -15,7 +15,6 @@ from typing import Any
 from ._core.errors import LLMStatusCode, make_error, param_invalid
 from ._core.options import EngineOptions
 from ._core.runtime import Runtime
-from ._core.service import overall
 from ._core.types import LLMClusterInfo, LLMRole, check_int, check_isinstance, check_uint64
 from .cache_manager import CacheManager
 
@@ -78,7 +77,7 @@ class LLMDataDist:
     @property
     def listen_address(self) -> str | None:
         """``"ip:port"`` the control server listens on (after init), else None."""
-        bound = None if self._rt is None else self._rt.service.listen_address
+        bound = None if self._rt is None else self._rt.listen_address
         if bound is None:
             return None
         host, port = bound
@@ -87,7 +86,7 @@ class LLMDataDist:
     @property
     def options(self) -> EngineOptions:
         """The parsed options given to :meth:`init`."""
-        return self._runtime().state.options
+        return self._runtime().options
 
     @property
     def cache_manager(self) -> CacheManager:
@@ -183,9 +182,9 @@ class LLMDataDist:
         spec = None
         if opts is not None and opts.listen_host is not None:
             spec = (opts.listen_host, opts.listen_port or 0)
-        await rt.service.call(rt.service.relisten(spec))
+        await rt.relisten(spec)
         self._role = new_role
-        rt.service.set_role(int(new_role))
+        rt.set_role(int(new_role))
 
     def _check_ready(self) -> None:
         if self._finalized:
@@ -208,9 +207,7 @@ class LLMDataDist:
         """A snapshot of the links by cluster id (tests look at it)."""
         if self._rt is None:
             return {}
-        st = self._rt.state
-        with st.lock:
-            return dict(st.links)
+        return self._rt.links()
 
     # ---------------------------------------------------------------- links
 
@@ -228,8 +225,7 @@ class LLMDataDist:
         timeout_ms = check_int("timeout", timeout, 1, 2**31 - 1)
         if not infos:
             return LLMStatusCode.LLM_PARAM_INVALID, []  # as LLM-DataDist: none to link
-        results = await rt.service.call(rt.service.link_all(infos, timeout_ms))
-        return overall(results), results
+        return await rt.link_clusters(infos, timeout_ms)
 
     async def unlink_clusters(
         self,
@@ -251,8 +247,7 @@ class LLMDataDist:
         if not infos:
             return LLMStatusCode.LLM_PARAM_INVALID, []
         ids = [c.remote_cluster_id for c in infos if c.remote_cluster_id is not None]
-        results = await rt.service.call(rt.service.unlink_all(ids, timeout_ms, force))
-        return overall(results), results
+        return await rt.unlink_clusters(ids, timeout_ms, force)
 
 
 def _check_clusters(clusters: Sequence[LLMClusterInfo]) -> list[LLMClusterInfo]:

@@ -27,12 +27,13 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import param_invalid
-from .types import CacheDesc
+from .types import CacheDesc, check_int
 
 __all__ = [
     "SpanPlan",
     "block_bytes",
     "block_ids",
+    "block_mapping",
     "blocks_plan",
     "check_block_count",
     "check_block_sizes",
@@ -108,6 +109,30 @@ def block_ids(name: str, value: Any) -> npt.NDArray[np.int64]:
     elif arr.min() < 0:
         raise ValueError(f"{name} holds a negative block id ({int(arr.min())})")
     return arr.astype(np.int64, copy=False)
+
+
+def block_mapping(name: str, value: Any, many: bool) -> tuple[list[int], list[int]]:
+    """``{src: [dst, ...]}`` (many) or ``{src: dst}`` as parallel id lists.
+
+    A wrong container or element type raises ``TypeError``, a negative id
+    ``ValueError``; bounds against a cache are :func:`check_in_range`'s job.
+    """
+    if not isinstance(value, dict):
+        raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
+    srcs: list[int] = []
+    dsts: list[int] = []
+    for k, v in value.items():
+        src = check_int(f"{name} key", k, 0, 2**63 - 1)
+        if many:
+            if not isinstance(v, (list, tuple)):
+                raise TypeError(f"{name}[{src}] must be a list of ints, got {type(v).__name__}")
+            for d in v:
+                dsts.append(check_int(f"{name}[{src}][]", d, 0, 2**63 - 1))
+                srcs.append(src)
+        else:
+            dsts.append(check_int(f"{name}[{src}]", v, 0, 2**63 - 1))
+            srcs.append(src)
+    return srcs, dsts
 
 
 def check_in_range(name: str, ids: npt.NDArray[np.int64], limit: int, what: str) -> None:

@@ -17,14 +17,17 @@ import struct
 from .. import _ucxlog
 from .._bridge import Bridge
 from .._loader import native
+from .caches import LocalCaches
 from .control import LocalInfo
+from .copies import LocalCopies
 from .errors import LLMStatusCode, make_error
 from .notify import Receiver
 from .options import EngineOptions
 from .runner import Runner
-from .service import PeerService, until
-from .state import State
+from .service import PeerService, overall, until
+from .state import Link, State
 from .transfers import Transfers
+from .types import LLMClusterInfo
 
 __all__ = ["Runtime"]
 
@@ -125,6 +128,11 @@ class Runtime:
         self.runner = Runner(self.state, self.bridge)
         self.receiver = Receiver()
         self.service = PeerService(self.state)
+        #: This instance's caches: memory, records, keys, retirement.
+        self.caches = LocalCaches(self.state, self.service)
+        #: Copies between this instance's caches.
+        self.copies = LocalCopies(self.state)
+        #: Lookups of peers' caches and transfers to and from them.
         self.transfers = Transfers(self.state, self.service, self.runner)
         self.bridge.on_notify = self.receiver.on_notify
         self.bridge.on_endpoint_error = self._on_endpoint_error
@@ -134,6 +142,37 @@ class Runtime:
     def engine(self) -> native.Engine:
         """The native engine."""
         return self.state.engine  # type: ignore[no-any-return]
+
+    @property
+    def options(self) -> EngineOptions:
+        """The options the runtime was started with."""
+        return self.state.options
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """(host, port) the control server listens on, or None."""
+        return self.service.listen_address
+
+    def links(self) -> dict[int, Link]:
+        """A snapshot of the links by cluster id."""
+        with self.state.lock:
+            return dict(self.state.links)
+
+    def stats(self) -> dict[str, int]:
+        """Native engine stats plus cache and notification counters
+        (``CacheManager.stats``)."""
+        rcv = self.receiver
+        out = dict(self.engine.stats())
+        out["regions"] = max(0, out["regions"] - 1)  # the control region
+        caches, allocated = self.caches.counts()
+        out.update(caches=caches, allocated_bytes=allocated)
+        out.update(
+            tag_records=rcv.records,
+            dropped_tag_records=rcv.dropped_records,
+            dropped_notifications=rcv.dropped_notifications,
+            bad_notifications=rcv.bad_notifications,
+        )
+        return out
 
     def check_loop(self) -> None:
         """Transfers and notifications belong to the loop that ran init():
@@ -152,6 +191,29 @@ class Runtime:
         """Start the control server on the service thread."""
         await self.service.call(self.service.listen(host, port))
 
+    async def relisten(self, spec: tuple[str, int] | None) -> None:
+        """Listen at ``spec`` (host, port) instead, or stop listening (None)."""
+        await self.service.call(self.service.relisten(spec))
+
+    def set_role(self, role: int) -> None:
+        """The role this instance tells peers from now on."""
+        self.service.set_role(role)
+
+    async def link_clusters(
+        self, infos: list[LLMClusterInfo], timeout_ms: int
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Link each cluster (on the service thread): the overall status and one per cluster."""
+        results = await self.service.call(self.service.link_all(infos, timeout_ms))
+        return overall(results), results
+
+    async def unlink_clusters(
+        self, ids: list[int], timeout_ms: int, force: bool
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Unlink each cluster id (on the service thread): the overall status and
+        one per cluster."""
+        results = await self.service.call(self.service.unlink_all(ids, timeout_ms, force))
+        return overall(results), results
+
     async def close(self) -> None:
         """finalize(): peers told, transfers ended, links and server closed, memory freed."""
         if self._closed:
@@ -159,10 +221,7 @@ class Runtime:
         self._closed = True
         st = self.state
         st.finalized = True
-        with st.lock:
-            for rec in st.registry.caches.values():
-                rec.valid = False
-                st.ctl.guard_retire(rec.guard_slot)
+        self.caches.invalidate_all()
         self.receiver.close()
         # Tell peers first, so the transport errors they are about to see
         # read as a shutdown, not a failure.
@@ -170,13 +229,7 @@ class Runtime:
             await self.service.call(self.service.announce_finalizing())
         # Local copies run in worker threads and cannot be stopped: the
         # engine unmaps every region when it closes, so wait for them first.
-        with st.lock:
-            copies = [
-                lease
-                for rec in st.registry.caches.values()
-                for lease in rec.leases
-                if lease.done is not None
-            ]
+        copies = self.caches.copy_leases()
         await until(lambda: st.leases_over(copies))
         # Nothing in Python touches the control region once the engine may
         # unmap it.
@@ -187,18 +240,8 @@ class Runtime:
         with contextlib.suppress(Exception):
             await self.service.call(self.service.close())
         self.service.stop()
-        tasks = list(self.transfers.tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        with st.lock:
-            recs = list(st.registry.caches.values())
-            st.registry.caches.clear()
-            st.registry.keys.clear()
-            st.registry.blocks_keys.clear()
-        for rec in recs:
-            rec.cache._invalidate()
+        await self.transfers.end_tasks()
+        self.caches.drop_all()
         # The engine is closed (its worker and every connection gone): user
         # buffers held since a peer was cut off may go now.
         st.held_until_close.clear()
