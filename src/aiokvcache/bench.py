@@ -40,7 +40,7 @@ from . import (
     Placement,
     __version__,
 )
-from ._core.errors import make_error
+from .errors import make_error
 from .testing import DECODER_ID, PROMPT_ID, Peer, cluster_info, options
 
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._loader import native
+from .cachedesc import invalidate_cache
 from .errors import LLMStatusCode, make_error, param_invalid
 from .service import PeerService
 from .state import Lease, LocalCache, State
@@ -342,4 +343,4 @@ class LocalCaches:
             reg.keys.clear()
             reg.blocks_keys.clear()
         for rec in recs:
-            rec.cache._invalidate()
+            invalidate_cache(rec.cache)

@@ -97,6 +97,8 @@ class LLMException(RuntimeError):
     """
 
     _default_status = LLMStatusCode.LLM_FAILED
+    #: When a call of several jobs failed: each job's native result, in order.
+    results: list[Any] | None = None
 
     def __init__(self, message: str = "", status_code: int | None = None) -> None:
         super().__init__(message)

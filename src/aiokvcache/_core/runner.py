@@ -88,7 +88,7 @@ def failure(group: JobGroup, labels: Sequence[str] | None, *, timed_out: bool) -
         reason = "failed"
     landed_text = ", ".join(landed) if landed else "none"
     exc = make_error(code, f"{reason}; landed: {landed_text}")
-    exc.results = list(group.results)  # type: ignore[attr-defined]
+    exc.results = list(group.results)
     return exc
 
 
