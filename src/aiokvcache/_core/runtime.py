@@ -22,7 +22,8 @@ from .errors import LLMStatusCode, make_error
 from .notify import Receiver
 from .options import EngineOptions
 from .runner import Runner
-from .service import PeerService, until
+from .service import PeerService
+from .servicethread import until
 from .state import State
 from .transfers import Transfers
 
