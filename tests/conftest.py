@@ -11,7 +11,7 @@ import pytest
 
 from aiokvcache import testing
 from aiokvcache._bridge import ALL_BRIDGES
-from aiokvcache._core.service import SERVICE_ERROR_COUNT, SERVICE_ERRORS
+from aiokvcache._core.servicethread import SERVICE_ERROR_COUNT, SERVICE_ERRORS
 from aiokvcache.testing import Pair
 
 TRANSPORTS = ("shm", "tcp")

@@ -125,3 +125,93 @@ def test_nothing_below_knows_what_is_above(layer: int, name: str) -> None:
         if _layer(d) > layer
     ]
     assert not bad, f"the {name} layer imports upward: {bad}"
+
+
+# The tools beside the library: they use it as a user would, through its public
+# modules only.
+TOOLS = ("aiokvcache.bench", "aiokvcache.__main__")
+PUBLIC = (
+    "aiokvcache",
+    "aiokvcache.errors",
+    "aiokvcache.options",
+    "aiokvcache.layerwise",
+    "aiokvcache.info",
+    "aiokvcache.testing",
+    "aiokvcache.bench",
+)
+
+
+def _public(mod: str) -> bool:
+    return mod in PUBLIC or mod == "aiokvcache.integrations.vllm"
+
+
+def test_the_tools_use_only_the_public_api() -> None:
+    graph = import_graph()
+    bad = [f"{m} imports {d}" for m in TOOLS for d in graph[m] if not _public(d)]
+    assert not bad, f"a tool reaches past the public API: {bad}"
+
+
+def _example_imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return {n for n in names if n.split(".")[0] == "aiokvcache"}
+
+
+def test_the_examples_use_only_the_public_api() -> None:
+    examples = PKG.parents[1] / "examples"
+    known = set(import_graph())
+    bad = []
+    for path in sorted(examples.rglob("*.py")):
+        for name in _example_imports(path):
+            # `from aiokvcache import LLMRole` names an object, not a module.
+            while name not in known and "." in name:
+                name = name.rpartition(".")[0]
+            if not _public(name):
+                bad.append(f"{path.relative_to(examples)} imports {name}")
+    assert not bad, f"an example reaches past the public API: {bad}"
+
+
+# The size rule: a class, a function or a file past these is doing more than
+# one job; cut it along its seams.
+MAX_CLASS_LINES, MAX_FUNCTION_LINES, MAX_FILE_LINES = 450, 60, 800
+
+
+def oversized(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        rel = path.relative_to(root.parent)
+        lines = len(text.splitlines())
+        if lines > MAX_FILE_LINES:
+            found.append(f"{rel}: {lines} lines (file)")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, ast.ClassDef):
+                limit = MAX_CLASS_LINES
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                limit = MAX_FUNCTION_LINES
+            else:
+                continue
+            assert node.end_lineno is not None
+            size = node.end_lineno - node.lineno + 1
+            if size > limit:
+                found.append(f"{rel}:{node.lineno} {node.name}: {size} lines")
+    return found
+
+
+def test_no_class_function_or_file_in_the_package_is_oversized() -> None:
+    found = oversized(PKG)
+    assert not found, "over the size rule:\n" + "\n".join(found)
+
+
+def test_the_size_rule_finds_oversized_code(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    (pkg / "big.py").write_text(f"def f():\n{body}\n")
+    (pkg / "small.py").write_text("def g():\n    return 1\n")
+    assert oversized(pkg) == [f"pkg/big.py:1 f: {MAX_FUNCTION_LINES + 1} lines"]

@@ -172,15 +172,15 @@ async def test_a_push_after_deallocate_fails_for_a_cache_looked_up_during_link_s
     transport: str,
 ) -> None:
     async with instance(transport, 1) as b, instance(transport, 2) as owner:
-        svc = runtime(owner).service
+        prober = runtime(owner).service.prober
         gate = threading.Event()
-        real_probe = svc.probe
+        real_probe = prober.probe
 
         async def slow_probe(lk: Any, timeout: float) -> str:  # a slow link set-up
             await asyncio.to_thread(gate.wait)
             return await real_probe(lk, timeout)  # type: ignore[no-any-return]
 
-        svc.probe = slow_probe
+        prober.probe = slow_probe
         ocm, bcm = owner.cache_manager, b.cache_manager
         early = ocm.allocate_cache(u8_desc(2, 4096))
         src = bcm.allocate_cache(u8_desc(2, 4096))
@@ -285,16 +285,16 @@ async def test_a_cancelled_link_clusters_leaves_no_link_that_never_comes_up(
     transport: str,
 ) -> None:
     async with instance(transport, 1, listen=False) as a, instance(transport, 2) as b:
-        svc = runtime(b).service
+        handler = runtime(b).service.handler
         gate = threading.Event()
-        real = svc.handle_request
+        real = handler.handle_request
 
         async def slow(conn: Any, op: str, body: dict[str, Any]) -> dict[str, Any]:
             if op == "probe_back":  # a peer slow to check its half of the data path
                 await asyncio.to_thread(gate.wait)
             return await real(conn, op, body)  # type: ignore[no-any-return]
 
-        svc.handle_request = slow
+        handler.handle_request = slow
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(1.0):

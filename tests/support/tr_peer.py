@@ -44,7 +44,7 @@ Ops (the public API unless marked *internal*):
   that none of its other Python threads (the event loop's, the service's)
   runs; answers ``{"hogged": seconds it took}``.
 * ``evil`` (``op``, ``meta``: the body to answer that lookup with, or null
-  to restore): *internal* — replaces the peer service's ``_serve_lookup``.
+  to restore): *internal* — replaces the peer handler's ``_serve_lookup``.
 * ``meta`` (``name``): *internal* — the metadata this peer serves for a cache.
 * ``probe_flood`` (``cluster_id``, ``count``): *internal* — arms its peer
   service to hold the next ``count`` ``probe_info`` requests it is asked,
@@ -329,20 +329,19 @@ async def main(args: argparse.Namespace) -> None:
                 sys.setswitchinterval(old)
             return {"hogged": time.monotonic() - start}
         if op == "evil":
-            svc = rt.service
-            real = type(svc)._serve_lookup.__get__(svc)
+            handler = rt.service.handler
+            real = type(handler)._serve_lookup.__get__(handler)
             if req.get("meta") is None:
-                svc._serve_lookup = real
+                handler._serve_lookup = real
                 return {"restored": True}
             evil_op, meta = str(req["op_name"]), from_json(req["meta"])
 
-            def serve(*args: Any) -> dict[str, Any]:
-                # (op, body), or (link, op, body) where the service passes the link.
-                if args[-2] == evil_op:
+            def serve(link: Any, request: Any) -> dict[str, Any]:
+                if request.op == evil_op:
                     return meta  # type: ignore[no-any-return]
-                return real(*args)  # type: ignore[no-any-return]
+                return real(link, request)  # type: ignore[no-any-return]
 
-            svc._serve_lookup = serve
+            handler._serve_lookup = serve
             return {"armed": evil_op}
         if op == "meta":
             from aiokvcache._core.catalog import metadata
@@ -352,11 +351,11 @@ async def main(args: argparse.Namespace) -> None:
                 rec = st.registry.caches[caches[str(req["name"])].cache_id]
             return {"meta": to_json(metadata(st, rec))}
         if op == "probe_flood":
-            svc = rt.service
-            loop = svc._loop
+            handler = rt.service.handler
+            loop = rt.service.thread.loop
             count = int(req["count"])
             held: list[asyncio.Future[None]] = []
-            orig = svc.handle_request
+            orig = handler.handle_request
 
             async def hold(conn: Any, op_: str, body: dict[str, Any]) -> dict[str, Any]:
                 if op_ != "probe_info" or len(held) >= count:
@@ -379,7 +378,7 @@ async def main(args: argparse.Namespace) -> None:
                 await fut
                 return await orig(conn, op_, body)  # type: ignore[no-any-return]
 
-            svc.handle_request = hold
+            handler.handle_request = hold
 
             async def fire() -> None:
                 link = rt.state.link_for(int(req["cluster_id"]))
@@ -391,7 +390,7 @@ async def main(args: argparse.Namespace) -> None:
                     return_exceptions=True,
                 )
 
-            svc.spawn(fire())
+            rt.service.thread.spawn(fire())
             return {"sent": count}
         if op == "by_addr":
             svc = rt.service

@@ -24,7 +24,8 @@ from .errors import LLMStatusCode, make_error
 from .notify import Receiver
 from .options import EngineOptions
 from .runner import Runner
-from .service import PeerService, overall, until
+from .service import PeerService, overall
+from .servicethread import until
 from .state import Link, State
 from .transfers import Transfers
 from .types import LLMClusterInfo

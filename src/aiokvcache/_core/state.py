@@ -151,7 +151,7 @@ class Link:
     #: Set once no retirement waits for this link any more: the peer
     #: confirmed an unlink after its jobs were released (nothing it posted
     #: can reach our memory), or it was cut off (``cut_off``: what it posted
-    #: may still land; see ``PeerService._quarantine``).
+    #: may still land; see ``Retirement._quarantine`` in :mod:`.retire`).
     quiescent: bool = False
     #: Set when it was cut off: dropped without the peer's confirmation.
     cut_off: bool = False

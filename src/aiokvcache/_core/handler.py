@@ -1,0 +1,180 @@
+"""Serving linked peers: the :class:`.control.Handler` of every control connection.
+
+A finished handshake makes a link and a closed connection breaks it
+(:class:`.links.Links`); a peer's requests are served here: its lookups of
+our caches' metadata, the checks of its half of a link's data path, its
+invalidations of its own caches, its unlink and its finalize.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import control
+from .catalog import metadata
+from .errors import LLMStatusCode, make_error
+from .links import PEER_FINALIZING, Links
+from .probe import PROBE_MAX_S, Prober
+from .retire import Retirement
+from .state import Link, LocalCache, State
+from .types import BlocksCacheKey, CacheKey
+from .wire import (
+    LOOKUPS,
+    BlocksByKey,
+    CacheByAddr,
+    CacheById,
+    CacheByKey,
+    CacheMeta,
+    CacheMetas,
+    Done,
+    Finalizing,
+    Invalidate,
+    KeyedCacheMeta,
+    Message,
+    ProbeBack,
+    ProbeInfo,
+    ProbeResult,
+    Request,
+    Unlink,
+    parse_request,
+)
+
+__all__ = ["PeerHandler"]
+
+log = logging.getLogger("aiokvcache")
+
+
+class PeerHandler:
+    """Answers linked peers' requests (service loop); a :class:`.control.Handler`."""
+
+    def __init__(self, state: State, links: Links, prober: Prober, retirement: Retirement) -> None:
+        self._state = state
+        self._links = links
+        self._prober = prober
+        self._retirement = retirement
+
+    def on_connected(self, conn: control.ControlConnection) -> None:
+        """A handshake finished: make its connection a link (see :class:`.links.Links`)."""
+        self._links.on_connected(conn)
+
+    def on_closed(self, conn: control.ControlConnection, reason: str) -> None:
+        """A connection closed: its link, if it has one, breaks."""
+        self._links.on_closed(conn, reason)
+
+    def on_event(self, conn: control.ControlConnection, op: str, body: dict[str, Any]) -> None:
+        """Peers send no events in this protocol version; log and ignore."""
+        log.warning("aiokvcache: unexpected event %r from cluster %d", op, conn.peer_cluster_id)
+
+    async def handle_request(
+        self, conn: control.ControlConnection, op: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Serve a peer's request (cache metadata, invalidations)."""
+        st = self._state
+        if st.finalized:
+            raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "finalized")
+        with st.lock:
+            link = st.links.get(conn.peer_cluster_id)
+        if link is None or link.conn is not conn:
+            raise make_error(LLMStatusCode.LLM_NOT_YET_LINK, "not linked")
+        request = parse_request(op, body)
+        if request.op in LOOKUPS:
+            # No await from here to the answer: a lookup's response is queued
+            # before any invalidation of what it names (both leave this loop in
+            # order on one connection), so the peer never installs metadata it
+            # was told is gone.
+            return self._serve_lookup(link, request)
+        answer = await self._serve(link, request)
+        return answer.encode()
+
+    async def _serve(self, link: Link, request: Request[Any]) -> Message:
+        """Serve a request that is not a lookup."""
+        match request:
+            case Finalizing():
+                # The peer's engine is about to go: break the link now, so the
+                # transport errors that follow read as a shutdown, not a failure.
+                log.info("aiokvcache: cluster %d is finalizing", link.cluster_id)
+                self._links.break_link(link, PEER_FINALIZING)
+                return Done()
+            case Unlink():
+                # A plain unlink: our side goes, and our transfers on the link
+                # are released, before the peer's call returns: it may then
+                # treat the link as quiescent (LLM-DataDist's disconnect waits
+                # so too).
+                await self._links.settled(self._links.drop_link(link, "unlinked by peer"), link.ep)
+                # The peer's own jobs on the link were over before it asked (see
+                # Linker.unlink_all): nothing it posted can reach our memory.
+                self._links.quiesced(link)
+                return Done()
+            case ProbeInfo():
+                return self._prober.probe_info()
+            case ProbeBack(timeout=timeout):
+                problem = await self._prober.probe(link, min(timeout, PROBE_MAX_S))
+                if not problem:
+                    link.up = True  # both halves of the data path work
+                return ProbeResult(problem)
+            case Invalidate(cache_id=cache_id):
+                await self._retirement.drop_remote(link, cache_id)
+                return Done()
+        raise TypeError(f"no server for {request!r}")
+
+    def _serve_lookup(self, link: Link, request: Request[Any]) -> dict[str, Any]:
+        """Serve a metadata lookup; every cache it names is recorded as
+        exposed to ``link`` in the same critical section (see state.py)."""
+        st = self._state
+        match request:
+            case CacheById(cache_id=cache_id):
+                return CacheMeta(metadata(st, self._by_id(link, cache_id))).encode()
+            case CacheByKey(key=key):
+                rec, index = self._by_key(link, key)
+                return KeyedCacheMeta(metadata(st, rec), index).encode()
+            case BlocksByKey(key=bkey):
+                return CacheMeta(metadata(st, self._by_blocks_key(link, bkey))).encode()
+            case CacheByAddr(addrs=addrs):
+                found = self._by_addrs(link, addrs)
+                return CacheMetas(tuple(metadata(st, rec) for rec in found)).encode()
+        raise TypeError(f"no lookup {request!r}")
+
+    def _by_id(self, link: Link, cache_id: int) -> LocalCache:
+        st = self._state
+        with st.lock:
+            rec = st.registry.served(cache_id, st.options.enable_remote_cache_accessible)
+            rec.exposed.add(link)
+        return rec
+
+    def _by_key(self, link: Link, key: CacheKey) -> tuple[LocalCache, int]:
+        st = self._state
+        with st.lock:
+            bound = st.registry.keys.get(key)
+            if bound is None:
+                raise make_error(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no cache is bound to {key!r}"
+                )
+            rec = st.registry.served(bound[0], st.options.enable_remote_cache_accessible)
+            rec.exposed.add(link)
+        return rec, bound[1]
+
+    def _by_blocks_key(self, link: Link, bkey: BlocksCacheKey) -> LocalCache:
+        st = self._state
+        with st.lock:
+            bound_id = st.registry.blocks_keys.get(bkey)
+            if bound_id is None:
+                raise make_error(
+                    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                    f"no blocks cache is bound to {bkey!r}",
+                )
+            rec = st.registry.served(bound_id, st.options.enable_remote_cache_accessible)
+            rec.exposed.add(link)
+        return rec
+
+    def _by_addrs(self, link: Link, addrs: tuple[int, ...]) -> list[LocalCache]:
+        st = self._state
+        access = st.options.enable_remote_cache_accessible
+        found: dict[int, LocalCache] = {}
+        with st.lock:
+            for a in addrs:
+                hit = st.registry.cache_at(a)  # O(log n): never a scan under the lock
+                if hit is not None and hit.cache_id not in found:
+                    found[hit.cache_id] = st.registry.served(hit.cache_id, access)
+                    hit.exposed.add(link)
+        return list(found.values())

@@ -1,0 +1,140 @@
+"""Our lookups of a peer's caches: ask for their metadata, install what it sends.
+
+A cache named by id is fetched once per link (concurrent asks share one
+request); caches named by key are asked every time, since the peer may
+rebind its keys. Before any of a peer's metadata is installed, the link
+holds our key to the peer's control region, so every remote cache record
+has its retirement guard. Everything here runs on the service loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TypeVar
+
+from .._loader import native
+from .catalog import install_remote
+from .errors import LLMException, LLMStatusCode, make_error
+from .probe import Prober
+from .servicethread import ServiceThread
+from .state import Link, RemoteCache, State
+from .types import BlocksCacheKey, CacheKey
+from .wire import (
+    MAX_ADDRS_PER_REQUEST,
+    BadReply,
+    BlocksByKey,
+    CacheByAddr,
+    CacheById,
+    CacheByKey,
+    Message,
+    ProbeInfo,
+    Request,
+    ask,
+)
+
+__all__ = ["METADATA_TIMEOUT_S", "Lookups"]
+
+#: How long a peer may take to answer one metadata request.
+METADATA_TIMEOUT_S = 10.0
+
+R = TypeVar("R", bound=Message)
+
+
+class Lookups:
+    """The asking side of the metadata requests (service loop)."""
+
+    def __init__(self, state: State, thread: ServiceThread, prober: Prober) -> None:
+        self._state = state
+        self._thread = thread
+        self._prober = prober
+        self._fetching: dict[tuple[int, int], asyncio.Future[RemoteCache]] = {}
+
+    async def _ask(self, link: Link, request: Request[R]) -> R:
+        """``request``'s answer from the peer of ``link``; an answer that does
+        not fit is LLM_FAILED."""
+        try:
+            return await ask(link.conn, request, METADATA_TIMEOUT_S)
+        except BadReply as exc:
+            raise make_error(
+                LLMStatusCode.LLM_FAILED,
+                f"cluster {link.cluster_id} sent a bad {request.op.value} answer: {exc}",
+            ) from None
+
+    async def ensure_ctl(self, link: Link) -> None:
+        """Our key to the peer's control region, before any of its metadata
+        is installed: every remote cache record then has its retirement
+        guard (a lookup can come before the link's probe installed the key)."""
+        if link.ctl_rkey is not None:
+            return
+        try:
+            slot = await ask(link.conn, ProbeInfo(), METADATA_TIMEOUT_S)
+            self._prober.install_ctl(link, slot)
+        except (ValueError, native.NativeError) as exc:
+            raise make_error(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"cluster {link.cluster_id} sent a bad control region: {exc}",
+            ) from None
+
+    async def remote_by_id(self, link: Link, cache_id: int) -> RemoteCache:
+        """The peer's cache ``cache_id``, fetched once per link (concurrent asks share it)."""
+        with self._state.lock:
+            rc = link.remote.get(cache_id)
+        if rc is not None:
+            return rc
+        key = (id(link), cache_id)
+        fut = self._fetching.get(key)
+        if fut is None:
+            loop = self._thread.loop
+            fut = loop.create_future()
+            self._fetching[key] = fut
+            loop.create_task(self._fetch(link, cache_id, key, fut))
+        return await asyncio.shield(fut)
+
+    async def _fetch(
+        self,
+        link: Link,
+        cache_id: int,
+        key: tuple[int, int],
+        fut: asyncio.Future[RemoteCache],
+    ) -> None:
+        try:
+            await self.ensure_ctl(link)
+            answer = await self._ask(link, CacheById(cache_id))
+            rc = install_remote(self._state, link, answer.meta)
+        except BaseException as exc:
+            if not fut.done():
+                fut.set_exception(exc if isinstance(exc, Exception) else LLMException(str(exc)))
+                fut.exception()  # retrieved: waiters may have given up already
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            if not fut.done():
+                fut.set_result(rc)
+        finally:
+            self._fetching.pop(key, None)
+
+    async def remote_by_key(self, link: Link, key: CacheKey) -> tuple[RemoteCache, int]:
+        """The peer's cache and batch index bound to ``key`` (asked every time)."""
+        await self.ensure_ctl(link)
+        answer = await self._ask(link, CacheByKey(key))
+        return install_remote(self._state, link, answer.meta), answer.batch_index
+
+    async def remote_blocks(self, link: Link, key: BlocksCacheKey) -> RemoteCache:
+        """The peer's blocks cache bound to ``key`` (asked every time: keys rebind)."""
+        await self.ensure_ctl(link)
+        answer = await self._ask(link, BlocksByKey(key))
+        remote = install_remote(self._state, link, answer.meta)
+        if not remote.is_blocks:
+            raise make_error(
+                LLMStatusCode.LLM_FAILED, f"cluster {link.cluster_id} sent a non-blocks cache"
+            )
+        return remote
+
+    async def remotes_by_addr(self, link: Link, addrs: list[int]) -> None:
+        """Ask the peer which caches hold ``addrs``; record every one it names."""
+        await self.ensure_ctl(link)
+        for k in range(0, len(addrs), MAX_ADDRS_PER_REQUEST):
+            chunk = tuple(addrs[k : k + MAX_ADDRS_PER_REQUEST])
+            answer = await self._ask(link, CacheByAddr(chunk))
+            for meta in answer.caches:
+                install_remote(self._state, link, meta)

@@ -1,0 +1,118 @@
+"""The data-path probe of a link, and our key to the peer's control region.
+
+A link is up only once its data path moved bytes both ways: each side puts
+a nonce into a probe slot of the other's control region and reads it back
+over its own endpoint. The probe also installs the link's key to the peer's
+control region, which the retirement guards of the peer's caches need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+
+import numpy as np
+
+from .._bridge import OP_GET, OP_PUT
+from .._loader import native
+from .ctlregion import PROBE_BYTES
+from .errors import LLMException
+from .servicethread import ServiceThread, until
+from .state import Lease, Link, State
+from .wire import ProbeInfo, ProbeSlot, ask
+
+__all__ = ["PROBE_MAX_S", "Prober"]
+
+# The nonce a probe puts to the peer and reads back.
+_NONCE_BYTES = 16
+# The longest probe a peer may ask of us (probe_back); longer asks are cut.
+PROBE_MAX_S = 30.0
+
+
+class Prober:
+    """Probes a link's data path over our endpoint (service loop)."""
+
+    def __init__(self, state: State, thread: ServiceThread) -> None:
+        self._state = state
+        self._thread = thread
+
+    def probe_info(self) -> ProbeSlot:
+        """A probe slot of ours for the peer, and the key to our control region."""
+        ctl = self._state.ctl
+        return ProbeSlot(ctl.probe_slot(), PROBE_BYTES, ctl.base, ctl.size, ctl.rkey)
+
+    def install_ctl(self, link: Link, slot: ProbeSlot) -> tuple[int, int]:
+        """Unpack the peer's control-region key once per link (ValueError when
+        the region moved). Returns (the peer's probe slot address, our rkey id
+        for it)."""
+        st = self._state
+        base, span = slot.base, slot.span
+        if link.ctl_rkey is None:
+            rkey = st.engine.rkey_unpack(link.ep, slot.rkey, base, span)
+            with st.lock:
+                if link.ctl_rkey is None:
+                    link.ctl_rkey, link.ctl_span = rkey, (base, span)
+                    rkey = -1
+            if rkey != -1:  # a concurrent probe installed it first
+                with contextlib.suppress(native.NativeError):
+                    st.engine.rkey_release(rkey)
+        elif (base, span) != link.ctl_span:
+            raise ValueError("the peer's control region moved")
+        assert link.ctl_rkey is not None
+        return slot.addr, link.ctl_rkey
+
+    async def probe(self, link: Link, timeout: float) -> str:
+        """Move a nonce to the peer and back over our endpoint; '' or what failed.
+
+        Both sides' buffers are probe slots in the two control regions, which
+        live as long as their engines: a put or get that outlives this probe
+        (a frozen peer) can never land in memory that was reused. Our jobs
+        hold a lease on our control region like any transfer's on a cache.
+        """
+        st = self._state
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout  # the whole probe, every step
+        try:
+            slot = await ask(link.conn, ProbeInfo(), timeout)
+            peer_slot, rkey = self.install_ctl(link, slot)
+        except (LLMException, ValueError, native.NativeError) as exc:
+            return f"no probe buffer from the peer ({exc})"
+        local = st.ctl.probe_slot()
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        st.ctl.write(local, nonce + bytes(_NONCE_BYTES))
+        ms = max(1, int(min(timeout, PROBE_MAX_S) * 1000))
+        put = [[local, peer_slot, _NONCE_BYTES, rkey]]
+        get = [[local + _NONCE_BYTES, peer_slot, _NONCE_BYTES, rkey]]
+        for what, op, rows in (("put", OP_PUT, put), ("get", OP_GET, get)):
+            left = max(deadline - loop.time(), 0.001)
+            problem = await self._probe_job(link, what, op, rows, ms, left)
+            if problem:
+                return problem
+        if st.ctl.read(local + _NONCE_BYTES, _NONCE_BYTES) != nonce:
+            return "the bytes did not make the round trip (a put or get failed)"
+        return ""
+
+    async def _probe_job(
+        self, link: Link, what: str, op: int, rows: list[list[int]], ms: int, timeout: float
+    ) -> str:
+        """One probe job, under a lease on our control region; '' or what failed."""
+        st = self._state
+        segs = np.array(rows, dtype=np.uint64)
+        try:
+            lease = st.lease((st.ctl,), lambda: [st.engine.submit(op, link.ep, segs, b"", ms)])
+        except (native.NativeError, LLMException) as exc:
+            return f"the probe's {what} could not start ({exc})"
+        try:
+            if not await until(lambda: st.leases_over((lease,)), timeout):
+                return f"the probe's {what} did not end in time"
+        finally:
+            if st.leases_over((lease,)):
+                st.end_lease(lease)
+            else:  # the engine ends it (its deadline passed): then give it back
+                self._thread.spawn(self._end_when_over(lease))
+        return ""
+
+    async def _end_when_over(self, lease: Lease) -> None:
+        await until(lambda: self._state.leases_over((lease,)))
+        self._state.end_lease(lease)

@@ -1,0 +1,129 @@
+"""The peer-service thread: its own asyncio loop, and how other threads reach it.
+
+The owner reaches the loop through :meth:`ServiceThread.call` (a coroutine
+run on the service loop, awaited from the owner's loop through
+``asyncio.wrap_future``: the owner's future is completed on the owner's loop)
+and :meth:`ServiceThread.spawn` (fire and track). Nothing here completes a
+future of the owner's loop itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["SERVICE_ERRORS", "SERVICE_ERROR_COUNT", "ServiceThread", "until"]
+
+log = logging.getLogger("aiokvcache")
+
+T = TypeVar("T")
+
+# Native releases and endpoint closes are polled (never waited for in an
+# executor thread a hostile peer could tie up), from this interval up to
+# _POLL_MAX_S.
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.02
+
+#: The latest errors that reached a service loop's exception handler, and
+#: how many there were in all (tests assert none; bounded for long runs).
+SERVICE_ERRORS: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
+SERVICE_ERROR_COUNT = [0]
+
+
+async def until(done: Callable[[], bool], timeout: float | None = None) -> bool:
+    """Poll ``done()`` on the running loop until it is true (True) or
+    ``timeout`` seconds pass (False): backing off from _POLL_MIN_S to
+    _POLL_MAX_S, so a short wait is short and a long one costs little."""
+    loop = asyncio.get_running_loop()
+    end = None if timeout is None else loop.time() + timeout
+    pause = _POLL_MIN_S
+    while not done():
+        if end is not None and loop.time() >= end:
+            return False
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
+    return True
+
+
+def _on_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    SERVICE_ERRORS.append(context)
+    SERVICE_ERROR_COUNT[0] += 1
+    loop.default_exception_handler(context)
+
+
+class ServiceThread:
+    """One daemon thread running one asyncio loop, and the background tasks on it."""
+
+    def __init__(self, name: str) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(_on_loop_error)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            pending = [t for t in asyncio.all_tasks(self._loop) if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The service loop (use it from the service thread only)."""
+        return self._loop
+
+    def in_service(self) -> bool:
+        """True when called on the service thread."""
+        return threading.current_thread() is self._thread
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
+        """Run ``coro`` on the service loop; await the result on the calling loop.
+
+        Cancelling the returned future cancels the coroutine's task.
+        """
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
+        """Run ``coro`` on the service loop in the background (from any thread)."""
+        return asyncio.run_coroutine_threadsafe(self._tracked(coro), self._loop)
+
+    async def _tracked(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("aiokvcache: background task failed")
+            return None
+        finally:
+            self._tasks.discard(task)
+
+    async def cancel_spawned(self) -> None:
+        """Cancel every task :meth:`spawn` started and wait until they ended (service loop)."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def stop(self) -> None:
+        """Stop the loop (pending tasks are cancelled) and join the thread."""
+        if not self._thread.is_alive():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if not self.in_service():
+            self._thread.join(timeout=10)
