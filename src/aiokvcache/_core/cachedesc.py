@@ -364,13 +364,14 @@ class Cache:
             )
         return list(self._arrays)
 
-    def _invalidate(self) -> None:
+    def _invalidate(self) -> object:
         # Called by the library on deallocate/unregister: drop our views and
         # the owner reference so the memory can go.
+        owner, self._owner = self._owner, None
         self._valid = False
         self._arrays = None
-        self._owner = None
         self._tensor_addrs = []
+        return owner
 
     def __repr__(self) -> str:
         state = "" if self._valid else ", deallocated"
@@ -380,6 +381,7 @@ class Cache:
         )
 
 
-def invalidate_cache(cache: Cache) -> None:
-    """Make ``cache`` invalid once the library deallocated or unregistered it."""
-    cache._invalidate()
+def invalidate_cache(cache: Cache) -> object:
+    """Make ``cache`` invalid once the library deallocated or unregistered it;
+    returns what kept its memory alive, for the caller to hold or drop."""
+    return cache._invalidate()

@@ -310,7 +310,7 @@ class LocalCaches:
         self.retire(rec)
 
     def retire(self, rec: LocalCache) -> None:
-        """Deallocate / unregister: see :meth:`.service.PeerService.retire_local`."""
+        """Deallocate / unregister: see :meth:`.retire.Retirement.retire_local`."""
         self.service.retire_local(rec)
 
     # ------------------------------------------------------------ finalize

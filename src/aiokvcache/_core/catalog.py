@@ -122,7 +122,7 @@ def _parse(
         raise ValueError("guard must be a dict")
     addr, value = _u64(guard.get("addr"), "guard addr"), _u64(guard.get("word"), "guard word")
     base, span = link.ctl_span
-    if link.ctl_rkey is None:  # installed before every lookup (PeerService._ensure_ctl)
+    if link.ctl_rkey is None:  # installed before every lookup (Lookups.ensure_ctl)
         raise ValueError("no key to the peer's control region")
     if not (base <= addr and addr + 8 <= base + span) or value == 0:
         raise ValueError("guard outside the peer's control region")

@@ -58,7 +58,7 @@ class PeerHandler:
         """A handshake finished: make its connection a link (see :class:`.links.Links`)."""
         self._links.on_connected(conn)
 
-    def on_closed(self, conn: control.ControlConnection, reason: str) -> None:
+    def on_closed(self, conn: control.ControlConnection, reason: control.Closed) -> None:
         """A connection closed: its link, if it has one, breaks."""
         self._links.on_closed(conn, reason)
 

@@ -170,22 +170,21 @@ class Links:
             current = self._state.links.get(link.cluster_id) is link and not link.broken
         return current and not link.conn.closed
 
-    def on_closed(self, conn: control.ControlConnection, reason: str) -> None:
+    def on_closed(self, conn: control.ControlConnection, reason: control.Closed) -> None:
         """The control connection closed: the link is broken (or was unlinked)."""
         st = self._state
         with st.lock:
             link = st.links.get(conn.peer_cluster_id)
         if link is None or link.conn is not conn:
             return
-        if reason == "peer closed: unlinked":
+        # What the peer said when it closed (its BYE), if it closed.
+        said = reason.detail if reason.kind is control.CloseReason.PEER_CLOSED else None
+        if said == "unlinked":
             self.drop_link(link, "unlinked by peer")
             return
         if st.finalized:
             level = logging.DEBUG
-        elif (
-            reason in ("peer closed: finalized", f"peer closed: {FORCE_UNLINKED}")
-            or link.reason == PEER_FINALIZING
-        ):
+        elif said in ("finalized", FORCE_UNLINKED) or link.reason == PEER_FINALIZING:
             level = logging.INFO
         else:
             level = logging.WARNING

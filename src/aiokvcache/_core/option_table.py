@@ -271,7 +271,6 @@ class Option:
     #: False for LLM-DataDist's options that are checked and then unused.
     effect: bool = True
 
-
     def field_values(self, text: str) -> dict[str, Any]:
         value = self.parse(text)
         if not self.fields:  # checked for form only

@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 from .._loader import native
+from .cachedesc import invalidate_cache
 from .catalog import retire_remote
 from .errors import LLMException, LLMStatusCode, make_error
 from .links import Links
@@ -80,8 +81,7 @@ class Retirement:
             st.registry.drop(rec)  # out of every lookup, no new use of it
             leases = list(rec.leases)
             st.ctl.guard_retire(rec.guard_slot)
-        owners = rec.cache._owner
-        rec.cache._invalidate()
+        owners = invalidate_cache(rec.cache)
         # Our own transfers on it stop now; the memory waits for them below.
         st.cancel_leases(leases)
         self._thread.spawn(self._release_later(rec, leases, owners))

@@ -101,7 +101,7 @@ class Runtime:
                 max_unconfirmed_bytes=opts.max_unconfirmed_bytes,
                 copy_lanes=opts.copy_lanes,
                 progress_spin_us=opts.progress_spin_us,
-                # Liveness off the GIL: see PeerService._heartbeat.
+                # Liveness off the GIL: see Links._heartbeat.
                 keepalive_ms=opts.peer_timeout_ms // 4,
                 direct_copy=opts.direct_copy,
                 ucx_options=_ucx_options(opts),

@@ -122,7 +122,7 @@ class RemoteCache:
     #: (control-region rkey id, address, expected word): the job guard that
     #: tells a transfer the owner retired this cache (see ext/job.hpp).
     guard: tuple[int, int, int, bool] | None = None
-    # Checked transfer plans between it and our caches (transfers.Plan),
+    # Checked transfer plans between it and our caches (slots.Plan),
     # owner loop only; they go with the record.
     plans: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
