@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "engine.hpp"
+#include "peer_input.hpp"
 
 namespace akv {
 
@@ -51,13 +52,6 @@ inline std::chrono::steady_clock::duration scaled_grace(std::chrono::millisecond
   auto d = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
       std::chrono::duration<double, std::milli>(static_cast<double>(span.count()) * share));
   return std::max(lo, std::min(hi, d));
-}
-
-// Whether segment ``s`` lies inside the remote region [base, base + len) of
-// its key, and its local range does not wrap: the check every path that
-// moves bytes through a key makes (admission, inline copies).
-inline bool segment_fits(const SegmentIn& s, uint64_t base, uint64_t len) {
-  return s.remote >= base && s.len <= len && s.remote - base <= len - s.len && s.local + s.len >= s.local;
 }
 
 template <typename T>
