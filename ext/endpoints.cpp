@@ -1,8 +1,5 @@
 // Endpoints to peers: connecting, and every way one ends (disconnect, a
 // local or UCX-reported failure, a forced close).
-#include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -29,7 +26,7 @@ uint64_t Engine::connect(const std::string& address, bool peer_errors) {
     p.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     p.err_handler.cb = &Engine::on_ep_error;
     p.err_handler.arg = ep.get();
-    ucs_status_t st = ucp_ep_create(worker_, &p, &ep->handle);
+    ucs_status_t st = ucp_ep_create(worker_.get(), &p, &ep->handle);
     if (st != UCS_OK) throw UcxFailure("ucp_ep_create", st);
     // Nothing goes on the wire before the wireup handshake is done. The peer
     // creates its endpoint to us when our wireup request arrives, and UCX's
@@ -61,7 +58,7 @@ uint64_t Engine::connect(const std::string& address, bool peer_errors) {
     }
     uint64_t id = ep->id;
     eps_[id] = std::move(ep);
-    n_eps_ = eps_.size();
+    stats_.endpoints = eps_.size();
     return id;
   });
 }
@@ -141,7 +138,7 @@ void Engine::send_keepalives() {
     // Linked (keyed) and not ending; one at a time, so a frozen peer never
     // grows our send queue. Not before the wireup is done: nothing goes on
     // the wire before (see connect()).
-    if (ep->note_header.empty() || ep->closing || ep->broken || ep->close_posted || ep->handle == nullptr) {
+    if (ep->note_header.empty() || ep->closing || ep->broken || ep->close_posted() || ep->handle == nullptr) {
       ep->ping_due = ep->ask_echo = false;
       continue;
     }
@@ -184,7 +181,7 @@ void Engine::fail_endpoint(uint64_t ep_id) {
 
 bool Engine::endpoint_closed(uint64_t ep_id) {
   if (closed_.load()) return true;    // close() finished: every endpoint is gone
-  if (closing_.load()) return false;  // close() is still draining them
+  if (commands_.closed()) return false;  // close() is still draining them
   try {
     return endpoint_closed_now(ep_id);
   } catch (const ClosedError&) {
@@ -194,13 +191,13 @@ bool Engine::endpoint_closed(uint64_t ep_id) {
 
 bool Engine::endpoint_unproven(uint64_t ep_id) {
   if (closed_.load()) return false;
-  if (closing_.load()) return true;  // close() is still draining it
+  if (commands_.closed()) return true;  // close() is still draining it
   try {
     return call<bool>([this, ep_id]() {
       auto it = eps_.find(ep_id);
-      if (it != eps_.end()) return it->second->unproven && !it->second->close_done;
+      if (it != eps_.end()) return it->second->unproven && !it->second->close_done();
       for (const auto& ep : ep_graveyard_) {
-        if (ep->id == ep_id) return ep->unproven && !ep->close_done;
+        if (ep->id == ep_id) return ep->unproven && !ep->close_done();
       }
       return false;
     });
@@ -215,9 +212,9 @@ bool Engine::endpoint_closed_now(uint64_t ep_id) {
     // on it. A record retired while its close was stuck (a frozen peer) is
     // not closed until that close completes, however long it takes.
     auto it = eps_.find(ep_id);
-    if (it != eps_.end()) return it->second->close_posted && it->second->close_done;
+    if (it != eps_.end()) return it->second->close_done();
     for (const auto& ep : ep_graveyard_) {
-      if (ep->id == ep_id) return ep->close_done;
+      if (ep->id == ep_id) return ep->close_done();
     }
     return true;
   });
@@ -254,7 +251,7 @@ void Engine::endpoint_failed(Endpoint* ep, ucs_status_t st) {
   ep->broken = true;
   forget_inline_ep(ep->id);  // its transfers fail on the job path from now
   if (ep->ucs_status == 0) ep->ucs_status = st;
-  ep_errors_.fetch_add(1);
+  stats_.endpoint_errors.fetch_add(1);
   for (auto& kv : jobs_) {
     Job* j = kv.second.get();
     if (j->ep == ep) {
@@ -266,16 +263,10 @@ void Engine::endpoint_failed(Endpoint* ep, ucs_status_t st) {
 }
 
 void Engine::close_endpoint(Endpoint* ep, bool force) {
-  if (ep->close_posted || ep->handle == nullptr) return;
+  if (ep->close_posted() || ep->handle == nullptr) return;
   forget_inline_ep(ep->id);
-  ep->close_posted = true;
-  auto now = std::chrono::steady_clock::now();
-  ep->close_by = now + kCancelGrace;
-  if (force) {
-    any_forced_ = true;
-    ep->forced = true;
-    ep->forced_at = now;
-  }
+  ep->begin_close(std::chrono::steady_clock::now(), kCancelGrace, force);
+  if (force) any_forced_ = true;
   // Keys go before their endpoint, once no request uses them. Those that
   // requests still name go as those requests complete (op_done) or, for a
   // forced close, right after it purged them (below).
@@ -291,8 +282,7 @@ void Engine::close_endpoint(Endpoint* ep, bool force) {
   p.flags = hard ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t r = ucp_ep_close_nbx(ep->handle, &p);
   if (r == nullptr || UCS_PTR_IS_ERR(r)) {
-    ep->handle = nullptr;
-    ep->close_done = true;
+    ep->close_finished();
   } else {
     auto* ctx = static_cast<RequestCtx*>(r);
     ctx->kind = RequestCtx::kClose;
@@ -320,11 +310,11 @@ void Engine::reap_endpoints() {
   auto now = std::chrono::steady_clock::now();
   for (auto it = eps_.begin(); it != eps_.end();) {
     Endpoint* ep = it->second.get();
-    if ((ep->closing || ep->broken) && !ep->close_posted) {
+    if (ep->ending() && !ep->close_posted()) {
       bool forced = ep->broken && now >= ep->force_after;
       if (ep->jobs == 0 || forced) close_endpoint(ep, ep->broken);
     }
-    bool done = ep->close_posted && ep->close_done;
+    bool done = ep->close_done();
     // A disconnect whose close a frozen peer never lets complete (its flush
     // waits for the peer) must not keep the record forever. No job uses the
     // endpoint any more, and UCX offers no second, forced close of an
@@ -332,8 +322,8 @@ void Engine::reap_endpoints() {
     // whose callback names it, keeps it allocated until the worker goes.
     // A broken endpoint goes like a disconnected one: Python may keep its
     // link (a peer that force-unlinked us), but the record serves nothing.
-    bool ending = ep->closing || ep->broken;
-    bool stuck = ending && ep->close_posted && !ep->close_done && ep->jobs == 0 && now >= ep->close_by;
+    bool ending = ep->ending();
+    bool stuck = ending && ep->close_posted() && !ep->close_done() && ep->jobs == 0 && now >= ep->close_by;
     if ((done || stuck) && ep->jobs == 0) {
       destroy_idle_keys(ep);  // normally none left: see close_endpoint()
       if (ending) {
@@ -343,7 +333,7 @@ void Engine::reap_endpoints() {
         confirm(ep, ep->unconfirmed);  // the record goes, and its count with it
         if (!done) ep_graveyard_.push_back(std::move(it->second));
         it = eps_.erase(it);
-        n_eps_ = eps_.size();
+        stats_.endpoints = eps_.size();
         continue;
       }
     }
