@@ -122,8 +122,8 @@ std::vector<akv::JobSpec> specs_from(const py::list& jobs) {
 
 // The exception types, each a Python class of its own (errors.hpp).
 void bind_errors(py::module_& m) {
-  // NativeError stays a RuntimeError and InvalidArgumentError a ValueError:
-  // that is what these failures were before they had types of their own.
+  // NativeError is a RuntimeError and InvalidArgumentError a ValueError:
+  // code that catches RuntimeError or ValueError catches them too.
   static py::exception<akv::Error> native_exc(m, "NativeError", PyExc_RuntimeError);
   static py::exception<akv::ClosedError> closed_exc(m, "EngineClosedError", native_exc);
   static py::exception<akv::InvalidArgument> invalid_exc(

@@ -44,9 +44,9 @@ uint64_t Engine::connect(const std::string& address, bool peer_errors) {
     fp.cb.send = &Engine::on_data_done;
     fp.user_data = this;
     ucs_status_ptr_t r = ucp_ep_flush_nbx(ep->handle, &fp);
-    // Done at once (nothing to wire up, or a UCX without the option: then as
-    // before) or failed: nothing to wait for; a failed endpoint fails its
-    // jobs itself.
+    // Done at once (nothing to wire up, or a UCX without the option: then
+    // nothing waits for the wireup) or failed: nothing to wait for; a failed
+    // endpoint fails its jobs itself.
     if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
       auto* ctx = static_cast<RequestCtx*>(r);
       ctx->kind = RequestCtx::kWireup;

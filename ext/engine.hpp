@@ -47,8 +47,8 @@ struct EngineConfig {
   // awake. Idle, it sleeps at once.
   std::chrono::microseconds spin{100};
   // Threads that run same-host direct copies, chunk by chunk: the progress
-  // thread and copy_lanes - 1 lane threads (1: the progress thread alone,
-  // as before lanes existed); 0: from the core count.
+  // thread and copy_lanes - 1 lane threads (1: the progress thread alone);
+  // 0: from the core count.
   unsigned copy_lanes = 0;
   // Liveness: the progress thread sends every linked endpoint (one with
   // notification keys) a keep-alive message this often, and records when
@@ -169,8 +169,8 @@ struct StatCounters {
 // Its definition is split by responsibility: engine.cpp (setup, stats,
 // close), progress.cpp (the loop), registry.cpp (regions and remote keys),
 // endpoints.cpp, jobs.cpp, flushes.cpp, job_cancel.cpp, notifications.cpp.
-// The command queue (command_queue.hpp) and the copy lanes (copy_lanes.hpp)
-// are classes of their own.
+// The command queue (command_queue.hpp), the copy lanes (copy_lanes.hpp)
+// and the progress thread (progress_thread.hpp) are classes of their own.
 class Engine {
  public:
   explicit Engine(EngineConfig cfg);
