@@ -87,12 +87,43 @@ struct PyEngine : Engine {
   std::unordered_map<uint64_t, py::object> keep;
 };
 
-PYBIND11_MODULE(_native, m) {
-  m.doc() = "aiokvcache native transfer engine (UCX)";
-  static_assert(sizeof(akv::SegmentIn) == 32, "segment rows are four uint64");
+namespace {
 
-  // NativeError stays a RuntimeError and InvalidArgumentError a ValueError:
-  // that is what these failures were before they had types of their own.
+// (op, ep_id, segments, payload, timeout_ms[, guard]) rows: one crossing.
+// guard: None or (rkey id, address, expected word[, strict]).
+std::vector<akv::JobSpec> specs_from(const py::list& jobs) {
+  std::vector<akv::JobSpec> specs;
+  specs.reserve(jobs.size());
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    auto row = jobs[i].cast<py::tuple>();
+    if (row.size() != 5 && row.size() != 6) {
+      throw akv::InvalidArgument("a job is (op, ep_id, segments, payload, timeout_ms[, guard])");
+    }
+    int op = row[0].cast<int>();
+    if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
+      throw akv::InvalidArgument("op must be OP_PUT or OP_GET");
+    }
+    akv::GuardIn guard{};
+    if (row.size() == 6 && !row[5].is_none()) {
+      auto g = row[5].cast<py::tuple>();
+      if (g.size() != 3 && g.size() != 4) {
+        throw akv::InvalidArgument("a guard is (rkey id, address, expected word[, strict])");
+      }
+      guard = akv::GuardIn{g[0].cast<uint64_t>(), g[1].cast<uint64_t>(), g[2].cast<uint64_t>(),
+                           g.size() == 4 && g[3].cast<bool>()};
+      if (guard.rkey_id == 0) throw akv::InvalidArgument("a guard's rkey id must not be 0");
+    }
+    specs.push_back(akv::JobSpec{static_cast<akv::Op>(op), row[1].cast<uint64_t>(),
+                                 segments_from(row[2].cast<py::buffer>()),
+                                 row[3].cast<std::string>(), row[4].cast<uint64_t>(), guard});
+  }
+  return specs;
+}
+
+// The exception types, each a Python class of its own (errors.hpp).
+void bind_errors(py::module_& m) {
+  // NativeError is a RuntimeError and InvalidArgumentError a ValueError:
+  // code that catches RuntimeError or ValueError catches them too.
   static py::exception<akv::Error> native_exc(m, "NativeError", PyExc_RuntimeError);
   static py::exception<akv::ClosedError> closed_exc(m, "EngineClosedError", native_exc);
   static py::exception<akv::InvalidArgument> invalid_exc(
@@ -118,7 +149,10 @@ PYBIND11_MODULE(_native, m) {
       py::set_error(native_exc, e.what());
     }
   });
+}
 
+// Constants Python reads: ops, entry kinds, statuses (status.def), limits.
+void bind_constants(py::module_& m) {
   m.attr("OP_PUT") = static_cast<int>(akv::Op::kPut);
   m.attr("OP_GET") = static_cast<int>(akv::Op::kGet);
   m.attr("KIND_JOB") = static_cast<int>(akv::EntryKind::kJob);
@@ -139,7 +173,10 @@ PYBIND11_MODULE(_native, m) {
   m.attr("INLINE_NO") = akv::Engine::kInlineNo;
   m.attr("INLINE_RETIRED") = akv::Engine::kInlineRetired;
   m.attr("MAX_QUEUED_NOTES") = akv::Engine::kMaxQueuedNotes;
+}
 
+// Module functions: UCX's log and version, buffers over raw memory.
+void bind_functions(py::module_& m) {
   akv::ucx_log_install();
   m.def("ucx_log_pending", &akv::ucx_log_pending);
   m.def("ucx_log_take", []() {
@@ -169,8 +206,11 @@ PYBIND11_MODULE(_native, m) {
         return py::memoryview::from_memory(reinterpret_cast<void*>(addr), static_cast<ssize_t>(len), readonly);
       },
       py::arg("address"), py::arg("length"), py::arg("readonly") = false);
+}
 
-  py::class_<PyEngine>(m, "Engine")
+// Engine: construction and what it reports about itself.
+void bind_engine_setup(py::class_<PyEngine>& cls) {
+  cls
       .def(py::init([](const std::string& transport, uint64_t max_inflight_bytes, uint64_t chunk_bytes,
                        const std::map<std::string, std::string>& ucx_options, bool direct_copy,
                        uint64_t max_unconfirmed_bytes, unsigned copy_lanes, uint64_t progress_spin_us,
@@ -202,7 +242,12 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("closed", &Engine::closed)
       .def_property_readonly("closing", &Engine::closing)
       .def("info", &Engine::info, py::call_guard<py::gil_scoped_release>())
-      .def("ucx_config", &Engine::ucx_config)
+      .def("ucx_config", &Engine::ucx_config);
+}
+
+// Engine: memory regions.
+void bind_engine_memory(py::class_<PyEngine>& cls) {
+  cls
       .def("mem_alloc", &Engine::mem_alloc, py::arg("length"), py::call_guard<py::gil_scoped_release>())
       .def("mem_register", &Engine::mem_register, py::arg("address"), py::arg("length"),
            py::call_guard<py::gil_scoped_release>())
@@ -250,7 +295,12 @@ PYBIND11_MODULE(_native, m) {
             }
             return py::bytes(s);
           },
-          py::arg("region_id"))
+          py::arg("region_id"));
+}
+
+// Engine: endpoints, liveness and remote keys.
+void bind_engine_links(py::class_<PyEngine>& cls) {
+  cls
       .def(
           "connect",
           [](PyEngine& e, const py::bytes& addr, bool peer_errors) {
@@ -283,7 +333,12 @@ PYBIND11_MODULE(_native, m) {
             return e.rkey_unpack(ep, p, base, len);
           },
           py::arg("ep_id"), py::arg("packed"), py::arg("base"), py::arg("length"))
-      .def("rkey_release", &Engine::rkey_release, py::arg("rkey_id"), py::call_guard<py::gil_scoped_release>())
+      .def("rkey_release", &Engine::rkey_release, py::arg("rkey_id"), py::call_guard<py::gil_scoped_release>());
+}
+
+// Engine: submitting jobs.
+void bind_engine_jobs(py::class_<PyEngine>& cls) {
+  cls
       .def(
           "submit",
           [](PyEngine& e, int op, uint64_t ep, const py::buffer& segs, const py::bytes& payload, uint64_t timeout_ms) {
@@ -299,36 +354,9 @@ PYBIND11_MODULE(_native, m) {
       .def(
           "submit_many",
           [](PyEngine& e, const py::list& jobs) {
-            // (op, ep_id, segments, payload, timeout_ms[, guard]) rows: one
-            // crossing. guard: None or (rkey id, address, expected word).
-            std::vector<akv::JobSpec> specs;
-            specs.reserve(jobs.size());
-            for (size_t i = 0; i < jobs.size(); ++i) {
-              auto row = jobs[i].cast<py::tuple>();
-              if (row.size() != 5 && row.size() != 6) {
-                throw akv::InvalidArgument("a job is (op, ep_id, segments, payload, timeout_ms[, guard])");
-              }
-              int op = row[0].cast<int>();
-              if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
-                throw akv::InvalidArgument("op must be OP_PUT or OP_GET");
-              }
-              akv::GuardIn guard{};
-              if (row.size() == 6 && !row[5].is_none()) {
-                auto g = row[5].cast<py::tuple>();
-                if (g.size() != 3 && g.size() != 4) {
-                  throw akv::InvalidArgument("a guard is (rkey id, address, expected word[, strict])");
-                }
-                guard = akv::GuardIn{g[0].cast<uint64_t>(), g[1].cast<uint64_t>(), g[2].cast<uint64_t>(),
-                                     g.size() == 4 && g[3].cast<bool>()};
-                if (guard.rkey_id == 0) throw akv::InvalidArgument("a guard's rkey id must not be 0");
-              }
-              specs.push_back(akv::JobSpec{static_cast<akv::Op>(op), row[1].cast<uint64_t>(),
-                                           segments_from(row[2].cast<py::buffer>()),
-                                           row[3].cast<std::string>(), row[4].cast<uint64_t>(), guard});
-            }
             // The GIL stays held: this never blocks (a short lock), and a
             // release would let the service thread in for a context switch.
-            return e.submit_many(std::move(specs));
+            return e.submit_many(specs_from(jobs));
           },
           py::arg("jobs"))
       .def(
@@ -350,7 +378,12 @@ PYBIND11_MODULE(_native, m) {
             }
             return e.copy_inline(static_cast<akv::Op>(op), ep, jobs, max_bytes, g);
           },
-          py::arg("op"), py::arg("ep_id"), py::arg("tables"), py::arg("max_bytes"), py::arg("guard") = py::none())
+          py::arg("op"), py::arg("ep_id"), py::arg("tables"), py::arg("max_bytes"), py::arg("guard") = py::none());
+}
+
+// Engine: cancellation, waiting for release, completions, stats and close.
+void bind_engine_completions(py::class_<PyEngine>& cls) {
+  cls
       .def("cancel", &Engine::cancel, py::arg("job_id"))
       .def(
           "cancel_many", [](PyEngine& e, const py::handle& ids) { e.cancel_many(job_ids_from(ids)); },
@@ -381,24 +414,9 @@ PYBIND11_MODULE(_native, m) {
            [](const PyEngine& e) {
              akv::EngineStats s = e.stats();
              py::dict d;
-             d["live_jobs"] = s.live_jobs;
-             d["jobs_submitted"] = s.jobs_submitted;
-             d["jobs_completed"] = s.jobs_completed;
-             d["jobs_failed"] = s.jobs_failed;
-             d["bytes_put"] = s.bytes_put;
-             d["bytes_get"] = s.bytes_get;
-             d["notifications_sent"] = s.notifications_sent;
-             d["notifications_received"] = s.notifications_received;
-             d["endpoints"] = s.endpoints;
-             d["endpoint_errors"] = s.endpoint_errors;
-             d["regions"] = s.regions;
-             d["inflight_bytes"] = s.inflight_bytes;
-             d["bytes_direct"] = s.bytes_direct;
-             d["unconfirmed_bytes"] = s.unconfirmed_bytes;
-             d["inline_copies"] = s.inline_copies;
-             d["notifications_dropped"] = s.notifications_dropped;
-             d["copy_faults"] = s.copy_faults;
-             d["quarantined_bytes"] = s.quarantined_bytes;
+#define AKV_STAT(name, doc) d[#name] = s.name;
+#include "stats.def"
+#undef AKV_STAT
              return d;
            })
       .def(
@@ -412,4 +430,20 @@ PYBIND11_MODULE(_native, m) {
             // more, so the exports held for them go now, not with the object.
             if (e.closed()) e.keep.clear();
           });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+  m.doc() = "aiokvcache native transfer engine (UCX)";
+  static_assert(sizeof(akv::SegmentIn) == 32, "segment rows are four uint64");
+  bind_errors(m);
+  bind_constants(m);
+  bind_functions(m);
+  py::class_<PyEngine> cls(m, "Engine");
+  bind_engine_setup(cls);
+  bind_engine_memory(cls);
+  bind_engine_links(cls);
+  bind_engine_jobs(cls);
+  bind_engine_completions(cls);
 }

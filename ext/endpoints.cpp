@@ -1,147 +1,11 @@
 // Endpoints to peers: connecting, and every way one ends (disconnect, a
 // local or UCX-reported failure, a forced close).
-#include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <string>
 #include <vector>
 
 #include "engine_internal.hpp"
 
 namespace akv {
-
-namespace {
-
-// A worker address crosses the control plane, so a peer (or a corrupted
-// frame) chooses its bytes. ucp_ep_create takes no length: UCX parses the
-// address without bounds, asserts (aborting the process) on a header version
-// it does not know, and walks off the end of a truncated or re-lengthed one.
-// So the address is walked here first, with bounds, in the layout this UCX
-// produces (src/ucp/wireup/address.c, non-unified mode, v1 and v2), and the
-// walk is calibrated on our own address: if it cannot walk that exactly, only
-// the header is checked.
-constexpr size_t kMaxWorkerAddress = 64 * 1024;
-constexpr uint8_t kAddrVersionMask = 0x0f;  // low nibble of byte 0
-constexpr uint8_t kAddrV1 = 0;              // v1: header flags in the high nibble
-constexpr uint8_t kAddrKnownFlags = 0x0f;   // DEBUG_INFO | WORKER_UUID | CLIENT_ID | AM_ONLY
-constexpr uint8_t kFlagDebugInfo = 0x01, kFlagUuid = 0x02, kFlagClientId = 0x04;
-constexpr uint8_t kNullResource = 0xff;
-constexpr uint8_t kLast = 0x80, kHasEpOrPaths = 0x40, kSysDevice = 0x20, kMdEmpty = 0x80;
-// UCT reads device and interface addresses by their own structure, not by
-// the length the address gives: a copy padded with zeros keeps a short one
-// from reading past the buffer.
-constexpr size_t kAddressPad = 256;
-
-struct Reader {
-  const uint8_t* p;
-  size_t n, at = 0;
-  bool ok = true;
-  uint8_t u8() {
-    if (at >= n) {
-      ok = false;
-      return 0;
-    }
-    return p[at++];
-  }
-  void skip(size_t k) {
-    if (k > n - std::min(at, n)) {
-      ok = false;
-      at = n;
-    } else {
-      at += k;
-    }
-  }
-  uint8_t extended(uint8_t b, uint8_t mask, bool v2) {
-    uint8_t v = b & mask;
-    return (v2 && v == mask) ? u8() : v;
-  }
-};
-
-// Bytes after the device list, or npos when the walk fails. attr_extra: the
-// resource-index byte some pack flags add after each interface's attributes.
-size_t walk_devices(Reader r, bool v2, size_t attr_extra) {
-  const size_t attr_len = (v2 ? 8 : 16) + attr_extra;
-  if (r.at < r.n && r.p[r.at] == kNullResource) return r.n - r.at - 1;
-  for (int dev = 0; dev < 256 && r.ok; ++dev) {
-    uint8_t md = r.u8();
-    bool empty = (md & kMdEmpty) != 0;
-    uint8_t md_index = r.extended(md, 0x7f, v2);
-    uint8_t lenb = r.u8();
-    bool last_dev = (lenb & kLast) != 0;
-    uint8_t dev_len = r.extended(lenb, 0x1f, v2);
-    if ((lenb & kHasEpOrPaths) != 0) r.u8();  // number of paths
-    if ((lenb & kSysDevice) != 0) r.u8();     // system device
-    r.skip(dev_len);
-    // md indices name bits of 64-bit maps.
-    if (!empty && md_index >= 64) return std::string::npos;
-    bool last_tl = empty;
-    for (int tl = 0; !last_tl && tl < 256 && r.ok; ++tl) {
-      r.skip(2);  // transport name checksum
-      if (!v2 && r.ok && r.n - r.at >= 12) {
-        float f[3];
-        std::memcpy(f, r.p + r.at, sizeof(f));  // overhead, bandwidth, latency
-        for (float x : f) {
-          if (!std::isfinite(x)) return std::string::npos;
-        }
-      }
-      r.skip(attr_len);
-      uint8_t tlb = r.u8();
-      last_tl = (tlb & kLast) != 0;
-      bool has_ep = (tlb & kHasEpOrPaths) != 0;
-      r.skip(r.extended(tlb, 0x3f, v2));
-      for (int e = 0; has_ep && e < 64 && r.ok; ++e) {
-        r.skip(r.u8());
-        has_ep = (r.u8() & kLast) == 0;
-      }
-      if (has_ep) return std::string::npos;
-    }
-    if (!last_tl) return std::string::npos;
-    if (last_dev) return r.ok ? r.n - r.at : std::string::npos;
-  }
-  return std::string::npos;
-}
-
-// Where the device list starts, or npos.
-size_t header_end(const std::string& a) {
-  Reader r{reinterpret_cast<const uint8_t*>(a.data()), a.size()};
-  uint8_t h = r.u8();
-  bool v2 = (h & kAddrVersionMask) != kAddrV1;
-  uint8_t flags = v2 ? r.u8() : static_cast<uint8_t>(h >> 4);
-  if ((flags & ~kAddrKnownFlags) != 0) return std::string::npos;
-  if (!v2 || (flags & kFlagUuid) != 0) r.skip(8);
-  if ((flags & kFlagClientId) != 0) r.skip(8);
-  if ((flags & kFlagDebugInfo) != 0) r.skip(r.u8());
-  return r.ok && r.at < r.n ? r.at : std::string::npos;
-}
-
-void check_worker_address(const std::string& a, const std::string& ours) {
-  if (a.empty()) throw InvalidArgument("worker address is empty");
-  if (a.size() > kMaxWorkerAddress) throw InvalidArgument("worker address is too long");
-  uint8_t version = static_cast<uint8_t>(a[0]) & kAddrVersionMask;
-  if (ours.empty() || version != (static_cast<uint8_t>(ours[0]) & kAddrVersionMask)) {
-    throw InvalidArgument("worker address has a header version this UCX does not produce");
-  }
-  size_t at = header_end(a);
-  if (at == std::string::npos) throw InvalidArgument("worker address is truncated or has unknown header flags");
-  bool v2 = version != kAddrV1;
-  // Calibrate on our own address: the layout that walks it to its last byte.
-  size_t ours_at = header_end(ours);
-  for (size_t extra : {0, 1}) {
-    if (ours_at == std::string::npos) break;
-    Reader self{reinterpret_cast<const uint8_t*>(ours.data()), ours.size(), ours_at};
-    if (walk_devices(self, v2, extra) != 0) continue;
-    Reader peer{reinterpret_cast<const uint8_t*>(a.data()), a.size(), at};
-    // Exactly to the end, as UCX packs it: a length byte changed (say an
-    // interface address's length made 0, which UCT then reads as a null
-    // pointer) leaves the walk short of the end or past it.
-    if (walk_devices(peer, v2, extra) != 0) {
-      throw InvalidArgument("worker address is malformed (its device list does not parse)");
-    }
-    return;
-  }
-}
-
-}  // namespace
 
 // ---------------------------------------------------------------- API side
 
@@ -162,7 +26,7 @@ uint64_t Engine::connect(const std::string& address, bool peer_errors) {
     p.err_mode = peer_errors ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     p.err_handler.cb = &Engine::on_ep_error;
     p.err_handler.arg = ep.get();
-    ucs_status_t st = ucp_ep_create(worker_, &p, &ep->handle);
+    ucs_status_t st = ucp_ep_create(worker_.get(), &p, &ep->handle);
     if (st != UCS_OK) throw UcxFailure("ucp_ep_create", st);
     // Nothing goes on the wire before the wireup handshake is done. The peer
     // creates its endpoint to us when our wireup request arrives, and UCX's
@@ -180,9 +44,9 @@ uint64_t Engine::connect(const std::string& address, bool peer_errors) {
     fp.cb.send = &Engine::on_data_done;
     fp.user_data = this;
     ucs_status_ptr_t r = ucp_ep_flush_nbx(ep->handle, &fp);
-    // Done at once (nothing to wire up, or a UCX without the option: then as
-    // before) or failed: nothing to wait for; a failed endpoint fails its
-    // jobs itself.
+    // Done at once (nothing to wire up, or a UCX without the option: then
+    // nothing waits for the wireup) or failed: nothing to wait for; a failed
+    // endpoint fails its jobs itself.
     if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
       auto* ctx = static_cast<RequestCtx*>(r);
       ctx->kind = RequestCtx::kWireup;
@@ -194,7 +58,7 @@ uint64_t Engine::connect(const std::string& address, bool peer_errors) {
     }
     uint64_t id = ep->id;
     eps_[id] = std::move(ep);
-    n_eps_ = eps_.size();
+    stats_.endpoints = eps_.size();
     return id;
   });
 }
@@ -274,7 +138,7 @@ void Engine::send_keepalives() {
     // Linked (keyed) and not ending; one at a time, so a frozen peer never
     // grows our send queue. Not before the wireup is done: nothing goes on
     // the wire before (see connect()).
-    if (ep->note_header.empty() || ep->closing || ep->broken || ep->close_posted || ep->handle == nullptr) {
+    if (ep->note_header.empty() || ep->closing || ep->broken || ep->close_posted() || ep->handle == nullptr) {
       ep->ping_due = ep->ask_echo = false;
       continue;
     }
@@ -317,7 +181,7 @@ void Engine::fail_endpoint(uint64_t ep_id) {
 
 bool Engine::endpoint_closed(uint64_t ep_id) {
   if (closed_.load()) return true;    // close() finished: every endpoint is gone
-  if (closing_.load()) return false;  // close() is still draining them
+  if (commands_.closed()) return false;  // close() is still draining them
   try {
     return endpoint_closed_now(ep_id);
   } catch (const ClosedError&) {
@@ -327,13 +191,13 @@ bool Engine::endpoint_closed(uint64_t ep_id) {
 
 bool Engine::endpoint_unproven(uint64_t ep_id) {
   if (closed_.load()) return false;
-  if (closing_.load()) return true;  // close() is still draining it
+  if (commands_.closed()) return true;  // close() is still draining it
   try {
     return call<bool>([this, ep_id]() {
       auto it = eps_.find(ep_id);
-      if (it != eps_.end()) return it->second->unproven && !it->second->close_done;
+      if (it != eps_.end()) return it->second->unproven && !it->second->close_done();
       for (const auto& ep : ep_graveyard_) {
-        if (ep->id == ep_id) return ep->unproven && !ep->close_done;
+        if (ep->id == ep_id) return ep->unproven && !ep->close_done();
       }
       return false;
     });
@@ -348,9 +212,9 @@ bool Engine::endpoint_closed_now(uint64_t ep_id) {
     // on it. A record retired while its close was stuck (a frozen peer) is
     // not closed until that close completes, however long it takes.
     auto it = eps_.find(ep_id);
-    if (it != eps_.end()) return it->second->close_posted && it->second->close_done;
+    if (it != eps_.end()) return it->second->close_done();
     for (const auto& ep : ep_graveyard_) {
-      if (ep->id == ep_id) return ep->close_done;
+      if (ep->id == ep_id) return ep->close_done();
     }
     return true;
   });
@@ -387,7 +251,7 @@ void Engine::endpoint_failed(Endpoint* ep, ucs_status_t st) {
   ep->broken = true;
   forget_inline_ep(ep->id);  // its transfers fail on the job path from now
   if (ep->ucs_status == 0) ep->ucs_status = st;
-  ep_errors_.fetch_add(1);
+  stats_.endpoint_errors.fetch_add(1);
   for (auto& kv : jobs_) {
     Job* j = kv.second.get();
     if (j->ep == ep) {
@@ -399,16 +263,10 @@ void Engine::endpoint_failed(Endpoint* ep, ucs_status_t st) {
 }
 
 void Engine::close_endpoint(Endpoint* ep, bool force) {
-  if (ep->close_posted || ep->handle == nullptr) return;
+  if (ep->close_posted() || ep->handle == nullptr) return;
   forget_inline_ep(ep->id);
-  ep->close_posted = true;
-  auto now = std::chrono::steady_clock::now();
-  ep->close_by = now + kCancelGrace;
-  if (force) {
-    any_forced_ = true;
-    ep->forced = true;
-    ep->forced_at = now;
-  }
+  ep->begin_close(std::chrono::steady_clock::now(), kCancelGrace, force);
+  if (force) any_forced_ = true;
   // Keys go before their endpoint, once no request uses them. Those that
   // requests still name go as those requests complete (op_done) or, for a
   // forced close, right after it purged them (below).
@@ -424,8 +282,7 @@ void Engine::close_endpoint(Endpoint* ep, bool force) {
   p.flags = hard ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t r = ucp_ep_close_nbx(ep->handle, &p);
   if (r == nullptr || UCS_PTR_IS_ERR(r)) {
-    ep->handle = nullptr;
-    ep->close_done = true;
+    ep->close_finished();
   } else {
     auto* ctx = static_cast<RequestCtx*>(r);
     ctx->kind = RequestCtx::kClose;
@@ -453,11 +310,11 @@ void Engine::reap_endpoints() {
   auto now = std::chrono::steady_clock::now();
   for (auto it = eps_.begin(); it != eps_.end();) {
     Endpoint* ep = it->second.get();
-    if ((ep->closing || ep->broken) && !ep->close_posted) {
+    if (ep->ending() && !ep->close_posted()) {
       bool forced = ep->broken && now >= ep->force_after;
       if (ep->jobs == 0 || forced) close_endpoint(ep, ep->broken);
     }
-    bool done = ep->close_posted && ep->close_done;
+    bool done = ep->close_done();
     // A disconnect whose close a frozen peer never lets complete (its flush
     // waits for the peer) must not keep the record forever. No job uses the
     // endpoint any more, and UCX offers no second, forced close of an
@@ -465,8 +322,8 @@ void Engine::reap_endpoints() {
     // whose callback names it, keeps it allocated until the worker goes.
     // A broken endpoint goes like a disconnected one: Python may keep its
     // link (a peer that force-unlinked us), but the record serves nothing.
-    bool ending = ep->closing || ep->broken;
-    bool stuck = ending && ep->close_posted && !ep->close_done && ep->jobs == 0 && now >= ep->close_by;
+    bool ending = ep->ending();
+    bool stuck = ending && ep->close_posted() && !ep->close_done() && ep->jobs == 0 && now >= ep->close_by;
     if ((done || stuck) && ep->jobs == 0) {
       destroy_idle_keys(ep);  // normally none left: see close_endpoint()
       if (ending) {
@@ -476,7 +333,7 @@ void Engine::reap_endpoints() {
         confirm(ep, ep->unconfirmed);  // the record goes, and its count with it
         if (!done) ep_graveyard_.push_back(std::move(it->second));
         it = eps_.erase(it);
-        n_eps_ = eps_.size();
+        stats_.endpoints = eps_.size();
         continue;
       }
     }

@@ -1,8 +1,6 @@
 // The engine's life: UCX context and worker setup, introspection, and
 // close(), which drains the progress thread and tears everything down.
 #include <sys/epoll.h>
-#include <sys/eventfd.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -40,11 +38,23 @@ std::string capture(const std::function<void(FILE*)>& fn) {
 Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   if (cfg_.max_inflight_bytes == 0) throw InvalidArgument("max_inflight_bytes must be > 0");
   if (cfg_.chunk_bytes == 0) throw InvalidArgument("chunk_bytes must be > 0");
+  init_context(read_config());
+  init_worker();
+  init_wakeup();
+  // Copies through peers' mappings survive a peer that shrinks its segment.
+  install_fault_guard();
+  start_threads();
+}
+
+// The context's configuration: UCX's defaults and environment, the
+// transport, our defaults, the caller's ucx_options.
+UcxConfig Engine::read_config() {
   const char* tls = transport_list(cfg_.transport);
 
-  ucp_config_t* config = nullptr;
-  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  UcxConfig owned_config;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, owned_config.out());
   if (st != UCS_OK) throw UcxFailure("ucp_config_read", st);
+  ucp_config_t* config = owned_config.get();
   // Transport choice lives in this context's config, not the process env, so
   // several engines in one process can differ.
   if (tls != nullptr) st = ucp_config_modify(config, "TLS", tls);
@@ -83,11 +93,12 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
     if (st != UCS_OK && optional) st = UCS_OK;
     if (st != UCS_OK) bad = name;
   }
-  if (st != UCS_OK) {
-    ucp_config_release(config);
-    throw InvalidArgument("bad UCX option " + bad + ": " + ucs_status_string(st));
-  }
+  if (st != UCS_OK) throw InvalidArgument("bad UCX option " + bad + ": " + ucs_status_string(st));
+  return owned_config;
+}
 
+void Engine::init_context(UcxConfig owned_config) {
+  ucp_config_t* config = owned_config.get();
   config_text_ = capture([config](FILE* f) { ucp_config_print(config, f, "", UCS_CONFIG_PRINT_CONFIG); });
 
   ucp_params_t params{};
@@ -96,8 +107,8 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   params.request_size = sizeof(RequestCtx);
   params.mt_workers_shared = 0;
-  st = ucp_init(&params, config, &context_);
-  ucp_config_release(config);
+  ucs_status_t st = ucp_init(&params, config, context_.out());
+  owned_config.reset();
   if (st != UCS_OK) {
     throw UcxFailure("ucp_init (transport " + cfg_.transport + ")", st);
   }
@@ -105,41 +116,32 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   if (cfg_.transport == "rdma") {
     // UCX falls back to what it has (and only warns); an "rdma" engine
     // without a verbs transport would silently be useless.
-    std::string resources = capture([this](FILE* f) { ucp_context_print_info(context_, f); });
+    std::string resources = capture([this](FILE* f) { ucp_context_print_info(context_.get(), f); });
     bool verbs = resources.find("/rc_") != std::string::npos || resources.find("/ud_") != std::string::npos ||
                  resources.find("/dc_") != std::string::npos || resources.find("rc_verbs") != std::string::npos ||
                  resources.find("ud_verbs") != std::string::npos;
     if (!verbs) {
-      ucp_cleanup(context_);
       throw Error(
           "no RDMA (verbs) transport in this UCX; set RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true to use a "
           "system UCX built with verbs");
     }
   }
+}
 
+// The worker, its address, and the handlers of our active messages.
+void Engine::init_worker() {
   ucp_worker_params_t wp{};
   wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
   wp.thread_mode = UCS_THREAD_MODE_SINGLE;
-  st = ucp_worker_create(context_, &wp, &worker_);
-  if (st != UCS_OK) {
-    ucp_cleanup(context_);
-    throw UcxFailure("ucp_worker_create", st);
-  }
-
-  auto fail = [&](const auto& error) {
-    if (cmd_efd_ >= 0) ::close(cmd_efd_);
-    if (epfd_ >= 0) ::close(epfd_);
-    ucp_worker_destroy(worker_);
-    ucp_cleanup(context_);
-    throw error;
-  };
+  ucs_status_t st = ucp_worker_create(context_.get(), &wp, worker_.out());
+  if (st != UCS_OK) throw UcxFailure("ucp_worker_create", st);
 
   ucp_worker_attr_t attr{};
   attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
-  st = ucp_worker_query(worker_, &attr);
-  if (st != UCS_OK) fail(UcxFailure("ucp_worker_query", st));
+  st = ucp_worker_query(worker_.get(), &attr);
+  if (st != UCS_OK) throw UcxFailure("ucp_worker_query", st);
   worker_address_.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
-  ucp_worker_release_address(worker_, attr.address);
+  ucp_worker_release_address(worker_.get(), attr.address);
 
   ucp_am_handler_param_t am{};
   am.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
@@ -148,39 +150,44 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   am.cb = &Engine::on_am;
   am.arg = this;
   am.flags = UCP_AM_FLAG_WHOLE_MSG;
-  st = ucp_worker_set_am_recv_handler(worker_, &am);
-  if (st != UCS_OK) fail(UcxFailure("ucp_worker_set_am_recv_handler", st));
+  st = ucp_worker_set_am_recv_handler(worker_.get(), &am);
+  if (st != UCS_OK) throw UcxFailure("ucp_worker_set_am_recv_handler", st);
   am.id = kKeepaliveAmId;
   am.cb = &Engine::on_keepalive;
-  st = ucp_worker_set_am_recv_handler(worker_, &am);
-  if (st != UCS_OK) fail(UcxFailure("ucp_worker_set_am_recv_handler", st));
+  st = ucp_worker_set_am_recv_handler(worker_.get(), &am);
+  if (st != UCS_OK) throw UcxFailure("ucp_worker_set_am_recv_handler", st);
+}
 
-  st = ucp_worker_get_efd(worker_, &worker_efd_);
-  if (st != UCS_OK) fail(UcxFailure("ucp_worker_get_efd", st));
-  cmd_efd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  epfd_ = ::epoll_create1(EPOLL_CLOEXEC);
-  if (cmd_efd_ < 0 || epfd_ < 0) fail(Error("eventfd/epoll_create1 failed"));
-  for (int fd : {worker_efd_, cmd_efd_}) {
+// What the progress thread sleeps on: the worker's wake-ups and commands.
+void Engine::init_wakeup() {
+  ucs_status_t st = ucp_worker_get_efd(worker_.get(), &worker_efd_);
+  if (st != UCS_OK) throw UcxFailure("ucp_worker_get_efd", st);
+  epfd_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
+  if (epfd_.get() < 0) throw Error("eventfd/epoll_create1 failed");
+  for (int fd : {worker_efd_, commands_.fd()}) {
     epoll_event ev{};
     ev.events = EPOLLIN;
     ev.data.fd = fd;
-    if (::epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &ev) != 0) fail(Error("epoll_ctl failed"));
+    if (::epoll_ctl(epfd_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) throw Error("epoll_ctl failed");
   }
-  // Copies through peers' mappings survive a peer that shrinks its segment.
-  install_fault_guard();
+}
+
+void Engine::start_threads() {
   if (cfg_.copy_lanes == 0) {
     unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     cfg_.copy_lanes = std::clamp(cores / 2, 1u, 8u);
   }
   // The progress thread is the first lane; the others are lane threads.
-  for (unsigned i = 1; i < cfg_.copy_lanes; ++i) lanes_.emplace_back(&Engine::lane_main, this);
-  thread_ = std::thread(&Engine::run, this);
+  lanes_.start(cfg_.copy_lanes - 1, [this] {
+    commands_.wake_if_sleeping();
+  });
+  progress_.start([this] { run(); });
 }
 
 Engine::~Engine() { close(); }
 
 void Engine::check_open() const {
-  if (closing_.load()) throw ClosedError();
+  if (commands_.closed()) throw ClosedError();
 }
 
 std::vector<Completion> Engine::counted(std::vector<Completion>&& items) {
@@ -192,20 +199,13 @@ std::vector<Completion> Engine::counted(std::vector<Completion>&& items) {
 
 // ---------------------------------------------------------------- API side
 
-EngineStats Engine::stats() const {
-  return EngineStats{live_jobs_.load(),      jobs_submitted_.load(), jobs_completed_.load(),
-                     jobs_failed_.load(),    bytes_put_.load(),      bytes_get_.load(),
-                     notes_sent_.load(),     notes_received_.load(), n_eps_.load(),
-                     ep_errors_.load(),      n_regions_.load(),      inflight_snapshot_.load(),
-                     bytes_direct_.load(),   unconfirmed_snapshot_.load(), inline_copies_.load(),
-                     notes_dropped_.load(),  copy_faults_.load(),    quarantined_bytes_.load()};
-}
+EngineStats Engine::stats() const { return stats_.snapshot(); }
 
 std::string Engine::info() {
   return call<std::string>([this]() {
     return capture([this](FILE* f) {
-      ucp_context_print_info(context_, f);
-      ucp_worker_print_info(worker_, f);
+      ucp_context_print_info(context_.get(), f);
+      ucp_worker_print_info(worker_.get(), f);
     });
   });
 }
@@ -213,20 +213,15 @@ std::string Engine::info() {
 void Engine::close() {
   {
     std::lock_guard<std::mutex> lk(close_mu_);
-    {
-      std::lock_guard<std::mutex> lk2(cmd_mu_);
-      if (closing_.load()) return;
-      closing_.store(true);
-    }
-    stop_.store(true);
-    wake();
-    if (thread_.joinable()) thread_.join();
-    stop_lanes();  // shutdown_all() did; a no-op then
+    if (!commands_.close()) return;
+    progress_.request_stop();
+    commands_.wake();
+    progress_.join();
+    lanes_.stop();  // shutdown_all() did; a no-op then
   }
-  ::close(epfd_);
-  ::close(cmd_efd_);
-  epfd_ = cmd_efd_ = -1;
-  ucp_worker_destroy(worker_);
+  epfd_.reset();
+  commands_.release_fd();
+  worker_.reset();
   {
     // shutdown_all() reported every job already; this only makes sure no
     // waiter outlives close(): with the worker gone nothing touches a buffer.
@@ -244,14 +239,11 @@ void Engine::close() {
   failed_eps_.clear();
   rkeys_.clear();
   eps_.clear();
-  for (auto& kv : regions_) unmap_region(context_, *kv.second);
-  regions_.clear();
-  n_regions_ = 0;
+  regions_.clear();  // unmaps them, quarantined ones included
+  stats_.regions = 0;
   n_quarantined_ = 0;
-  quarantined_bytes_ = 0;
-  ucp_cleanup(context_);
-  worker_ = nullptr;
-  context_ = nullptr;
+  stats_.quarantined_bytes = 0;
+  context_.reset();
   // Only now is the engine closed: until here the progress thread drained
   // and peers' bytes could still land in registered memory.
   closed_.store(true);
@@ -260,9 +252,9 @@ void Engine::close() {
 // ---------------------------------------------------------- progress thread
 
 void Engine::shutdown_all() {
-  run_commands();  // nothing can be queued after this: closing_ is set
+  commands_.run();  // nothing can be queued after this: the queue is closed
   {
-    // No copy_inline from here on (they also check closing_ first).
+    // No copy_inline from here on (they also check closing() first).
     std::lock_guard<std::mutex> lk(inline_mu_);
     inline_keys_.clear();
   }
@@ -276,7 +268,7 @@ void Engine::shutdown_all() {
     bool busy = step();
     bool eps_done = true;
     for (auto& kv : eps_) {
-      if (!kv.second->close_done && kv.second->handle != nullptr) eps_done = false;
+      if (!kv.second->close_done() && kv.second->handle != nullptr) eps_done = false;
     }
     if (jobs_.empty() && eps_done) break;
     auto now = std::chrono::steady_clock::now();
@@ -293,14 +285,21 @@ void Engine::shutdown_all() {
     }
     if (!busy) {
       epoll_event ev;
-      ::epoll_wait(epfd_, &ev, 1, 1);
+      ::epoll_wait(epfd_.get(), &ev, 1, 1);
     }
   }
   // No lane copies a byte past this point (before any key unmaps below).
-  stop_lanes();
+  lanes_.stop();
   // From here UCX callbacks only free their requests (see on_data_done);
   // objects they point at stay allocated until close() destroyed the worker.
   destroying_ = true;
+  release_leftovers();
+  stats_.endpoints = 0;
+}
+
+// What shutdown could not drain: jobs reported released anyway, keys
+// destroyed where UCX allows it.
+void Engine::release_leftovers() {
   bool clean = jobs_.empty();
   for (auto& kv : jobs_) {
     // Could not be drained: report it released anyway, so Python never
@@ -308,22 +307,21 @@ void Engine::shutdown_all() {
     Job* j = kv.second.get();
     if (j->phase == Phase::kDone) continue;
     j->phase = Phase::kDone;
-    jobs_failed_.fetch_add(1);
-    live_jobs_.fetch_sub(1);
+    stats_.jobs_failed.fetch_add(1);
+    stats_.live_jobs.fetch_sub(1);
     push_job_completion(
         Completion{EntryKind::kJob, j->id, Status::kENGINE_CLOSED, j->ucs_status, j->bytes_done, {}});
   }
   for (auto& kv : rkeys_) {
     RemoteKey* rk = kv.second.get();
     auto eit = eps_.find(rk->ep_id);
-    bool ep_gone = eit == eps_.end() || eit->second->close_done || eit->second->handle == nullptr;
+    bool ep_gone = eit == eps_.end() || eit->second->close_done() || eit->second->handle == nullptr;
     // A key whose endpoint still has operations outstanding is leaked: UCX
     // wants keys destroyed only after their operations.
     if (clean || ep_gone) release_key_handle(rk);  // a pinned key stays: see RemoteKey
-    rk->handle = nullptr;
+    (void)rk->handle.release();  // one still held here is never destroyed: see above
     rk->mapped = nullptr;
   }
-  n_eps_ = 0;
 }
 
 }  // namespace akv

@@ -22,9 +22,13 @@
 #include <utility>
 #include <vector>
 
+#include "command_queue.hpp"
 #include "completion_queue.hpp"
+#include "copy_lanes.hpp"
 #include "job.hpp"
 #include "memory.hpp"
+#include "progress_thread.hpp"
+#include "ucx_handles.hpp"
 
 namespace akv {
 
@@ -43,8 +47,8 @@ struct EngineConfig {
   // awake. Idle, it sleeps at once.
   std::chrono::microseconds spin{100};
   // Threads that run same-host direct copies, chunk by chunk: the progress
-  // thread and copy_lanes - 1 lane threads (1: the progress thread alone,
-  // as before lanes existed); 0: from the core count.
+  // thread and copy_lanes - 1 lane threads (1: the progress thread alone);
+  // 0: from the core count.
   unsigned copy_lanes = 0;
   // Liveness: the progress thread sends every linked endpoint (one with
   // notification keys) a keep-alive message this often, and records when
@@ -57,14 +61,42 @@ struct EngineConfig {
 
 class Engine;
 
+// Where an endpoint's transport close stands. Why it ends (Endpoint::closing,
+// Endpoint::broken) is separate: a disconnected endpoint may fail too, and
+// either reason may come before or after the close is posted.
+enum class CloseState : uint8_t {
+  kOpen,    // no close posted
+  kPosted,  // ucp_ep_close_nbx posted; UCX has not finished it
+  kDone,    // UCX finished (or refused) the close: the handle is gone
+};
+
 struct Endpoint {
   uint64_t id = 0;
   Engine* owner = nullptr;
-  ucp_ep_h handle = nullptr;
-  bool broken = false;
+  ucp_ep_h handle = nullptr;  // null once close_done()
+  bool broken = false;   // failed (UCX-reported or local): closed with force
   bool closing = false;  // disconnect asked; closed once its jobs are done
-  bool close_posted = false;
-  bool close_done = false;
+  CloseState close_state = CloseState::kOpen;
+  bool close_posted() const { return close_state != CloseState::kOpen; }
+  bool close_done() const { return close_state == CloseState::kDone; }
+  bool ending() const { return closing || broken; }
+  // Its close is posted (force: a forced close, see `forced`); the record
+  // retires once it completes, or at close_by if a frozen peer stalls it.
+  void begin_close(std::chrono::steady_clock::time_point now, std::chrono::steady_clock::duration grace,
+                   bool force) {
+    close_state = CloseState::kPosted;
+    close_by = now + grace;
+    if (force) {
+      forced = true;
+      forced_at = now;
+    }
+  }
+  // UCX finished the close, or refused to post it: nothing more goes out or
+  // comes in on it.
+  void close_finished() {
+    handle = nullptr;
+    close_state = CloseState::kDone;
+  }
   bool flush_queued = false;       // in Engine::flush_eps_
   // Closed because it failed: with UCP_EP_CLOSE_FLAG_FORCE where UCX allows
   // it (err_handling), else with the flushing close that stands in for it.
@@ -112,30 +144,33 @@ struct Endpoint {
   std::chrono::steady_clock::time_point close_by{};
 };
 
+// A snapshot of the counters (stats.def).
 struct EngineStats {
-  uint64_t live_jobs;
-  uint64_t jobs_submitted;
-  uint64_t jobs_completed;
-  uint64_t jobs_failed;
-  uint64_t bytes_put;
-  uint64_t bytes_get;
-  uint64_t notifications_sent;
-  uint64_t notifications_received;
-  uint64_t endpoints;
-  uint64_t endpoint_errors;
-  uint64_t regions;
-  uint64_t inflight_bytes;
-  uint64_t bytes_direct;  // moved by memcpy into mapped shared memory
-  uint64_t unconfirmed_bytes;  // sum of the endpoints' unconfirmed bytes
-  uint64_t inline_copies;  // transfers copy_inline did on the caller's thread
-  uint64_t notifications_dropped;  // unattributed, or over the queue's cap
-  uint64_t copy_faults;  // direct copies a peer's vanished memory stopped (SIGBUS)
-  uint64_t quarantined_bytes;  // retired regions' address ranges held until close
+#define AKV_STAT(name, doc) uint64_t name;
+#include "stats.def"
+#undef AKV_STAT
+};
+
+// The counters behind EngineStats, read from any thread.
+struct StatCounters {
+#define AKV_STAT(name, doc) std::atomic<uint64_t> name{0};
+#include "stats.def"
+#undef AKV_STAT
+
+  EngineStats snapshot() const {
+    EngineStats s{};
+#define AKV_STAT(name, doc) s.name = name.load();
+#include "stats.def"
+#undef AKV_STAT
+    return s;
+  }
 };
 
 // Its definition is split by responsibility: engine.cpp (setup, stats,
-// close), progress.cpp (the loop and the command queue), registry.cpp
-// (regions and remote keys), endpoints.cpp, jobs.cpp.
+// close), progress.cpp (the loop), registry.cpp (regions and remote keys),
+// endpoints.cpp, jobs.cpp, flushes.cpp, job_cancel.cpp, notifications.cpp.
+// The command queue (command_queue.hpp), the copy lanes (copy_lanes.hpp)
+// and the progress thread (progress_thread.hpp) are classes of their own.
 class Engine {
  public:
   explicit Engine(EngineConfig cfg);
@@ -229,27 +264,30 @@ class Engine {
   void close();
   // True once close() has finished: the progress thread and the lanes are
   // joined and the worker is destroyed, so nothing moves a byte any more.
-  // (closing_ is set first, when close() begins: no command is taken then.)
+  // (closing() is true first, when close() begins: no command is taken then.)
   bool closed() const { return closed_.load(); }
-  bool closing() const { return closing_.load(); }
+  bool closing() const { return commands_.closed(); }
 
  private:
-  // Progress-thread side, except call(), post_command(), wake() and
-  // check_open(): callers' threads reach the progress thread through them.
+  // Progress-thread side, except call() and check_open(): callers' threads
+  // reach the progress thread through call() and commands_.
 
-  // The loop and the command queue (progress.cpp).
+  // The loop (progress.cpp).
   void run();
-  void run_commands();
   bool step();
   int wait_timeout_ms();
   // Runs fn on the progress thread and waits for its result.
   template <typename T>
   T call(std::function<T()> fn);
-  void post_command(std::function<void()> fn);
-  void wake();
 
-  // Lifecycle (engine.cpp).
+  // Lifecycle (engine.cpp): the constructor's steps, in order, then close().
+  UcxConfig read_config();
+  void init_context(UcxConfig config);
+  void init_worker();
+  void init_wakeup();
+  void start_threads();
   void shutdown_all();
+  void release_leftovers();
   // What drain() / take() hand out: notifications leave the queue's count.
   std::vector<Completion> counted(std::vector<Completion>&& items);
   void check_open() const;
@@ -270,8 +308,22 @@ class Engine {
 
   // Jobs (jobs.cpp).
   void admit(std::unique_ptr<Job> j);
+  void resolve_segments(Job* job);
+  void resolve_guard(Job* job);
   bool post_all();
+  // Posts a job's chunks while the windows let it: each goes to a copy lane
+  // (queue_lane_copy), is copied here (copy_chunk) or is posted to UCX
+  // (post_chunk); each of these returns false when the job must stop
+  // posting for now (window full, parked, failed).
   void post_job(Job* j);
+  struct Chunk {
+    uint8_t* local;
+    uint64_t remote;
+    uint64_t n;
+  };
+  bool queue_lane_copy(Job* j, const Segment& s, const Chunk& c);
+  bool copy_chunk(Job* j, const Segment& s, const Chunk& c);
+  bool post_chunk(Job* j, const Segment& s, const Chunk& c);
   void touch(Job* j);
   void process_touched();
   void advance(Job* j);
@@ -281,18 +333,21 @@ class Engine {
   // wait_released(), which must not return before the entry is drainable.
   void push_job_completion(Completion&& c);
   std::unique_ptr<Job> make_job(JobSpec&& spec);
+  // Flushes (flushes.cpp).
   bool post_flushes();
   void complete_flush(std::vector<Job*>* batch, ucs_status_t st);
-  // The confirmation window (jobs.cpp): a flush that confirms an endpoint's
+  // The confirmation window (flushes.cpp): a flush that confirms an endpoint's
   // put bytes, and the per-endpoint and total counts.
   void post_window_flush(Endpoint* ep);
   void add_unconfirmed(Endpoint* ep, uint64_t n);
   void confirm(Endpoint* ep, uint64_t n);
+  // Early ends (job_cancel.cpp).
   void check_deadlines();
   void cancel_job(Job* j, Status why);
   void check_stuck();
   void abandon(Job* j);
   static void on_data_done(void* request, ucs_status_t status, void* user_data);
+  // Active messages that arrive (notifications.cpp).
   static ucs_status_t on_am(void* arg, const void* header, size_t header_length, void* data,
                             size_t length, const ucp_am_recv_param_t* param);
   static ucs_status_t on_keepalive(void* arg, const void* header, size_t header_length, void* data,
@@ -306,6 +361,7 @@ class Engine {
   void op_done(RequestCtx* ctx, ucs_status_t status);
   // The retirement guard of a job (Job::guard): read or fetch the word.
   bool post_guard(Job* j);
+  void guard_done(Job* g, ucs_status_t st);
   // A direct copy through a peer's mapping hit SIGBUS (the peer shrank its
   // segment): the endpoint is failed, its keys no longer map.
   void copy_fault(Endpoint* ep);
@@ -319,32 +375,27 @@ class Engine {
   // The link a message's header (its key) names, or null; stamps its
   // endpoint heard. Progress thread only.
   const NoteKey* keyed(const void* header, size_t header_length);
-  std::atomic<uint64_t> notes_queued_{0}, notes_dropped_{0}, copy_faults_{0};
+  std::atomic<uint64_t> notes_queued_{0};
 
   // UCX and the loop's file descriptors (engine.cpp, progress.cpp).
   EngineConfig cfg_;
-  ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
+  // Declared in the order they are made: a constructor that throws unwinds
+  // them in reverse (the worker before its context); close() resets them
+  // in its own order.
+  UcxContext context_;
+  UcxWorker worker_;
   std::string worker_address_;
   std::string config_text_;
-  int worker_efd_ = -1;
-  int cmd_efd_ = -1;
-  int epfd_ = -1;
+  int worker_efd_ = -1;  // the worker's own
+  UniqueFd epfd_;
   CompletionQueue cq_;
 
-  // Command queue and lifecycle (progress.cpp, engine.cpp).
-  std::mutex cmd_mu_;
-  std::vector<std::function<void()>> commands_;
-  // Set while the progress thread is about to sleep or sleeps: only then
-  // does a command write the eventfd (one write per sleep).
-  std::atomic<bool> sleeping_{false};
-  std::atomic<bool> cmd_pending_{false};  // commands_ non-empty, read without the lock
+  // Command queue and lifecycle (engine.cpp).
+  CommandQueue commands_;
   std::chrono::steady_clock::time_point spin_until_{};  // progress thread: poll until then
   std::mutex close_mu_;
-  std::atomic<bool> closing_{false};  // close() began: no new command
   std::atomic<bool> closed_{false};   // close() finished
-  std::atomic<bool> stop_{false};
-  std::thread thread_;
+  ProgressThread progress_;  // runs run()
 
   // Owned by the progress thread after construction.
   // Jobs (jobs.cpp).
@@ -382,31 +433,17 @@ class Engine {
   std::unordered_map<uint64_t, InlineKey> inline_keys_;
   void forget_inline(uint64_t rkey_id);
   void forget_inline_ep(uint64_t ep_id);
-  std::atomic<uint64_t> inline_copies_{0};
-  // Copy lanes (jobs.cpp): chunks queued to lane threads, and what they did.
-  struct CopyTask {
-    uint8_t* dst;
-    const uint8_t* src;
-    uint64_t n;
-    Job* job;
-    bool copied;
-    bool faulted;  // SIGBUS: the peer's memory under the mapping went away
-  };
-  std::vector<std::thread> lanes_;
-  std::mutex lane_mu_;
-  std::condition_variable lane_cv_;
-  std::deque<CopyTask> lane_q_;
-  bool lanes_stop_ = false;
-  std::mutex lane_done_mu_;
-  std::vector<CopyTask> lane_done_;
-  std::atomic<bool> lane_done_pending_{false};
-  uint64_t lane_inflight_ = 0;  // progress thread only
-  void lane_main();
+  // A copy_inline hit SIGBUS (under inline_mu_): forget the endpoint's
+  // mapped keys, fail it on the progress thread, throw Error.
+  [[noreturn]] void inline_fault(uint64_t ep_id);
+  // Copy lanes: the lane threads, and the chunks queued to them
+  // (progress thread only). drain_lanes() (jobs.cpp) applies what they did.
+  CopyLanes lanes_;
+  uint64_t lane_inflight_ = 0;
   bool drain_lanes();
-  void stop_lanes();
   std::unordered_map<uint64_t, std::unique_ptr<Region>> regions_;
   uint64_t n_quarantined_ = 0;  // of regions_ (they stay there until close)
-  void count_regions();  // n_regions_: regions_ not quarantined
+  void count_regions();  // stats_.regions: regions_ not quarantined
   // Lifecycle (engine.cpp).
   bool destroying_ = false;  // after shutdown: callbacks only free requests
   uint64_t next_region_ = 1, next_ep_ = 1, next_rkey_ = 1;
@@ -417,16 +454,11 @@ class Engine {
   std::condition_variable live_cv_;
   std::unordered_set<uint64_t> live_ids_;
 
-  // Counters behind stats(), read from any thread.
   std::atomic<uint64_t> next_job_{1};
-  std::atomic<uint64_t> live_jobs_{0};
-  std::atomic<uint64_t> jobs_submitted_{0}, jobs_completed_{0}, jobs_failed_{0};
-  std::atomic<uint64_t> bytes_put_{0}, bytes_get_{0}, bytes_direct_{0};
-  uint64_t unconfirmed_ = 0;  // progress thread only; stats() reads the copy
-  std::atomic<uint64_t> unconfirmed_snapshot_{0};
-  std::atomic<uint64_t> notes_sent_{0}, notes_received_{0};
-  std::atomic<uint64_t> n_eps_{0}, ep_errors_{0}, n_regions_{0}, inflight_snapshot_{0};
-  std::atomic<uint64_t> quarantined_bytes_{0};
+  // inflight_bytes and unconfirmed_bytes copy inflight_bytes_ and
+  // unconfirmed_ (progress thread only); regions excludes n_quarantined_.
+  StatCounters stats_;
+  uint64_t unconfirmed_ = 0;  // progress thread only
 };
 
 }  // namespace akv

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "engine.hpp"
+#include "peer_input.hpp"
 
 namespace akv {
 
@@ -53,18 +54,29 @@ inline std::chrono::steady_clock::duration scaled_grace(std::chrono::millisecond
   return std::max(lo, std::min(hi, d));
 }
 
-// Whether segment ``s`` lies inside the remote region [base, base + len) of
-// its key, and its local range does not wrap: the check every path that
-// moves bytes through a key makes (admission, inline copies).
-inline bool segment_fits(const SegmentIn& s, uint64_t base, uint64_t len) {
-  return s.remote >= base && s.len <= len && s.remote - base <= len - s.len && s.local + s.len >= s.local;
+inline Status status_from_ucs(ucs_status_t st) {
+  switch (st) {
+    case UCS_OK:
+      return Status::kOK;
+    case UCS_ERR_CANCELED:
+      return Status::kCANCELLED;
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_REJECTED:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_IO_ERROR:
+      return Status::kLINK_FAILED;
+    default:
+      return Status::kERROR;
+  }
 }
 
 template <typename T>
 T Engine::call(std::function<T()> fn) {
   auto prom = std::make_shared<std::promise<T>>();
   auto fut = prom->get_future();
-  post_command([prom, fn = std::move(fn)]() {
+  commands_.post([prom, fn = std::move(fn)]() {
     try {
       if constexpr (std::is_void_v<T>) {
         fn();

@@ -10,8 +10,9 @@
 
 namespace akv {
 
-// Python: NativeError (a RuntimeError, which every engine failure used to
-// be); thrown as itself for failures that fit none of the types below.
+// Python: NativeError (a RuntimeError, so that code catching RuntimeError
+// catches every engine failure); thrown as itself for failures that fit none
+// of the types below.
 class Error : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -24,7 +25,7 @@ class ClosedError : public Error {
 };
 
 // The caller's mistake (unknown id, bad argument); retrying cannot help.
-// Python: InvalidArgumentError, also a ValueError as these always were.
+// Python: InvalidArgumentError, also a ValueError (a caller's bad value).
 class InvalidArgument : public Error {
  public:
   using Error::Error;

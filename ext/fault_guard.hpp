@@ -8,7 +8,7 @@
 // mapping runs under this guard: a SIGBUS inside it jumps back out, the copy
 // reports failure, and the engine fails that endpoint instead of the process
 // dying. Faults outside a guarded copy go to the handler installed before
-// ours (faulthandler, a debugger's), or kill the process as before.
+// ours (faulthandler, a debugger's), or kill the process as SIGBUS does.
 #pragma once
 
 #include <cstddef>

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "completion_queue.hpp"
+#include "ucx_handles.hpp"
 
 namespace akv {
 
@@ -54,9 +55,18 @@ struct JobSpec {
 };
 
 struct RemoteKey {
+  RemoteKey() = default;
+  // A pinned key's handle outlives its record: a request UCX still holds
+  // may name it.
+  ~RemoteKey() {
+    if (pinned) (void)handle.release();
+  }
+  RemoteKey(const RemoteKey&) = delete;
+  RemoteKey& operator=(const RemoteKey&) = delete;
+
   uint64_t id = 0;
   uint64_t ep_id = 0;
-  ucp_rkey_h handle = nullptr;
+  UcxRkey handle;
   // Where the remote region is mapped into this process (same-host shared
   // memory, from ucp_rkey_ptr), or null: then data moves with plain memcpy.
   uint8_t* mapped = nullptr;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 namespace akv {
 
@@ -18,32 +19,25 @@ Region map_region(ucp_context_h ctx, void* addr, uint64_t len, bool allocate) {
   p.address = allocate ? nullptr : addr;
   p.length = len;
   p.flags = allocate ? UCP_MEM_MAP_ALLOCATE : 0;
-  ucp_mem_h memh = nullptr;
-  ucs_status_t st = ucp_mem_map(ctx, &p, &memh);
+  ucp_mem_h raw = nullptr;
+  ucs_status_t st = ucp_mem_map(ctx, &p, &raw);
   if (st != UCS_OK) {
     throw UcxFailure("ucp_mem_map failed", st);
   }
+  UcxMemHandle memh(ctx, raw);
   ucp_mem_attr_t attr{};
   attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
-  st = ucp_mem_query(memh, &attr);
+  st = ucp_mem_query(raw, &attr);
   if (st != UCS_OK) {
-    ucp_mem_unmap(ctx, memh);
     throw UcxFailure("ucp_mem_query failed", st);
   }
   Region r;
-  r.memh = memh;
+  r.memh = std::move(memh);
   r.addr = allocate ? attr.address : addr;
   r.len = len;
   r.span = allocate ? std::max<uint64_t>(len, attr.length) : len;
   r.allocated = allocate;
   return r;
-}
-
-void unmap_region(ucp_context_h ctx, Region& r) {
-  if (r.memh != nullptr) {
-    ucp_mem_unmap(ctx, r.memh);
-    r.memh = nullptr;
-  }
 }
 
 void quarantine_region(Region& r) {
@@ -71,7 +65,7 @@ void quarantine_region(Region& r) {
 std::string pack_rkey(ucp_context_h ctx, const Region& r) {
   void* buf = nullptr;
   size_t size = 0;
-  ucs_status_t st = ucp_rkey_pack(ctx, r.memh, &buf, &size);
+  ucs_status_t st = ucp_rkey_pack(ctx, r.memh.get(), &buf, &size);
   if (st != UCS_OK) {
     throw UcxFailure("ucp_rkey_pack failed", st);
   }

@@ -8,12 +8,13 @@
 #include <string>
 
 #include "errors.hpp"
+#include "ucx_handles.hpp"
 
 namespace akv {
 
 struct Region {
   uint64_t id = 0;
-  ucp_mem_h memh = nullptr;
+  UcxMemHandle memh;  // unmapped when the region goes
   void* addr = nullptr;
   uint64_t len = 0;
   // What UCX reports it mapped for an allocated region (it may round the
@@ -28,7 +29,6 @@ struct Region {
 
 // Throw UcxFailure when UCX refuses, InvalidArgument for a zero length.
 Region map_region(ucp_context_h ctx, void* addr, uint64_t len, bool allocate);
-void unmap_region(ucp_context_h ctx, Region& r);
 // Give an allocated region's pages back, keeping its mapping (and UCX's
 // registration) in place: its addresses read zeros and take late writes
 // until close() unmaps them (see Region::quarantined).

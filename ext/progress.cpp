@@ -1,51 +1,12 @@
-// The progress thread's loop, and the command queue through which other
-// threads reach it.
-#include <pthread.h>
+// The progress thread's loop: its steps, and its sleeps between them on the
+// worker's and the command queue's file descriptors.
 #include <sys/epoll.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <mutex>
 
 #include "engine_internal.hpp"
 
 namespace akv {
-
-void Engine::wake() {
-  uint64_t one = 1;
-  ssize_t rc;
-  do {
-    rc = ::write(cmd_efd_, &one, sizeof(one));
-  } while (rc < 0 && errno == EINTR);
-}
-
-void Engine::post_command(std::function<void()> fn) {
-  {
-    std::lock_guard<std::mutex> lk(cmd_mu_);
-    // Checked under the lock close() takes, so nothing is queued after the
-    // progress thread's last look at the queue.
-    if (closing_.load()) throw ClosedError();
-    commands_.push_back(std::move(fn));
-    cmd_pending_.store(true);
-  }
-  // A spinning thread sees cmd_pending_ on its next step; only a thread
-  // that is (about to be) asleep needs the eventfd: one write per sleep.
-  if (sleeping_.exchange(false)) wake();
-}
-
-// ---------------------------------------------------------- progress thread
-
-void Engine::run_commands() {
-  if (!cmd_pending_.load()) return;  // the common case, without the lock
-  std::vector<std::function<void()>> cmds;
-  {
-    std::lock_guard<std::mutex> lk(cmd_mu_);
-    cmds.swap(commands_);
-    cmd_pending_.store(false);
-  }
-  for (auto& c : cmds) c();
-}
 
 int Engine::wait_timeout_ms() {
   int ms = jobs_.empty() ? kIdleWaitMs : kSafetyWaitMs;
@@ -67,7 +28,7 @@ int Engine::wait_timeout_ms() {
 }
 
 bool Engine::step() {
-  run_commands();
+  commands_.run();
   bool busy = drain_lanes();
   // Deadlines before posting: a thread that was not scheduled (a frozen or
   // starved process) past a job's deadline must not post for it first.
@@ -75,7 +36,7 @@ bool Engine::step() {
   if (!touched_.empty()) busy = true;
   process_touched();
   busy = post_all() || busy;
-  while (ucp_worker_progress(worker_) != 0) busy = true;
+  while (ucp_worker_progress(worker_.get()) != 0) busy = true;
   reap_endpoints();
   if (!touched_.empty()) busy = true;
   process_touched();
@@ -87,22 +48,20 @@ bool Engine::step() {
   }
   check_stuck();
   send_keepalives();
-  inflight_snapshot_.store(inflight_bytes_);
+  stats_.inflight_bytes.store(inflight_bytes_);
   return busy;
 }
 
 void Engine::run() {
-  // Named for tools (top -H, benchmarks reading /proc/self/task/*/comm).
-  pthread_setname_np(pthread_self(), "akv-progress");
-  while (!stop_.load()) {
+  while (!progress_.stopping()) {
     int idle = 0;
-    while (!stop_.load()) {
+    while (!progress_.stopping()) {
       if (step()) {
         idle = 0;
         spin_until_ = std::chrono::steady_clock::now() + cfg_.spin;
         continue;
       }
-      if (cmd_pending_.load() || lane_done_pending_.load()) continue;
+      if (commands_.pending() || lanes_.done_pending()) continue;
       // Spin a little after work (the next call of a caller awaiting each
       // one comes soon, and a sleeping thread costs a wake-up); never when
       // there is nothing to do.
@@ -110,28 +69,24 @@ void Engine::run() {
       // answer comes within it) and at least kSpinPolls steps.
       if (spin_until_ <= std::chrono::steady_clock::now() && (jobs_.empty() || ++idle > kSpinPolls)) break;
     }
-    if (stop_.load()) break;
+    if (progress_.stopping()) break;
     // Announce the sleep, then look once more: a command posted before the
     // announcement is seen here, one posted after it writes the eventfd.
-    sleeping_.store(true);
-    if (cmd_pending_.load() || lane_done_pending_.load()) {
-      sleeping_.store(false);
+    commands_.announce_sleep();
+    if (commands_.pending() || lanes_.done_pending()) {
+      commands_.end_sleep();
       continue;
     }
-    ucs_status_t st = ucp_worker_arm(worker_);
+    ucs_status_t st = ucp_worker_arm(worker_.get());
     if (st == UCS_ERR_BUSY) {
-      sleeping_.store(false);
+      commands_.end_sleep();
       continue;
     }
     epoll_event evs[4];
-    int n = ::epoll_wait(epfd_, evs, 4, wait_timeout_ms());
-    sleeping_.store(false);
+    int n = ::epoll_wait(epfd_.get(), evs, 4, wait_timeout_ms());
+    commands_.end_sleep();
     for (int i = 0; i < n; ++i) {
-      if (evs[i].data.fd == cmd_efd_) {
-        uint64_t v;
-        while (::read(cmd_efd_, &v, sizeof(v)) > 0) {
-        }
-      }
+      if (evs[i].data.fd == commands_.fd()) commands_.clear_wakeups();
     }
   }
   shutdown_all();

@@ -1,97 +1,16 @@
 // Memory regions of this process and remote keys to peers' regions.
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cinttypes>
-#include <cstdio>
-#include <cstring>
 #include <iterator>
-#include <tuple>
 
 #include "engine_internal.hpp"
 #include "fault_guard.hpp"
 
 namespace akv {
-namespace {
-
-// One line of /proc/self/maps.
-struct Vma {
-  uint64_t start, end, offset, inode;
-  bool readable, writable, shared;
-  bool operator<(const Vma& o) const {
-    return std::tie(start, end, offset, inode) < std::tie(o.start, o.end, o.offset, o.inode);
-  }
-  bool operator==(const Vma& o) const {
-    return start == o.start && end == o.end && offset == o.offset && inode == o.inode;
-  }
-};
-
-std::vector<Vma> read_maps() {
-  std::vector<Vma> out;
-  FILE* f = std::fopen("/proc/self/maps", "re");
-  if (f == nullptr) return out;
-  char line[4096];
-  while (std::fgets(line, sizeof(line), f) != nullptr) {
-    Vma v{};
-    char perms[8] = {};
-    unsigned dev_major, dev_minor;
-    if (std::sscanf(line, "%" SCNx64 "-%" SCNx64 " %7s %" SCNx64 " %x:%x %" SCNu64, &v.start, &v.end, perms,
-                    &v.offset, &dev_major, &dev_minor, &v.inode) != 7) {
-      continue;
-    }
-    v.readable = perms[0] == 'r';
-    v.writable = perms[1] == 'w';
-    v.shared = perms[3] == 's';
-    out.push_back(v);
-  }
-  std::fclose(f);
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-// ucp_rkey_ptr only adds an offset: it never checks that the address is in
-// the peer's segment, and UCX's shared-memory lanes write through the same
-// unchecked mapping. So a claimed [base, base + len) is accepted only when
-// its image [p, p + len) lies inside one shared, read-write mapping that
-// appeared while this key was unpacked (UCX maps the peer's segment afresh
-// for every key, so nothing of ours, nor another peer's segment, qualifies),
-// and, where the backing file can be seen, inside that file: past its end a
-// touch is SIGBUS. `before` is the sorted map from just before the unpack.
-bool mapping_covers(const std::vector<Vma>& before, const uint8_t* p, uint64_t len) {
-  uint64_t lo = reinterpret_cast<uint64_t>(p);
-  if (len == 0 || lo + len < lo) return false;
-  for (const Vma& v : read_maps()) {
-    if (lo < v.start || lo >= v.end) continue;
-    if (!v.shared || !v.readable || !v.writable || v.inode == 0) return false;
-    if (len > v.end - lo) return false;
-    if (std::binary_search(before.begin(), before.end(), v)) return false;
-    // We run as root, which /proc/self/map_files needs; without it the file
-    // size cannot be checked, and the mapping's extent is all we prove.
-    char path[96];
-    std::snprintf(path, sizeof(path), "/proc/self/map_files/%" PRIx64 "-%" PRIx64, v.start, v.end);
-    int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-    if (fd >= 0) {
-      struct stat sb {};
-      bool ok = ::fstat(fd, &sb) == 0;
-      ::close(fd);
-      if (!ok) return false;
-      uint64_t file_end = v.offset + (lo + len - v.start);
-      if (S_ISREG(sb.st_mode) && file_end > static_cast<uint64_t>(sb.st_size)) return false;
-    }
-    return true;
-  }
-  return false;
-}
-
-}  // namespace
-
 // ---------------------------------------------------------------- API side
 
 std::pair<uint64_t, uint64_t> Engine::mem_alloc(uint64_t len) {
   return call<std::pair<uint64_t, uint64_t>>([this, len]() {
-    auto r = std::make_unique<Region>(map_region(context_, nullptr, len, true));
+    auto r = std::make_unique<Region>(map_region(context_.get(), nullptr, len, true));
     r->id = next_region_++;
     auto out = std::make_pair(r->id, reinterpret_cast<uint64_t>(r->addr));
     regions_[r->id] = std::move(r);
@@ -103,7 +22,7 @@ std::pair<uint64_t, uint64_t> Engine::mem_alloc(uint64_t len) {
 uint64_t Engine::mem_register(uint64_t addr, uint64_t len) {
   if (addr == 0) throw InvalidArgument("address must not be 0");
   return call<uint64_t>([this, addr, len]() {
-    auto r = std::make_unique<Region>(map_region(context_, reinterpret_cast<void*>(addr), len, false));
+    auto r = std::make_unique<Region>(map_region(context_.get(), reinterpret_cast<void*>(addr), len, false));
     r->id = next_region_++;
     uint64_t id = r->id;
     regions_[id] = std::move(r);
@@ -117,8 +36,7 @@ void Engine::mem_release(uint64_t region_id) {
     auto it = regions_.find(region_id);
     if (it == regions_.end()) throw InvalidArgument("unknown region id");
     if (it->second->quarantined) throw InvalidArgument("region is quarantined until close");
-    unmap_region(context_, *it->second);
-    regions_.erase(it);
+    regions_.erase(it);  // unmaps it
     count_regions();
   });
 }
@@ -133,18 +51,18 @@ void Engine::mem_quarantine(uint64_t region_id) {
     if (it->second->quarantined) return;
     quarantine_region(*it->second);
     ++n_quarantined_;
-    quarantined_bytes_ += it->second->span;
+    stats_.quarantined_bytes += it->second->span;
     count_regions();
   });
 }
 
-void Engine::count_regions() { n_regions_ = regions_.size() - n_quarantined_; }
+void Engine::count_regions() { stats_.regions = regions_.size() - n_quarantined_; }
 
 std::string Engine::rkey_pack(uint64_t region_id) {
   return call<std::string>([this, region_id]() {
     auto it = regions_.find(region_id);
     if (it == regions_.end()) throw InvalidArgument("unknown region id");
-    return pack_rkey(context_, *it->second);
+    return pack_rkey(context_.get(), *it->second);
   });
 }
 
@@ -160,14 +78,13 @@ uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t
     if (base + len < base) throw InvalidArgument("remote region wraps around the address space");
     auto rk = std::make_unique<RemoteKey>();
     std::vector<Vma> before = read_maps();
-    ucs_status_t st = ucp_ep_rkey_unpack(ep->handle, packed.data(), &rk->handle);
+    ucs_status_t st = ucp_ep_rkey_unpack(ep->handle, packed.data(), rk->handle.out());
     if (st != UCS_OK) throw UcxFailure("ucp_ep_rkey_unpack", st);
     // A key that maps (same-host shared memory) is checked whether or not
     // direct copy is on: UCX's own shm lanes copy through that mapping too.
     void* mapped = nullptr;
-    if (len > 0 && ucp_rkey_ptr(rk->handle, base, &mapped) == UCS_OK) {
+    if (len > 0 && ucp_rkey_ptr(rk->handle.get(), base, &mapped) == UCS_OK) {
       if (!mapping_covers(before, static_cast<uint8_t*>(mapped), len)) {
-        ucp_rkey_destroy(rk->handle);
         throw InvalidArgument("remote key does not cover the claimed region (base, length)");
       }
       // Then a transfer is one memcpy on the progress thread, whatever lane
@@ -233,7 +150,7 @@ int Engine::copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<Seg
   // Our SIGBUS handler on top (a sigaction query, about 0.4 us): on every
   // 64th inline copy, not on each, which would cost the small-transfer path
   // a fifth of its time; the job path checks it every step.
-  if ((inline_copies_.load(std::memory_order_relaxed) & 63) == 0) install_fault_guard();
+  if ((stats_.inline_copies.load(std::memory_order_relaxed) & 63) == 0) install_fault_guard();
   bool faulted = false;
   if (guard.rkey_id != 0) {
     auto it = inline_keys_.find(guard.rkey_id);
@@ -253,37 +170,38 @@ int Engine::copy_inline(Op op, uint64_t ep_id, const std::vector<std::vector<Seg
       uint8_t* peer = k.mapped + (s.remote - k.base);
       auto* local = reinterpret_cast<uint8_t*>(s.local);
       bool copied = !faulted && (op == Op::kPut ? guarded_copy(peer, local, s.len) : guarded_copy(local, peer, s.len));
-      if (!copied) {
-        // The peer shrank the memory under its key: no copy through its
-        // keys from here on, and its endpoint fails on the progress thread.
-        copy_faults_.fetch_add(1);
-        for (auto it = inline_keys_.begin(); it != inline_keys_.end();) {
-          it = it->second.ep_id == ep_id ? inline_keys_.erase(it) : std::next(it);
-        }
-        try {
-          post_command([this, ep_id]() {
-            auto eit = eps_.find(ep_id);
-            if (eit != eps_.end() && !eit->second->broken) endpoint_failed(eit->second.get(), UCS_ERR_IO_ERROR);
-          });
-        } catch (const ClosedError&) {
-        }
-        throw Error("the peer's memory went away under a copy (its segment shrank)");
-      }
+      if (!copied) inline_fault(ep_id);
     }
   }
   // Visible before anything the caller does next (a notification, a reply).
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  bytes_direct_.fetch_add(total);
-  (op == Op::kPut ? bytes_put_ : bytes_get_).fetch_add(total);
-  inline_copies_.fetch_add(1);
+  stats_.bytes_direct.fetch_add(total);
+  (op == Op::kPut ? stats_.bytes_put : stats_.bytes_get).fetch_add(total);
+  stats_.inline_copies.fetch_add(1);
   return kInlineCopied;
+}
+
+void Engine::inline_fault(uint64_t ep_id) {
+  // The peer shrank the memory under its key: no copy through its keys
+  // from here on, and its endpoint fails on the progress thread.
+  stats_.copy_faults.fetch_add(1);
+  for (auto it = inline_keys_.begin(); it != inline_keys_.end();) {
+    it = it->second.ep_id == ep_id ? inline_keys_.erase(it) : std::next(it);
+  }
+  try {
+    commands_.post([this, ep_id]() {
+      auto eit = eps_.find(ep_id);
+      if (eit != eps_.end() && !eit->second->broken) endpoint_failed(eit->second.get(), UCS_ERR_IO_ERROR);
+    });
+  } catch (const ClosedError&) {
+  }
+  throw Error("the peer's memory went away under a copy (its segment shrank)");
 }
 
 void Engine::release_key_handle(RemoteKey* rk) {
   if (rk->handle == nullptr || rk->pinned) return;
   forget_inline(rk->id);  // before the mapping goes
-  ucp_rkey_destroy(rk->handle);  // unmaps a mapped segment, too
-  rk->handle = nullptr;
+  rk->handle.reset();  // unmaps a mapped segment, too
   rk->mapped = nullptr;
 }
 
