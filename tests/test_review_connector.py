@@ -29,7 +29,7 @@ from support.kvlink_harness import (
 )
 
 # ---------------------------------------------------------------------------
-# Defect 1 (_kvlink.py:573-587 with 698-715): a push that ends while the
+# Defect 1: a push that ends while the
 # engine releases the request is reported sent TWICE. _push_release reports it
 # (and pops it) as soon as no push is running, and _quiesce_push, which was
 # spawned by _end_push and is still sending "pushfail" to D, reports the same
@@ -63,7 +63,7 @@ async def test_an_aborted_push_is_reported_sent_exactly_once() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Defect 2 (_kvlink.py:823-852 with 955-980): an abort of a push-mode load on
+# Defect 2: an abort of a push-mode load on
 # D reports the request received at once, while P may still be pushing into
 # its blocks. cancel_recv cancels D's wait; _expect_push's finally only
 # *spawns* a "cancel" to P, and _recv_done reports finished_recving right
@@ -94,7 +94,7 @@ async def test_an_aborted_push_load_is_not_reported_before_the_prefill_stopped()
 
 
 # ---------------------------------------------------------------------------
-# Defect 3 (_handoff.py:186-198, 290-294): once a released request id falls
+# Defect 3 (_handoff.py): once a released request id falls
 # out of the bounded ``_released`` memory (max_released = 65536 by default),
 # a claim with that request's (still valid) grant key is *granted*: the
 # unknown-id path takes it for a claim before the hand-over. The blocks were
@@ -123,7 +123,7 @@ def test_a_stale_claim_after_the_released_memory_evicted_it_is_refused() -> None
 
 
 # ---------------------------------------------------------------------------
-# Defect 4 (_kvlink.py:595 with _handoff.py:338-352): a push registration is
+# Defect 4: a push registration is
 # checked against the *prefill's* block count, but its ids are the *decode*
 # side's blocks. KVLayout.digest() deliberately leaves the block count out
 # (instances may differ), and a decode instance usually has more KV memory
@@ -146,7 +146,7 @@ async def test_a_push_to_a_decode_side_with_more_blocks_than_the_prefill_lands()
 
 
 # ---------------------------------------------------------------------------
-# Defect 5 (_kvlink.py:723-738, 589-593): the reaper of a push transfer runs
+# Defect 5: the reaper of a push transfer runs
 # timeout + grace from the engine's *first step* of the request, not from the
 # hand-over. In the prefill-first flow the decode side can only register
 # after the prefill finished, so a prefill whose computation (chunked, under
@@ -179,7 +179,7 @@ async def test_a_long_prefill_is_still_pushed_when_the_decode_side_registers_aft
 
 
 # ---------------------------------------------------------------------------
-# Defect 6 (_kvlink.py:485-515 with _handoff.py:243-273): every connector
+# Defect 6: every connector
 # message P receives (claim, done, free: no key needed for "done") runs
 # PullHolds.tick and next_deadline, each a scan of every held request, and
 # re-arms the timer. Any linked peer can make P's loop thread (the one that
@@ -231,7 +231,7 @@ async def test_a_bogus_done_costs_the_same_whatever_the_prefill_holds() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Defect 8 (_kvlink.py:999-1003): D's link task to a prefill worker is cached
+# Defect 8: D's link task to a prefill worker is cached
 # for ever once it succeeded. When that link later goes (the prefill's
 # heartbeat broke it after a pause, the prefill unlinked or restarted on the
 # same cluster id), the next load does not link again: its claim's notify
@@ -297,7 +297,7 @@ def test_a_load_after_the_link_went_away_relinks_instead_of_failing() -> None:
 
 
 # ---------------------------------------------------------------------------
-# Defect 9, minor (_kvlink.py:917-933): a pull's deadline does not bound the
+# Defect 9, minor: a pull's deadline does not bound the
 # claim's own send. ttl is computed before ``_send(claim)``, whose notify may
 # take up to link_timeout (5 s: a frozen prefill's engine does not take it),
 # and the grant is then awaited for the whole ttl again. A load on a frozen
@@ -326,7 +326,7 @@ async def test_a_pull_fails_within_its_timeout_when_the_claim_is_slow_to_go() ->
 
 
 # ---------------------------------------------------------------------------
-# Defect 10, minor (_kvlink.py:878): the "descriptors" metric
+# Defect 10, minor: the "descriptors" metric
 # (vllm:aiokvcache_num_descriptors, "contiguous block runs times tensors per
 # load") counts the runs of the *local* block ids only. aiokvcache splits a
 # transfer where either side breaks (planner.runs: both go up by one), so a

@@ -2,9 +2,14 @@
 
 Layers, one direction of knowledge (``tests/test_layout.py`` holds it):
 public modules -> ``_core`` -> ``_bridge`` -> ``_native``. Inside the core,
-bottom up: ``errors``, ``types``, ``options`` (the vocabulary), ``planner``
-(segment tables), ``control`` (the wire), ``state`` (what two threads share),
-``catalog`` (cache metadata), ``runner`` (the one transfer path), ``notify``
-(receiver notifications), ``service`` (the peer-service thread),
-``transfers`` and ``layerwise`` (every transfer call), ``runtime``.
+bottom up: ``errors``, ``types`` (gathering ``checks``, ``cachedesc``,
+``keys``, ``clusterinfo``, ``transferconfigs``), ``option_table`` and
+``options`` (the vocabulary), ``planner`` (segment tables), ``codec``,
+``frames``, ``handshake``, ``connection``, ``control`` and ``wire`` (the
+control plane's wire), ``state`` (what two threads share), ``catalog`` (cache
+metadata), ``runner`` (the one transfer path), ``notify`` (receiver
+notifications), ``servicethread``, ``links``, ``linker``, ``probe``,
+``handler``, ``lookups``, ``retire`` (the peer service's parts, held by
+``service``), ``caches``, ``copies``, ``slots``, ``transfers``, ``layerprep``
+and ``layerwise`` (every cache and transfer call), ``runtime``.
 """

@@ -291,7 +291,7 @@ def _accept_int(
             return int(setter_value(name, lambda t: _parse_uint(t, lo, hi), value))
         v = check_int(name, value, lo, hi)
         if 0 < v < gap:
-            raise ValueError(f"{name} must be 0 or >= {gap}, got {v}")
+            raise ValueError(f"{name} must be 0 or >= {gap} ms, got {v}")
         return v
 
     return accept
@@ -415,9 +415,124 @@ def _text(
     )
 
 
-#: Every option LLMConfig sets and EngineOptions reads, in the order the docs
-#: list them.
+#: Every option LLMConfig sets and EngineOptions reads, in the order
+#: LLMConfig.generate_options emits them (the docs list aiokvcache's own first).
 OPTIONS: tuple[Option, ...] = (
+    _uint(
+        KEY_RDMA_TRAFFIC_CLASS,
+        "rdma_traffic_class",
+        "rdma_traffic_class",
+        0,
+        255,
+        None,
+        "RDMA traffic class, ``[0, 255]``: UCX's ``IB_TRAFFIC_CLASS`` for this engine's rdma "
+        "lanes (no effect without RDMA); unset: UCX's default.",
+        "UCX's",
+        "0 to 255",
+        ucx="IB_TRAFFIC_CLASS",
+    ),
+    _uint(
+        KEY_RDMA_SERVICE_LEVEL,
+        "rdma_service_level",
+        "rdma_service_level",
+        0,
+        7,
+        None,
+        "RDMA service level, ``[0, 7]``: UCX's ``IB_SL`` for this engine's rdma lanes (no "
+        "effect without RDMA); unset: UCX's default.",
+        "UCX's",
+        "0 to 7",
+        ucx="IB_SL",
+    ),
+    _text(
+        KEY_LISTEN_IP_INFO,
+        "listen_ip_info",
+        ("listen_host", "listen_port"),
+        lambda t: _parse_listen(t),
+        None,
+        "",
+        'Control-plane listen address ``"ip:port"`` (port 0 = pick one); ``""`` when unset '
+        "(client only).",
+        "unset: client only",
+        '`"host:port"`, port 0 picks one',
+    ),
+    _uint(
+        KEY_SYNC_KV_TIMEOUT,
+        "sync_kv_timeout",
+        "sync_kv_timeout_ms",
+        1,
+        INT32_MAX,
+        DEFAULT_SYNC_KV_TIMEOUT_MS,
+        "Per-layer transfer timeout in ms (default 1000); an int or a digit string in "
+        "``[1, 2**31-1]``.",
+        "1000 ms",
+        "1 to 2**31-1",
+        digits=True,
+    ),
+    _flag(
+        KEY_ENABLE_REMOTE_CACHE_ACCESSIBLE,
+        "enable_remote_cache_accessible",
+        "enable_remote_cache_accessible",
+        True,
+        "Whether peers may push into / pull from this instance's caches (default True in "
+        "aiokvcache).",
+        "on",
+    ),
+    _flag(
+        KEY_ENABLE_CACHE_MANAGER,
+        "enable_cache_manager",
+        None,
+        True,
+        "Accepted for LLM-DataDist compatibility; the cache manager is always on.",
+        "on",
+        effect=False,
+    ),
+    _text(
+        KEY_MEM_POOL_CONFIG,
+        "mem_pool_cfg",
+        ("mem_pool_bytes",),
+        lambda t: _parse_mem_pool(t),
+        None,
+        "",
+        'JSON ``{"memory_size": N}``: optional cap on DEVICE cache bytes; ``""`` when unset.',
+        "unset: no cap",
+        'JSON `{"memory_size": N}`',
+        effect=False,
+    ),
+    _text(
+        KEY_HOST_MEM_POOL_CONFIG,
+        "host_mem_pool_cfg",
+        ("host_mem_pool_bytes",),
+        lambda t: _parse_mem_pool(t),
+        None,
+        "",
+        'JSON ``{"memory_size": N}``: optional cap on HOST cache bytes; ``""`` when unset.',
+        "unset: no cap",
+        'JSON `{"memory_size": N}`',
+    ),
+    _uint(
+        KEY_LINK_TOTAL_TIME,
+        "link_total_time",
+        "link_total_time_s",
+        0,
+        UINT32_MAX,
+        0,
+        "Total time for a link attempt in seconds, ``[0, 2**32-1]``; 0 (default) = the library "
+        "default.",
+        "0 s: no cap",
+        "0 to 2**32-1",
+    ),
+    _uint(
+        KEY_LINK_RETRY_COUNT,
+        "link_retry_count",
+        "link_retry_count",
+        1,
+        100,
+        1,
+        "Link attempts within :attr:`link_total_time`, ``[1, 100]``, default 1.",
+        "1",
+        "1 to 100",
+    ),
     _text(
         KEY_TRANSPORT,
         "transport",
@@ -432,14 +547,44 @@ OPTIONS: tuple[Option, ...] = (
         ours=True,
         ucx="TLS",
     ),
-    _flag(
-        KEY_DIRECT_COPY,
-        "direct_copy",
-        "direct_copy",
-        True,
-        "Move bytes to and from same-host peers with one memcpy into their mapped shared "
-        "memory (default on); off, every byte goes through UCX's own lanes.",
-        'on (`"1"`)',
+    Option(
+        KEY_AUTH_TOKEN,
+        "auth_token",
+        ("auth_token",),
+        lambda t: _parse_auth_token(t),
+        _accept_token,
+        str,
+        None,
+        None,
+        "Shared secret; a peer without it cannot link.  A ``str``, or ``bytes`` that are UTF-8.",
+        "unset",
+        "a non-empty `str`, or UTF-8 `bytes`",
+        ours=True,
+    ),
+    _uint(
+        KEY_MAX_INFLIGHT_BYTES,
+        "max_inflight_bytes",
+        "max_inflight_bytes",
+        1,
+        INT64_MAX,
+        DEFAULT_MAX_INFLIGHT_BYTES,
+        "Backpressure window of the native engine in bytes, ``[1, 2**63-1]``, default 64 MiB.",
+        "64 MiB",
+        "1 to 2**63-1",
+        ours=True,
+    ),
+    _uint(
+        KEY_MAX_UNCONFIRMED_BYTES,
+        "max_unconfirmed_bytes",
+        "max_unconfirmed_bytes",
+        0,
+        INT64_MAX,
+        DEFAULT_MAX_UNCONFIRMED_BYTES,
+        "Per link, the most bytes of transfers that the peer has not yet confirmed, "
+        "``[0, 2**63-1]``, default 2 MiB; 0 means no bound. It bounds what a frozen peer can "
+        'still apply after a call raised (``docs/design.md``, "Late writes").',
+        "2 MiB",
+        "0 (no bound) to 2**63-1",
         ours=True,
     ),
     _uint(
@@ -469,63 +614,15 @@ OPTIONS: tuple[Option, ...] = (
         "0 to 100000",
         ours=True,
     ),
-    _uint(
-        KEY_MAX_INFLIGHT_BYTES,
-        "max_inflight_bytes",
-        "max_inflight_bytes",
-        1,
-        INT64_MAX,
-        DEFAULT_MAX_INFLIGHT_BYTES,
-        "Backpressure window of the native engine in bytes, ``[1, 2**63-1]``, default 64 MiB.",
-        "64 MiB",
-        "1 to 2**63-1",
+    _flag(
+        KEY_DIRECT_COPY,
+        "direct_copy",
+        "direct_copy",
+        True,
+        "Move bytes to and from same-host peers with one memcpy into their mapped shared "
+        "memory (default on); off, every byte goes through UCX's own lanes.",
+        'on (`"1"`)',
         ours=True,
-    ),
-    _uint(
-        KEY_MAX_UNCONFIRMED_BYTES,
-        "max_unconfirmed_bytes",
-        "max_unconfirmed_bytes",
-        0,
-        INT64_MAX,
-        DEFAULT_MAX_UNCONFIRMED_BYTES,
-        "Per link, the most bytes of transfers that the peer has not yet confirmed, "
-        "``[0, 2**63-1]``, default 2 MiB; 0 means no bound. It bounds what a frozen peer can "
-        'still apply after a call raised (``docs/design.md``, "Late writes").',
-        "2 MiB",
-        "0 (no bound) to 2**63-1",
-        ours=True,
-    ),
-    _text(
-        KEY_NET_DEVICES,
-        "net_devices",
-        ("net_devices",),
-        lambda t: _parse_net_devices(t),
-        "all",
-        "all",
-        "The network interfaces the data plane may use and advertise, as UCX's "
-        '``NET_DEVICES``: ``"all"`` (default) or a comma list such as ``"eth1"`` or '
-        '``"eth1,eth2"``. On a multi-homed host (a management NIC beside the data NIC), name '
-        "the data NIC: UCX then listens, advertises and connects only there.",
-        "`all`",
-        "`all` or a comma list of interfaces",
-        ours=True,
-        ucx="NET_DEVICES",
-    ),
-    _uint(
-        KEY_PEER_TIMEOUT,
-        "peer_timeout",
-        "peer_timeout_ms",
-        0,
-        INT32_MAX,
-        5000,
-        "Milliseconds a linked peer may stay silent before the link is declared broken, ``0`` "
-        "(never) or ``[100, 2**31-1]``, default 5000. Each side's native progress thread sends "
-        "the other a keep-alive every quarter of it (off the GIL: starved Python threads are not "
-        "silence), so a frozen host or a cut cable is noticed without waiting for TCP.",
-        "5000 ms",
-        "0 (never), or 100 to 2**31-1",
-        ours=True,
-        gap=100,
     ),
     _uint(
         KEY_HANDSHAKE_TIMEOUT,
@@ -553,134 +650,37 @@ OPTIONS: tuple[Option, ...] = (
         "1 to 65535",
         ours=True,
     ),
-    Option(
-        KEY_AUTH_TOKEN,
-        "auth_token",
-        ("auth_token",),
-        lambda t: _parse_auth_token(t),
-        _accept_token,
-        str,
-        None,
-        None,
-        "Shared secret; a peer without it cannot link.  A ``str``, or ``bytes`` that are UTF-8.",
-        "unset",
-        "a non-empty `str`, or UTF-8 `bytes`",
-        ours=True,
-    ),
-    _text(
-        KEY_LISTEN_IP_INFO,
-        "listen_ip_info",
-        ("listen_host", "listen_port"),
-        lambda t: _parse_listen(t),
-        None,
-        "",
-        'Control-plane listen address ``"ip:port"`` (port 0 = pick one); ``""`` when unset '
-        "(client only).",
-        "unset: client only",
-        '`"host:port"`, port 0 picks one',
-    ),
     _uint(
-        KEY_SYNC_KV_TIMEOUT,
-        "sync_kv_timeout",
-        "sync_kv_timeout_ms",
-        1,
+        KEY_PEER_TIMEOUT,
+        "peer_timeout",
+        "peer_timeout_ms",
+        0,
         INT32_MAX,
-        DEFAULT_SYNC_KV_TIMEOUT_MS,
-        "Per-layer transfer timeout in ms (default 1000); an int or a digit string in "
-        "``[1, 2**31-1]``.",
-        "1000 ms",
-        "1 to 2**31-1",
-        digits=True,
-    ),
-    _uint(
-        KEY_LINK_RETRY_COUNT,
-        "link_retry_count",
-        "link_retry_count",
-        1,
-        100,
-        1,
-        "Link attempts within :attr:`link_total_time`, ``[1, 100]``, default 1.",
-        "1",
-        "1 to 100",
-    ),
-    _uint(
-        KEY_LINK_TOTAL_TIME,
-        "link_total_time",
-        "link_total_time_s",
-        0,
-        UINT32_MAX,
-        0,
-        "Total time for a link attempt in seconds, ``[0, 2**32-1]``; 0 (default) = the library "
-        "default.",
-        "0 s: no cap",
-        "0 to 2**32-1",
-    ),
-    _flag(
-        KEY_ENABLE_REMOTE_CACHE_ACCESSIBLE,
-        "enable_remote_cache_accessible",
-        "enable_remote_cache_accessible",
-        True,
-        "Whether peers may push into / pull from this instance's caches (default True in "
-        "aiokvcache).",
-        "on",
+        5000,
+        "Milliseconds a linked peer may stay silent before the link is declared broken, ``0`` "
+        "(never) or ``[100, 2**31-1]``, default 5000. Each side's native progress thread sends "
+        "the other a keep-alive every quarter of it (off the GIL: starved Python threads are not "
+        "silence), so a frozen host or a cut cable is noticed without waiting for TCP.",
+        "5000 ms",
+        "0 (never), or 100 to 2**31-1",
+        ours=True,
+        gap=100,
     ),
     _text(
-        KEY_HOST_MEM_POOL_CONFIG,
-        "host_mem_pool_cfg",
-        ("host_mem_pool_bytes",),
-        lambda t: _parse_mem_pool(t),
-        None,
-        "",
-        'JSON ``{"memory_size": N}``: optional cap on HOST cache bytes; ``""`` when unset.',
-        "unset: no cap",
-        'JSON `{"memory_size": N}`',
-    ),
-    _text(
-        KEY_MEM_POOL_CONFIG,
-        "mem_pool_cfg",
-        ("mem_pool_bytes",),
-        lambda t: _parse_mem_pool(t),
-        None,
-        "",
-        'JSON ``{"memory_size": N}``: optional cap on DEVICE cache bytes; ``""`` when unset.',
-        "unset: no cap",
-        'JSON `{"memory_size": N}`',
-        effect=False,
-    ),
-    _uint(
-        KEY_RDMA_TRAFFIC_CLASS,
-        "rdma_traffic_class",
-        "rdma_traffic_class",
-        0,
-        255,
-        None,
-        "RDMA traffic class, ``[0, 255]``: UCX's ``IB_TRAFFIC_CLASS`` for this engine's rdma "
-        "lanes (no effect without RDMA); unset: UCX's default.",
-        "UCX's",
-        "0 to 255",
-        ucx="IB_TRAFFIC_CLASS",
-    ),
-    _uint(
-        KEY_RDMA_SERVICE_LEVEL,
-        "rdma_service_level",
-        "rdma_service_level",
-        0,
-        7,
-        None,
-        "RDMA service level, ``[0, 7]``: UCX's ``IB_SL`` for this engine's rdma lanes (no "
-        "effect without RDMA); unset: UCX's default.",
-        "UCX's",
-        "0 to 7",
-        ucx="IB_SL",
-    ),
-    _flag(
-        KEY_ENABLE_CACHE_MANAGER,
-        "enable_cache_manager",
-        None,
-        True,
-        "Accepted for LLM-DataDist compatibility; the cache manager is always on.",
-        "on",
-        effect=False,
+        KEY_NET_DEVICES,
+        "net_devices",
+        ("net_devices",),
+        lambda t: _parse_net_devices(t),
+        "all",
+        "all",
+        "The network interfaces the data plane may use and advertise, as UCX's "
+        '``NET_DEVICES``: ``"all"`` (default) or a comma list such as ``"eth1"`` or '
+        '``"eth1,eth2"``. On a multi-homed host (a management NIC beside the data NIC), name '
+        "the data NIC: UCX then listens, advertises and connects only there.",
+        "`all`",
+        "`all` or a comma list of interfaces",
+        ours=True,
+        ucx="NET_DEVICES",
     ),
 )
 OPTION_BY_KEY = {opt.key: opt for opt in OPTIONS}
@@ -698,7 +698,7 @@ def tuning_table() -> str:
         "| key | `LLMConfig` property | default | range |",
         "|---|---|---|---|",
     ]
-    for opt in OPTIONS:
+    for opt in sorted(OPTIONS, key=lambda o: not o.ours):
         if opt.effect:
             rows.append(f"| `{opt.key}` | `{opt.prop}` | {opt.default_text} | {opt.range_text} |")
     return "\n".join(rows) + "\n"
