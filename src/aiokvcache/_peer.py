@@ -38,7 +38,7 @@ from . import (
     Placement,
     bench,
 )
-from .options import KEY_LISTEN_IP_INFO
+from .options import KEY_LISTEN_IP_INFO, TRANSPORTS
 from .testing import DECODER_ID, cluster_info, options
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
@@ -566,7 +566,7 @@ def _parser() -> argparse.ArgumentParser:
     dec = sub.add_parser("decode", parents=[common], help="the bench's decode side")
     bench.add_shape_arguments(dec)
     blk = sub.add_parser("blocks", parents=[common], help="blocks caches to push into, pull from")
-    blk.add_argument("transport", choices=bench.TRANSPORTS)
+    blk.add_argument("transport", choices=TRANSPORTS)
     blk.add_argument("tensors", type=int)
     blk.add_argument("blocks", type=int)
     blk.add_argument("block_bytes", type=int)
@@ -577,9 +577,9 @@ def _parser() -> argparse.ArgumentParser:
         help="also own BlocksCacheKey(2, 1), filled from seed 99 (default on)",
     )
     bl = sub.add_parser("blocked", parents=[common], help="a decoder that blocks its event loop")
-    bl.add_argument("transport", choices=bench.TRANSPORTS)
+    bl.add_argument("transport", choices=TRANSPORTS)
     eng = sub.add_parser("engine", parents=[common], help="a bare engine owning one region")
-    eng.add_argument("transport", choices=bench.TRANSPORTS)
+    eng.add_argument("transport", choices=TRANSPORTS)
     eng.add_argument("size", type=int)
     eng.add_argument("--ucx-options", default="{}", help="UCX options, a JSON object")
     for mode, cid, what in (
@@ -587,7 +587,7 @@ def _parser() -> argparse.ArgumentParser:
         ("decoder", 2, "a listening decoder LLMDataDist driven op by op"),
     ):
         node = sub.add_parser(mode, parents=[common], help=what)
-        node.add_argument("transport", choices=bench.TRANSPORTS)
+        node.add_argument("transport", choices=TRANSPORTS)
         node.add_argument("--cluster-id", type=int, default=cid)
         node.add_argument(
             "--listen",

@@ -41,9 +41,8 @@ from . import (
     __version__,
 )
 from .errors import make_error
+from .options import DEFAULT_MAX_INFLIGHT_BYTES, TRANSPORTS, LLMConfig
 from .testing import DECODER_ID, PROMPT_ID, Peer, cluster_info, options
-
-TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,7 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("the engine")
     e.add_argument(
         "--transport",
-        default="auto",
+        default=LLMConfig().transport,
         choices=TRANSPORTS,
         help="UCX transports: auto (UCX chooses), shm, tcp, rdma (needs verbs)",
     )
@@ -137,7 +136,8 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="BYTES",
-        help="the engine's in-flight window (0: the library's default, 64 MiB)",
+        help="the engine's in-flight window (0: the library's default, "
+        f"{DEFAULT_MAX_INFLIGHT_BYTES >> 20} MiB)",
     )
 
 
