@@ -29,6 +29,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import random
 import signal
 import socket
 import sys
@@ -71,9 +72,18 @@ def model_dir(config: dict[str, Any], directory: str | None = None) -> str:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port free now, below Linux's ephemeral range (32768-60999): a port the
+    kernel hands out for bind(0) may be handed out again to an outgoing
+    connection (UCX's, vLLM's) before the instance listens on it."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def _pin_all_threads(cpus: list[int]) -> None:
