@@ -34,14 +34,15 @@ MAX_PLANS = 256
 INLINE_COPY_MAX = 64 * 1024
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SlotTransfer:
     """One batch slot to move between a local and a remote cache, a job per layer.
 
     ``op`` OP_PUT pushes local -> remote, OP_GET pulls remote -> local; the
     layer ranges keep their source/destination meaning. ``size``: bytes per
     tensor, -1 for the whole slot. ``remote_batch_name`` is how an error
-    names ``remote_batch``.
+    names ``remote_batch``. Not frozen: one is built per call on the hot
+    path, and a frozen dataclass's ``__init__`` costs about 2 us more.
     """
 
     op: int
