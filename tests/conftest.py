@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from aiokvcache import testing
-from aiokvcache._bridge import ALL_BRIDGES
-from aiokvcache._core.servicethread import SERVICE_ERROR_COUNT, SERVICE_ERRORS
 from aiokvcache.testing import Pair
+from support.guards import BRIDGES, ServiceErrors, track_bridges
+
+track_bridges()
 
 TRANSPORTS = ("shm", "tcp")
 
@@ -28,18 +29,19 @@ async def loop_guard() -> AsyncIterator[None]:
     calls: list[dict[str, Any]] = []
     previous = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, ctx: calls.append(ctx))
-    before = set(ALL_BRIDGES)
-    service_errors = SERVICE_ERROR_COUNT[0]
-    yield
-    # Let done-callbacks and finalizers of this test run before judging.
-    await asyncio.sleep(0)
+    before = set(BRIDGES)
+    with ServiceErrors() as service_errors:
+        yield
+        # Let done-callbacks and finalizers of this test run before judging.
+        await asyncio.sleep(0)
     loop.set_exception_handler(previous)
     assert not calls, f"loop exception handler was called: {calls!r}"
     # The same for every peer-service loop the test ran.
-    new = SERVICE_ERROR_COUNT[0] - service_errors
-    assert not new, f"a service loop's exception handler ran {new}x: {list(SERVICE_ERRORS)!r}"
+    assert not service_errors.records, (
+        f"a service loop's exception handler ran: {service_errors.describe()}"
+    )
     # No native job may outlive the test that started it.
-    for bridge in set(ALL_BRIDGES) - before:
+    for bridge in set(BRIDGES) - before:
         if not bridge.closed:
             assert bridge.pending_jobs == 0, f"{bridge.pending_jobs} jobs still pending"
             assert bridge.engine.stats()["live_jobs"] == 0, "native jobs still live"

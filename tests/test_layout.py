@@ -1,6 +1,7 @@
 """The package's layering: one direction of knowledge, no import cycle.
 
-Public modules -> ``_core`` -> ``_bridge`` -> ``_native`` (through
+Public modules -> ``_core`` -> ``_bridge`` (and ``_loopside``, the owner's
+async library it drives: asyncio or trio) -> ``_native`` (through
 ``_loader``). Every import statement counts, at any depth of the file
 (function-level and ``TYPE_CHECKING`` ones too): they are found by parsing the
 sources, not by importing them.
@@ -107,7 +108,7 @@ def _layer(mod: str) -> int:
     short = mod.removeprefix("aiokvcache").lstrip(".")
     if short in ("_native", "_loader", "_ucxlog"):
         return 0
-    if short == "_bridge":
+    if short == "_bridge" or short == "_loopside" or short.startswith("_loopside."):
         return 1
     if short == "_core" or short.startswith("_core."):
         return 2

@@ -13,25 +13,29 @@ thread. A group of jobs (one per layer of a push) is awaited as one unit:
 The bridge speaks native statuses only: a failed group raises
 :class:`GroupFailed` carrying every job's :class:`JobResult`; the core's
 runner turns that into LLM-DataDist's errors. It knows nothing above it.
+
+The loop is asyncio or trio: the bridge watches the eventfd, makes its
+waiters and waits out a release through the instance's
+:class:`~._loopside.LoopSide` (under asyncio: ``add_reader`` and asyncio
+futures, as always).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import math
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _ucxlog
+from . import _loopside, _ucxlog
 from ._loader import native
+from ._loopside import LoopSide, Waiter
 
-__all__ = ["Bridge", "BridgeError", "GroupFailed", "JobGroup", "JobResult", "Jobs", "settle"]
+__all__ = ["Bridge", "BridgeError", "GroupFailed", "JobGroup", "JobResult", "Jobs"]
 
 log = logging.getLogger("aiokvcache")
 
@@ -78,24 +82,26 @@ class JobGroup:
     """The jobs of one transfer call, awaited as one unit.
 
     ``index`` maps each job id still in flight to its position; ``results``
-    fills in as jobs complete. Both futures belong to the bridge's loop;
-    ``released`` is made only when someone must wait for the rest after
-    ``first`` (a failure, a cancel): a group that succeeds costs one future.
+    fills in as jobs complete. Both waiters belong to the bridge's loop
+    (``make`` makes one); ``released`` is made only when someone must wait
+    for the rest after ``first`` (a failure, a cancel): a group that succeeds
+    costs one waiter.
     """
 
     results: list[JobResult | None]
     pending: int
-    first: asyncio.Future[None]  # resolved at the first failure or when all are done
+    first: Waiter[None]  # resolved at the first failure or when all are done
+    make: Callable[[], Waiter[None]]
     index: dict[int, int] = field(default_factory=dict)
     bad: int = 0  # jobs that ended without success
-    _released: asyncio.Future[None] | None = None
+    _released: Waiter[None] | None = None
 
     @property
-    def released(self) -> asyncio.Future[None]:
+    def released(self) -> Waiter[None]:
         """Resolved when every job of the group is released."""
         fut = self._released
         if fut is None:
-            fut = self._released = self.first.get_loop().create_future()
+            fut = self._released = self.make()
             if self.pending == 0:
                 fut.set_result(None)
         return fut
@@ -127,27 +133,6 @@ class GroupFailed(Exception):
         self.timed_out = timed_out
 
 
-#: Every live bridge (weakly), so tests can check that no job outlives them.
-ALL_BRIDGES: weakref.WeakSet[Bridge] = weakref.WeakSet()
-
-
-async def settle(fut: asyncio.Future[Any]) -> None:
-    """Wait until ``fut`` is done, even through cancellation, then re-raise it.
-
-    Quiescence before anything else: a cancel that arrives while native work
-    is still finishing is remembered and re-raised once it has finished.
-    ``fut``'s own outcome is left for the caller to read.
-    """
-    interrupted: asyncio.CancelledError | None = None
-    while not fut.done():
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError as exc:
-            interrupted = exc
-        except Exception:
-            break  # done, with an error the caller reads from fut
-    if interrupted is not None:
-        raise interrupted
 
 
 def _check_job(i: int, op: int, segs: Any, payload: bytes) -> None:
@@ -170,11 +155,13 @@ def _check_job(i: int, op: int, segs: Any, payload: bytes) -> None:
 
 
 class Bridge:
-    """Binds one native ``Engine`` to the running event loop."""
+    """Binds one native ``Engine`` to the running event loop (asyncio or trio)."""
 
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(self, engine: Any, side: LoopSide | None = None) -> None:
         self._engine = engine
-        self._loop = loop if loop is not None else asyncio.get_running_loop()
+        self._side = side if side is not None else _loopside.current()
+        self._is_current = self._side.is_current
+        self._new_waiter = self._side.future
         self._fd: int = engine.event_fd
         self._groups: dict[int, JobGroup] = {}
         self._closed = False
@@ -183,8 +170,7 @@ class Bridge:
         self.on_notify: Callable[[int, bytes], None] | None = None
         #: Called with (endpoint id, UCX status) when an endpoint fails.
         self.on_endpoint_error: Callable[[int, int], None] | None = None
-        self._loop.add_reader(self._fd, self._on_readable)
-        ALL_BRIDGES.add(self)
+        self._side.watch_fd(self._fd, self._on_readable)
 
     # ------------------------------------------------------------ plumbing
 
@@ -199,9 +185,9 @@ class Bridge:
         return self._closed
 
     @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The loop whose futures this bridge resolves."""
-        return self._loop
+    def side(self) -> LoopSide:
+        """The loop (asyncio or trio) whose waiters this bridge resolves."""
+        return self._side
 
     @property
     def pending_jobs(self) -> int:
@@ -287,13 +273,12 @@ class Bridge:
         ``checked``: the caller built the jobs from a checked plan, so their
         form is not checked again.
         """
-        loop = self._loop
-        if asyncio.get_running_loop() is not loop:
+        if not self._is_current():
             # Completions are resolved on the loop that made the bridge:
             # a group awaited anywhere else could never be woken.
             raise RuntimeError(
                 "aiokvcache transfers must run on the event loop that ran init(); "
-                "this is another loop"
+                f"this is {self._side.describe_current()}"
             )
         if timeout is not None:
             cap = max(1, math.ceil(timeout * 1000))
@@ -308,7 +293,8 @@ class Bridge:
                 _check_job(i, op, segs, payload)
         if self._closed:
             raise native.EngineClosedError("the engine is closed")
-        group = JobGroup([None] * len(jobs), len(jobs), loop.create_future())
+        make = self._new_waiter
+        group = JobGroup([None] * len(jobs), len(jobs), make(), make)
         if not jobs:
             group.first.set_result(None)
             return group
@@ -335,7 +321,7 @@ class Bridge:
             if timeout is None:
                 await group.first
             else:
-                async with asyncio.timeout(timeout):
+                async with self._side.deadline(timeout):
                     await group.first
         except TimeoutError:
             await self._release(group)
@@ -358,7 +344,7 @@ class Bridge:
     async def _release(self, group: JobGroup) -> None:
         """Cancel what is left of a group and wait until the engine lets go."""
         self.cancel_group(group)
-        await settle(group.released)
+        await self._side.settle(group.released)
 
     # ---------------------------------------------------------------- close
 
@@ -377,4 +363,4 @@ class Bridge:
         _ucxlog.drain()
         self._fail_everything(BridgeError("engine closed"))
         with contextlib.suppress(Exception):
-            self._loop.remove_reader(self._fd)
+            self._side.unwatch_fd(self._fd)

@@ -439,14 +439,18 @@ def plot(path: str, p: PassResult, title: str) -> None:
 
 
 class _Progress:
-    """A progress bar on stderr (rich) while passes run, when it is a terminal."""
+    """A progress bar on stderr while passes run, when it is a terminal and
+    rich is installed (``pip install "aiokvcache[progress]"``)."""
 
     def __init__(self, total: int) -> None:
         self._bar: Any = None
         self._task: Any = None
         if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+            try:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+            except ImportError:
+                return
 
             self._bar = Progress(
                 TextColumn("{task.description}"),

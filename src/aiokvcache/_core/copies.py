@@ -6,15 +6,14 @@ under a lease on the caches it touches (:func:`_in_thread`).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from .._bridge import settle
 from .._loader import native
+from .._loopside import LoopSide
 from . import planner
 from .errors import LLMStatusCode, make_error, param_invalid
 from .state import LocalCache, State
@@ -39,7 +38,9 @@ def _copy_all(views: Pairs) -> None:
         np.copyto(d, s)
 
 
-async def _in_thread(state: State, holders: Sequence[LocalCache], fn: Any, *args: Any) -> None:
+async def _in_thread(
+    state: State, side: LoopSide, holders: Sequence[LocalCache], fn: Any, *args: Any
+) -> None:
     """Copy in a worker thread under a lease on ``holders``.
 
     A retirement of either cache (or finalize) waits for the lease, so memory
@@ -50,16 +51,9 @@ async def _in_thread(state: State, holders: Sequence[LocalCache], fn: Any, *args
     """
     lease = state.lease(holders)
     try:
-        work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    except BaseException:
-        state.end_lease(lease)
-        raise
-    try:
-        await settle(work)  # returns only once the copy is done
+        await side.in_thread(fn, *args)  # returns only once the copy is done
     finally:
         state.end_lease(lease)
-        if work.done() and not work.cancelled():
-            work.result()  # the copy's own error, if any, comes first
     if state.finalized:
         raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "finalized during the copy")
     gone = next((h for h in holders if not h.valid), None)
@@ -99,8 +93,9 @@ def _slot_views(d: LocalCache, s: LocalCache, db: int, sb: int, off: int, size: 
 class LocalCopies:
     """The copies between our own caches, each checked and run off the loop."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, side: LoopSide) -> None:
         self.state = state
+        self.side = side
 
     async def copy_slot(
         self, d: LocalCache, s: LocalCache, db: int, sb: int, off: int, size: int
@@ -115,7 +110,7 @@ class LocalCopies:
         if sb >= s.desc.batch_size:
             raise param_invalid(f"src_batch_index={sb} is out of range ({s.desc.batch_size})")
         views = _slot_views(d, s, db, sb, off, size)
-        await _in_thread(self.state, (d, s), _copy_all, views)
+        await _in_thread(self.state, self.side, (d, s), _copy_all, views)
 
     async def copy_blocks(self, rec: LocalCache, srcs: list[int], dsts: list[int]) -> None:
         """``copy_blocks`` after its argument checks: blocks inside one cache,
@@ -138,7 +133,7 @@ class LocalCopies:
         bs = planner.block_bytes(rec.desc)
         views = [_block_view(a, nb, bs) for a in rec.addrs]
         pairs = [(v, v) for v in views]
-        await _in_thread(self.state, (rec,), _copy_blocks_all, pairs, s_ids, d_ids)
+        await _in_thread(self.state, self.side, (rec,), _copy_blocks_all, pairs, s_ids, d_ids)
 
     async def swap_blocks(
         self, s: LocalCache, d: LocalCache, srcs: list[int], dsts: list[int]
@@ -168,4 +163,4 @@ class LocalCopies:
             (_block_view(da, d_nb, bs), _block_view(sa, s_nb, bs))
             for da, sa in zip(d.addrs, s.addrs, strict=True)
         ]
-        await _in_thread(self.state, (s, d), _copy_blocks_all, pairs, s_ids, d_ids)
+        await _in_thread(self.state, self.side, (s, d), _copy_blocks_all, pairs, s_ids, d_ids)

@@ -493,7 +493,7 @@ async def _resolve(
             out[a] = hit
     if not missing:
         return out
-    await cm.service.call(cm.service.remotes_by_addr(link, missing))
+    await cm.on_service(cm.service.remotes_by_addr(link, missing))
     starts, rest = index()
     for a in missing:
         hit = lookup(starts, rest, a)

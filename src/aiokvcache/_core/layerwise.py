@@ -2,7 +2,8 @@
 
 ``await cm.transfer_cache_async(...)`` checks every argument and resolves
 every destination (remote metadata, bounds) first (:mod:`.layerprep`), so
-bad input raises there and nothing moves. Then one asyncio task walks the source layers: for
+bad input raises there and nothing moves. Then one task of the owner's loop
+(an asyncio task, or a trio system task of the instance) walks the source layers: for
 layer *i* it awaits the layer synchronizer, submits layer *i* to every
 config that includes it — one native job per (config, layer) — and goes on
 to layer *i + 1* without waiting for those jobs. The native progress thread
@@ -13,13 +14,13 @@ engine has released them (quiescence) before it ends.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 from collections.abc import Generator, Sequence
 from typing import Any
 
-from .._bridge import OP_PUT, settle
+from .._bridge import OP_PUT
+from .._loopside import TaskHandle
 from . import planner as blocks
 from .errors import LLMException, LLMStatusCode, LLMTimeoutError, make_error, param_invalid
 from .layerprep import Config, Prepare, Target, describe
@@ -40,7 +41,8 @@ class CacheTask:
       when every config succeeded, else raises :class:`LLMException` (the
       first failed config's status; the message names every config's
       outcome). Like awaiting an ``asyncio.Task``, cancelling the awaiting
-      coroutine cancels the transfer.
+      coroutine (a task cancel, a timeout, a trio or anyio cancel scope)
+      cancels the transfer, and the await ends once it is quiescent.
     * ``await task.synchronize(timeout_in_millis=None)`` → the first
       non-success status, else ``LLM_SUCCESS``; ``LLM_TIMEOUT`` if the task
       is not done in time (the task goes on).
@@ -50,15 +52,17 @@ class CacheTask:
       if the task is not done in time.
     * ``task.cancel()``: stops sending, cancels what is in flight and ends
       once nothing can be written any more (quiescent). Unfinished configs
-      then read ``LLM_FAILED``.
+      then read ``LLM_FAILED``; ``await task`` raises ``CancelledError`` under
+      asyncio and ``LLMException(LLM_FAILED)`` under trio (whose cancellation
+      belongs to a cancel scope of the caller's, not to a task).
     """
 
     def __init__(self, num_configs: int) -> None:
         self._results: list[LLMStatusCode | None] = [None] * num_configs
         self._error: BaseException | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task: TaskHandle | None = None
 
-    def _attach(self, task: asyncio.Task[None]) -> None:
+    def _attach(self, task: TaskHandle) -> None:
         self._task = task
 
     def __await__(self) -> Generator[Any, None, None]:
@@ -66,9 +70,13 @@ class CacheTask:
 
     async def _wait(self) -> None:
         assert self._task is not None
-        await self._task
+        await self._task.join()  # asyncio: raises CancelledError if it was cancelled
         if self._error is not None:
             raise self._error
+        if self._task.cancelled():
+            raise make_error(
+                LLMStatusCode.LLM_FAILED, "transfer_cache_async was cancelled (task.cancel())"
+            )
 
     def done(self) -> bool:
         """True once the transfer has ended (success, failure or cancellation)."""
@@ -76,7 +84,7 @@ class CacheTask:
 
     def cancelled(self) -> bool:
         """True if the transfer ended because it was cancelled."""
-        return self._task is not None and self._task.done() and self._task.cancelled()
+        return self._task is not None and self._task.cancelled()
 
     def cancel(self) -> bool:
         """Request cancellation (see the class docstring); False if already done."""
@@ -89,8 +97,7 @@ class CacheTask:
             timeout = check_uint32("timeout_in_millis", timeout_in_millis) / 1000
         if self._task.done():
             return True
-        done, _ = await asyncio.wait({self._task}, timeout=timeout)
-        return bool(done)
+        return await self._task.wait_done(timeout)
 
     async def synchronize(self, timeout_in_millis: int | None = None) -> LLMStatusCode:
         """Wait for the transfer; the first non-success status, else ``LLM_SUCCESS``."""
@@ -159,28 +166,22 @@ async def transfer_cache_async(
     if configs:
         cm.require_remote_access("transfer_cache_async")
     links = [cm.state.link_for(c.dst_cluster_id) for c in configs]
-    loop = asyncio.get_running_loop()
-    start = loop.time()
+    side = cm.side
+    start = side.time()
     try:
-        async with asyncio.timeout(tmo):
-            targets = list(
-                await asyncio.gather(
-                    *(
-                        prep.target(i, c, lk)
-                        for i, (c, lk) in enumerate(zip(configs, links, strict=True))
-                    )
-                )
-            )
+        async with side.deadline(tmo):
+            pending = [
+                prep.target(i, c, lk) for i, (c, lk) in enumerate(zip(configs, links, strict=True))
+            ]
+            targets = await side.gather(pending)
     except TimeoutError:
         raise LLMTimeoutError(
             "transfer_cache_async timed out looking up the destinations"
         ) from None
-    tmo = time_left(tmo, start)
+    tmo = time_left(tmo, start, side.time())
     task = CacheTask(len(configs))
     runner = _Pipeline(cm, prep, src, targets, sync, task, tmo)
-    atask = loop.create_task(runner.run(), name="aiokvcache.transfer_cache_async")
-    task._attach(atask)
-    cm.track(atask)
+    task._attach(cm.spawn(runner.run, "aiokvcache.transfer_cache_async"))
     return task
 
 
@@ -206,7 +207,8 @@ class _Pipeline:
         self.runner = cm.runner
 
     async def run(self) -> None:
-        deadline = asyncio.timeout(self.timeout)
+        side = self.cm.side
+        deadline = side.deadline(self.timeout)
         try:
             async with deadline:
                 await self._send_all()
@@ -220,7 +222,7 @@ class _Pipeline:
                 if deadline.expired()
                 else exc
             )
-        except asyncio.CancelledError:
+        except side.Cancelled:
             await self._release_all()
             if self.cm.state.finalized:
                 # finalize() stopped us, not the caller: say so.
@@ -329,11 +331,12 @@ class _Pipeline:
         groups = [g for t in self.targets for g, _, _ in t.groups]
         for g in groups:
             self.runner.bridge.cancel_group(g)
-        interrupted: asyncio.CancelledError | None = None
+        side = self.cm.side
+        interrupted: BaseException | None = None
         for g in groups:  # every group, even if a cancel arrives on the way
             try:
-                await settle(g.released)
-            except asyncio.CancelledError as exc:
+                await side.settle(g.released)
+            except side.Cancelled as exc:
                 interrupted = exc
         if interrupted is not None:
             raise interrupted

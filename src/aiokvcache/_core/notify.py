@@ -2,7 +2,8 @@
 
 The sender encodes one small payload per layer (:func:`payload`), which the
 engine sends as an eager active message after the layer's bytes landed. The
-receiver's :class:`Receiver` lives on the owner's event loop: the bridge hands
+receiver's :class:`Receiver` lives on the owner's event loop (asyncio or
+trio, through its :class:`~aiokvcache._loopside.LoopSide`): the bridge hands
 it each payload as the loop drains the completion queue, with the cluster id
 of the link it arrived on. That id is the notification's source: the engine
 attributes each message by the key in its header, which only that link's
@@ -12,7 +13,6 @@ sender, so no peer can speak for another.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 from collections.abc import AsyncIterator
@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._loader import native
+from .._loopside import LoopSide, Waiter
 from . import control
 from .errors import LLMStatusCode, LLMTimeoutError, make_error, param_invalid
 from .planner import runs
@@ -152,19 +153,46 @@ def decode_block_ids(data: bytes) -> tuple[int, ...]:
     return tuple(ids.tolist())
 
 
+class _Subscription:
+    """One ``notifications()`` iterator's queue: bounded, oldest dropped first."""
+
+    __slots__ = ("items", "side", "waiter")
+
+    def __init__(self, side: LoopSide) -> None:
+        self.side = side
+        self.items: collections.deque[Notification] = collections.deque()
+        self.waiter: Waiter[None] | None = None
+
+    def put(self, note: Notification) -> bool:
+        """Queue ``note``; False when the oldest had to go to make room."""
+        kept = len(self.items) < MAX_QUEUED_NOTIFICATIONS
+        if not kept:
+            self.items.popleft()
+        self.items.append(note)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+        return kept
+
+    async def get(self) -> Notification:
+        while not self.items:
+            self.waiter = self.side.future()
+            await self.waiter
+        return self.items.popleft()
+
+
 class Receiver:
     """Notifications that arrived, per tag and source, and who waits for them
     (owner loop only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, side: LoopSide) -> None:
+        self._side = side
         # tag -> source cluster id -> layers landed
         self._records: collections.OrderedDict[str | bytes, dict[int, set[int]]] = (
             collections.OrderedDict()
         )
-        self._waiters: dict[
-            str | bytes, list[tuple[set[int], int | None, asyncio.Future[None]]]
-        ] = {}
-        self._subscribers: list[asyncio.Queue[Notification]] = []
+        self._waiters: dict[str | bytes, list[tuple[set[int], int | None, Waiter[None]]]] = {}
+        self._subscribers: list[_Subscription] = []
         self.dropped_records = 0
         self.dropped_notifications = 0
         self.bad_notifications = 0
@@ -196,10 +224,8 @@ class Receiver:
         if note.layer >= 0:
             self._record(note)
         for q in self._subscribers:
-            if q.full():
-                q.get_nowait()
+            if not q.put(note):
                 self.dropped_notifications += 1
-            q.put_nowait(note)
 
     @staticmethod
     def _landed(rec: dict[int, set[int]] | None, src: int | None) -> set[int]:
@@ -236,11 +262,11 @@ class Receiver:
         """Return once every layer in ``want`` of ``tag`` has landed (from
         cluster ``src``, or from any linked peer when None); drop the record then."""
         if not want <= self._landed(self._records.get(tag), src):
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            fut: Waiter[None] = self._side.future()
             entry = (want, src, fut)
             self._waiters.setdefault(tag, []).append(entry)
             try:
-                async with asyncio.timeout(timeout):
+                async with self._side.deadline(timeout):
                     await fut
             except TimeoutError:
                 have = sorted(self._landed(self._records.get(tag), src) & want)
@@ -262,7 +288,7 @@ class Receiver:
 
     async def subscribe(self) -> AsyncIterator[Notification]:
         """Every notification that arrives from now on."""
-        q: asyncio.Queue[Notification] = asyncio.Queue(MAX_QUEUED_NOTIFICATIONS)
+        q = _Subscription(self._side)
         self._subscribers.append(q)
         try:
             while True:

@@ -10,7 +10,6 @@ already made the group quiescent when it returns or raises.
 
 from __future__ import annotations
 
-import asyncio
 import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -62,11 +61,11 @@ def check_timeout(timeout: Any) -> float | None:
     return None if value >= MAX_TIMEOUT_S else value
 
 
-def time_left(timeout: float | None, start: float) -> float | None:
-    """What is left of ``timeout`` (seconds) since loop time ``start``; never 0."""
+def time_left(timeout: float | None, start: float, now: float) -> float | None:
+    """What is left of ``timeout`` (seconds) from loop time ``start`` to ``now``; never 0."""
     if timeout is None:
         return None
-    return max(timeout - (asyncio.get_running_loop().time() - start), 1e-6)
+    return max(timeout - (now - start), 1e-6)
 
 
 def failure(group: JobGroup, labels: Sequence[str] | None, *, timed_out: bool) -> LLMException:

@@ -1,22 +1,24 @@
 """The runtime of one ``LLMDataDist``: engine, bridge, peer service, shared state.
 
 Built by ``LLMDataDist.init()`` on the owner's event loop (the loop the
-bridge binds to), torn down by ``finalize()``. The public classes are thin
-surfaces over it.
+bridge binds to: asyncio or trio, see :mod:`aiokvcache._loopside`), torn down
+by ``finalize()``. The public classes are thin surfaces over it.
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import contextlib
 import fcntl
 import logging
 import socket
 import struct
+from typing import Any
 
-from .. import _ucxlog
+from .. import _loopside, _ucxlog
 from .._bridge import Bridge
 from .._loader import native
+from .._loopside import LoopSide
 from .caches import LocalCaches
 from .control import LocalInfo
 from .copies import LocalCopies
@@ -25,7 +27,6 @@ from .notify import Receiver
 from .options import EngineOptions
 from .runner import Runner
 from .service import PeerService, overall
-from .servicethread import until
 from .state import Link, State
 from .transfers import Transfers
 from .types import LLMClusterInfo
@@ -94,6 +95,9 @@ class Runtime:
 
     def __init__(self, cluster_id: int, role: int, opts: EngineOptions) -> None:
         """Start the engine, the bridge (on the running loop) and the service thread."""
+        # The async library (asyncio or trio) first: under anything else
+        # nothing has started yet.
+        side = _loopside.current()
         try:
             engine = native.Engine(
                 opts.transport,
@@ -125,14 +129,15 @@ class Runtime:
             host_id=_host_id(),
         )
         self.state = State(cluster_id, opts, engine, local)
-        self.bridge = Bridge(engine)
+        self.side: LoopSide = side
+        self.bridge = Bridge(engine, side)
         self.runner = Runner(self.state, self.bridge)
-        self.receiver = Receiver()
+        self.receiver = Receiver(side)
         self.service = PeerService(self.state)
         #: This instance's caches: memory, records, keys, retirement.
         self.caches = LocalCaches(self.state, self.service)
         #: Copies between this instance's caches.
-        self.copies = LocalCopies(self.state)
+        self.copies = LocalCopies(self.state, side)
         #: Lookups of peers' caches and transfers to and from them.
         self.transfers = Transfers(self.state, self.service, self.runner)
         self.bridge.on_notify = self.receiver.on_notify
@@ -178,11 +183,17 @@ class Runtime:
     def check_loop(self) -> None:
         """Transfers and notifications belong to the loop that ran init():
         a clear error from any other, before anything is submitted."""
-        if asyncio.get_running_loop() is not self.bridge.loop:
+        if not self.side.is_current():
             raise RuntimeError(
                 "aiokvcache: this LLMDataDist's transfers and notifications must be awaited "
-                "on the event loop that ran init(), not on another loop"
+                f"on the event loop that ran init() ({self.side.name}), not on "
+                f"{self.side.describe_current()}"
             )
+
+    async def on_service(self, coro: Any) -> Any:
+        """``coro`` run on the peer-service thread, awaited on the owner's loop."""
+        cf: concurrent.futures.Future[Any] = self.service.call(coro)
+        return await self.side.from_service(cf)
 
     def _on_endpoint_error(self, ep: int, ucs_status: int) -> None:
         reason = f"transport error: {native.ucs_status_string(ucs_status)}"
@@ -190,11 +201,11 @@ class Runtime:
 
     async def listen(self, host: str, port: int) -> None:
         """Start the control server on the service thread."""
-        await self.service.call(self.service.listen(host, port))
+        await self.on_service(self.service.listen(host, port))
 
     async def relisten(self, spec: tuple[str, int] | None) -> None:
         """Listen at ``spec`` (host, port) instead, or stop listening (None)."""
-        await self.service.call(self.service.relisten(spec))
+        await self.on_service(self.service.relisten(spec))
 
     def set_role(self, role: int) -> None:
         """The role this instance tells peers from now on."""
@@ -204,7 +215,7 @@ class Runtime:
         self, infos: list[LLMClusterInfo], timeout_ms: int
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Link each cluster (on the service thread): the overall status and one per cluster."""
-        results = await self.service.call(self.service.link_all(infos, timeout_ms))
+        results = await self.on_service(self.service.link_all(infos, timeout_ms))
         return overall(results), results
 
     async def unlink_clusters(
@@ -212,14 +223,24 @@ class Runtime:
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Unlink each cluster id (on the service thread): the overall status and
         one per cluster."""
-        results = await self.service.call(self.service.unlink_all(ids, timeout_ms, force))
+        results = await self.on_service(self.service.unlink_all(ids, timeout_ms, force))
         return overall(results), results
 
     async def close(self) -> None:
-        """finalize(): peers told, transfers ended, links and server closed, memory freed."""
+        """finalize(): peers told, transfers ended, links and server closed, memory freed.
+
+        It runs to its end even when the caller is cancelled meanwhile (an
+        ``async with`` left by a cancel scope, ``fail_after`` around it): a
+        finalize cut short would leave the engine and its memory behind. The
+        cancellation comes after.
+        """
         if self._closed:
             return
+        self.side.check_can_close()
         self._closed = True
+        await self.side.shielded(self._close())
+
+    async def _close(self) -> None:
         st = self.state
         st.finalized = True
         self.caches.invalidate_all()
@@ -227,11 +248,11 @@ class Runtime:
         # Tell peers first, so the transport errors they are about to see
         # read as a shutdown, not a failure.
         with contextlib.suppress(Exception):
-            await self.service.call(self.service.announce_finalizing())
+            await self.on_service(self.service.announce_finalizing())
         # Local copies run in worker threads and cannot be stopped: the
         # engine unmaps every region when it closes, so wait for them first.
         copies = self.caches.copy_leases()
-        await until(lambda: st.leases_over(copies))
+        await self.side.poll_until(lambda: st.leases_over(copies))
         # Nothing in Python touches the control region once the engine may
         # unmap it.
         st.ctl.close()
@@ -239,7 +260,7 @@ class Runtime:
         # (ENGINE_FINALIZED) before memory goes.
         self.bridge.close()
         with contextlib.suppress(Exception):
-            await self.service.call(self.service.close())
+            await self.on_service(self.service.close())
         self.service.stop()
         await self.transfers.end_tasks()
         self.caches.drop_all()

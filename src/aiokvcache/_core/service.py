@@ -20,7 +20,7 @@ owner's loop itself. Shared tables follow :mod:`.state`'s locking rule.
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -67,9 +67,9 @@ class PeerService:
 
     # ------------------------------------------------------------- thread
 
-    def call(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
-        """Run ``coro`` on the service loop; await the result on the calling loop
-        (see :meth:`.servicethread.ServiceThread.call`)."""
+    def call(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the service loop; the caller awaits the result
+        through its loop side (see :meth:`.servicethread.ServiceThread.call`)."""
         return self.thread.call(coro)
 
     def stop(self) -> None:

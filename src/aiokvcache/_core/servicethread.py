@@ -1,25 +1,28 @@
 """The peer-service thread: its own asyncio loop, and how other threads reach it.
 
 The owner reaches the loop through :meth:`ServiceThread.call` (a coroutine
-run on the service loop, awaited from the owner's loop through
-``asyncio.wrap_future``: the owner's future is completed on the owner's loop)
-and :meth:`ServiceThread.spawn` (fire and track). Nothing here completes a
-future of the owner's loop itself.
+run on the service loop; the owner awaits the ``concurrent.futures.Future``
+through its :class:`~aiokvcache._loopside.LoopSide`, which is woken on the
+owner's own loop, asyncio or trio) and :meth:`ServiceThread.spawn` (fire and
+track). Nothing here completes a future of the owner's loop itself.
+
+An error that reaches the service loop's exception handler is a bug: it is
+logged on the ``aiokvcache.service`` logger at ERROR.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["SERVICE_ERRORS", "SERVICE_ERROR_COUNT", "ServiceThread", "until"]
+__all__ = ["ServiceThread", "until"]
 
 log = logging.getLogger("aiokvcache")
+service_log = logging.getLogger("aiokvcache.service")
 
 T = TypeVar("T")
 
@@ -28,11 +31,6 @@ T = TypeVar("T")
 # _POLL_MAX_S.
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.02
-
-#: The latest errors that reached a service loop's exception handler, and
-#: how many there were in all (tests assert none; bounded for long runs).
-SERVICE_ERRORS: collections.deque[dict[str, Any]] = collections.deque(maxlen=64)
-SERVICE_ERROR_COUNT = [0]
 
 
 async def until(done: Callable[[], bool], timeout: float | None = None) -> bool:
@@ -51,9 +49,13 @@ async def until(done: Callable[[], bool], timeout: float | None = None) -> bool:
 
 
 def _on_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-    SERVICE_ERRORS.append(context)
-    SERVICE_ERROR_COUNT[0] += 1
-    loop.default_exception_handler(context)
+    exc = context.get("exception")
+    service_log.error(
+        "aiokvcache: unhandled error on the peer-service loop: %s",
+        context.get("message", "?"),
+        exc_info=(type(exc), exc, exc.__traceback__) if isinstance(exc, BaseException) else None,
+        extra={"context": context},
+    )
 
 
 class ServiceThread:
@@ -88,12 +90,13 @@ class ServiceThread:
         """True when called on the service thread."""
         return threading.current_thread() is self._thread
 
-    def call(self, coro: Coroutine[Any, Any, T]) -> asyncio.Future[T]:
-        """Run ``coro`` on the service loop; await the result on the calling loop.
+    def call(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Run ``coro`` on the service loop; its result, for the caller's
+        :meth:`~aiokvcache._loopside.LoopSide.from_service` to await.
 
         Cancelling the returned future cancels the coroutine's task.
         """
-        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
         """Run ``coro`` on the service loop in the background (from any thread)."""

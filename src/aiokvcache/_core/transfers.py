@@ -9,14 +9,15 @@ segment tables (:mod:`.planner`, :mod:`.slots`) and runs them
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Coroutine
+import concurrent.futures
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from .._bridge import OP_GET, OP_PUT
+from .._loopside import LoopSide, TaskHandle
 from . import notify, planner
 from .errors import LLMStatusCode, LLMTimeoutError, make_error, param_invalid
 from .runner import Runner, run_jobs, time_left
@@ -108,21 +109,33 @@ class Transfers:
         self.state = state
         self.service = service
         self.runner = runner
+        #: The owner's loop (asyncio or trio).
+        self.side: LoopSide = runner.bridge.side
         #: Background tasks on the owner's loop (transfer_cache_async), ended by finalize.
-        self.tasks: set[asyncio.Task[Any]] = set()
+        self.tasks: set[TaskHandle] = set()
 
-    def track(self, task: asyncio.Task[Any]) -> None:
-        """Keep ``task`` until it ends; finalize() cancels what is left."""
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+    def spawn(self, fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> TaskHandle:
+        """Run ``fn()`` in the background on the owner's loop until it ends;
+        finalize() cancels what is left."""
+        # Ended tasks are dropped here: a handle has no done-callback on
+        # every loop, and the set stays as small as what is in flight.
+        self.tasks = {t for t in self.tasks if not t.done()}
+        handle = self.side.spawn(fn, name)
+        self.tasks.add(handle)
+        return handle
 
     async def end_tasks(self) -> None:
         """Cancel the background tasks left (finalize) and wait until they end."""
         tasks = list(self.tasks)
         for task in tasks:
             task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            await task.wait_done(None)
+
+    async def on_service(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``coro`` run on the peer-service thread, awaited on the owner's loop."""
+        cf: concurrent.futures.Future[T] = self.service.call(coro)
+        return await self.side.from_service(cf)
 
     def require_remote_access(self, what: str) -> None:
         """Pushing writes peers' memory: only with llm.EnableRemoteCacheAccessible on."""
@@ -137,8 +150,8 @@ class Transfers:
     async def _ask(self, coro: Coroutine[Any, Any, T], tmo: float | None, timed_out: str) -> T:
         """``coro`` on the service loop, within the call's ``tmo``; LLMTimeoutError after."""
         try:
-            async with asyncio.timeout(tmo):
-                return await self.service.call(coro)
+            async with self.side.deadline(tmo):
+                return await self.on_service(coro)
         except TimeoutError:
             raise LLMTimeoutError(timed_out) from None
 
@@ -241,7 +254,7 @@ class Transfers:
             )
         self.require_remote_access("push_cache")
         link = self.state.link_for(key.cluster_id)
-        start = asyncio.get_running_loop().time()
+        start = self.side.time()
         remote, db = await self.remote_slot(link, key, tmo, "push_cache", "destination")
         name = (
             "dst_cache_key.batch_index"
@@ -249,7 +262,7 @@ class Transfers:
             else "the batch index dst_cache_key is bound to"
         )
         t = SlotTransfer(OP_PUT, src, sb, remote, db, name, n, src_r, dst_r)
-        await self.slot(t, link, tag, time_left(tmo, start))
+        await self.slot(t, link, tag, time_left(tmo, start, self.side.time()))
 
     async def pull_slot(
         self,
@@ -273,12 +286,12 @@ class Transfers:
         if size != -1 and size <= 0:
             raise param_invalid(f"size must be -1 or > 0, got {size}")
         link = self.state.link_for(key.cluster_id)
-        start = asyncio.get_running_loop().time()
+        start = self.side.time()
         remote, sb = await self.remote_slot(link, key, tmo, "pull_cache")
         t = SlotTransfer(
             OP_GET, dst, db, remote, sb, "cache_key.batch_index", n, src_r, dst_r, size
         )
-        await self.slot(t, link, None, time_left(tmo, start))
+        await self.slot(t, link, None, time_left(tmo, start, self.side.time()))
 
     # ------------------------------------------------------------ blocks
 
@@ -307,9 +320,9 @@ class Transfers:
         planner.check_in_range("src_blocks", src_ids, planner.num_blocks(src.desc), "src_cache")
         self.require_remote_access("push_blocks")
         link = self.state.link_for(key.cluster_id)
-        start = asyncio.get_running_loop().time()
+        start = self.side.time()
         remote = await self.remote_blocks(link, key, tmo, "push_blocks")
-        tmo = time_left(tmo, start)
+        tmo = time_left(tmo, start, self.side.time())
         nb = planner.num_blocks(remote.desc)
         planner.check_in_range("dst_blocks", dst_ids, nb, "the remote cache")
         planner.check_unique("dst_blocks", dst_ids, nb)
@@ -356,13 +369,13 @@ class Transfers:
         against the destination cache, then against the remote one it looks up."""
         _check_pull_blocks(key, dst, src_ids, dst_ids)
         link = self.state.link_for(key.cluster_id)
-        start = asyncio.get_running_loop().time()
+        start = self.side.time()
         if isinstance(key, BlocksCacheKey):
             remote = await self.remote_blocks(link, key, tmo, "pull_blocks")
             sb = None
         else:
             remote, sb = await self.remote_slot(link, key, tmo, "pull_blocks")
-        tmo = time_left(tmo, start)
+        tmo = time_left(tmo, start, self.side.time())
         pairs = planner.layer_pairs(
             n, remote.desc, dst.desc, src_r, dst_r, "the remote cache", "dst_cache"
         )

@@ -1,0 +1,293 @@
+"""The trio side of :mod:`aiokvcache._loopside` (imported only when an instance starts under trio).
+
+* The completion eventfd is waited with ``trio.lowlevel.wait_readable`` in
+  one system task of the instance, which drains the queue and resolves the
+  waiters; :meth:`TrioSide.unwatch_fd` ends it with ``notify_closing``.
+* The peer-service thread's results wake the run through its token
+  (``run_sync_soon``): nothing blocks a thread on the run, and nothing but the
+  run's own thread touches a :class:`TrioWaiter`.
+* Deadlines are cancel scopes that raise the builtin ``TimeoutError``;
+  cancellation is the caller's cancel scope (``fail_after``, ``move_on_after``,
+  ``CancelScope.cancel``), and the release a cancelled transfer must wait for
+  is awaited in a shielded scope, never re-awaited unshielded inside the
+  cancel path.
+* Background tasks (the layer-wise pipeline) are system tasks with a cancel
+  scope of their own; ``finalize()`` cancels and waits for them, and the run
+  ending cancels them too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import math
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from typing import Any, TypeVar
+
+import trio
+
+from ._base import Deadline, LoopSide, TaskHandle, Waiter
+
+__all__ = ["TrioSide", "TrioWaiter"]
+
+log = logging.getLogger("aiokvcache")
+
+T = TypeVar("T")
+
+
+class TrioWaiter:
+    """A one-shot result for trio (the part of ``asyncio.Future`` the library uses)."""
+
+    __slots__ = ("_callbacks", "_done", "_error", "_event", "_value")
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self._done = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Any], object]] | None = None
+
+    def done(self) -> bool:
+        return self._done
+
+    def cancelled(self) -> bool:
+        return False
+
+    def set_result(self, result: Any, /) -> None:
+        if self._done:
+            raise RuntimeError("waiter is already done")
+        self._value = result
+        self._finish()
+
+    def set_exception(self, exception: BaseException, /) -> None:
+        if self._done:
+            raise RuntimeError("waiter is already done")
+        self._error = exception
+        self._finish()
+
+    def _finish(self) -> None:
+        self._done = True
+        self._event.set()
+        callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
+            fn(self)
+
+    def add_done_callback(self, fn: Callable[[Any], object], /) -> None:
+        if self._done:
+            fn(self)
+        elif self._callbacks is None:
+            self._callbacks = [fn]
+        else:
+            self._callbacks.append(fn)
+
+    def result(self) -> Any:
+        if not self._done:
+            raise RuntimeError("waiter is not done")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    async def wait(self) -> None:
+        """Until done (a checkpoint even when it already is)."""
+        await self._event.wait()
+
+    async def _get(self) -> Any:
+        await self._event.wait()
+        return self.result()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._get().__await__()
+
+
+class _TrioDeadline:
+    """A cancel scope with a deadline that raises ``TimeoutError`` when it fires."""
+
+    __slots__ = ("_scope",)
+
+    def __init__(self, seconds: float | None) -> None:
+        deadline = math.inf if seconds is None else trio.current_time() + seconds
+        self._scope = trio.CancelScope(deadline=deadline)
+
+    async def __aenter__(self) -> _TrioDeadline:
+        self._scope.__enter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        suppressed = self._scope.__exit__(*exc)
+        if self._scope.cancelled_caught:
+            raise TimeoutError
+        return suppressed
+
+    def expired(self) -> bool:
+        return self._scope.cancelled_caught
+
+
+class _TrioTask:
+    """:class:`TaskHandle` over a system task with its own cancel scope."""
+
+    __slots__ = ("_cancelled", "_done", "_scope")
+
+    def __init__(self, fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
+        self._cancelled = False
+        trio.lowlevel.spawn_system_task(self._run, fn, name=name)
+
+    async def _run(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        try:
+            with self._scope:
+                await fn()
+        except Exception:  # an error in a system task would end the whole run
+            log.exception("aiokvcache: background task failed")
+        finally:
+            self._cancelled = self._scope.cancelled_caught
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> bool:
+        if self._done.is_set():
+            return False
+        self._scope.cancel()
+        return True
+
+    async def join(self) -> None:
+        try:
+            await self._done.wait()
+        except trio.Cancelled:
+            # Like awaiting an asyncio task: the caller's cancel stops the
+            # task, and the caller resumes only once it ended.
+            self._scope.cancel()
+            with trio.CancelScope(shield=True):
+                await self._done.wait()
+            raise
+
+    async def wait_done(self, timeout: float | None) -> bool:
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            await self._done.wait()
+        return self._done.is_set()
+
+
+class TrioSide(LoopSide):
+    """The owner is a trio run (also anyio on trio)."""
+
+    name = "trio"
+    Cancelled = trio.Cancelled
+
+    def __init__(self) -> None:
+        self.token = trio.lowlevel.current_trio_token()
+        self._watched: set[int] = set()
+
+    def is_current(self) -> bool:
+        try:
+            return trio.lowlevel.current_trio_token() is self.token
+        except RuntimeError:
+            return False
+
+    def check_can_close(self) -> None:
+        if not self.is_current():
+            raise RuntimeError(
+                "aiokvcache: finalize() must be awaited in the trio run that ran init(), "
+                f"not in {self.describe_current()}"
+            )
+
+    def time(self) -> float:
+        return trio.current_time()
+
+    def future(self) -> TrioWaiter:
+        return TrioWaiter()
+
+    def watch_fd(self, fd: int, on_readable: Callable[[], None]) -> None:
+        self._watched.add(fd)
+        trio.lowlevel.spawn_system_task(
+            self._watch, fd, on_readable, name=f"aiokvcache.completions(fd={fd})"
+        )
+
+    async def _watch(self, fd: int, on_readable: Callable[[], None]) -> None:
+        try:
+            while fd in self._watched:
+                await trio.lowlevel.wait_readable(fd)
+                if fd in self._watched:
+                    on_readable()
+        except trio.ClosedResourceError:
+            return  # unwatched
+
+    def unwatch_fd(self, fd: int) -> None:
+        if fd in self._watched:
+            self._watched.discard(fd)
+            trio.lowlevel.notify_closing(fd)
+
+    async def settle(self, fut: Waiter[Any]) -> None:
+        assert isinstance(fut, TrioWaiter)
+        with trio.CancelScope(shield=True):
+            await fut.wait()
+        await trio.lowlevel.checkpoint_if_cancelled()
+
+    def deadline(self, seconds: float | None) -> Deadline:
+        return _TrioDeadline(seconds)
+
+    async def sleep(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+
+    async def from_service(self, cf: concurrent.futures.Future[T]) -> T:
+        event = trio.Event()
+        token = self.token
+
+        def wake(_: concurrent.futures.Future[T]) -> None:
+            try:
+                token.run_sync_soon(event.set)
+            except trio.RunFinishedError:
+                pass  # the run ended: nobody waits any more
+
+        cf.add_done_callback(wake)
+        try:
+            await event.wait()
+        except trio.Cancelled:
+            cf.cancel()  # run_coroutine_threadsafe cancels the service task
+            raise
+        return cf.result()
+
+    async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        # abandon_on_cancel=False: a cancel waits for fn's end; fn's own
+        # error comes first, else the cancellation.
+        result = await trio.to_thread.run_sync(fn, *args)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        return result
+
+    async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
+        with trio.CancelScope(shield=True):
+            result = await coro
+        await trio.lowlevel.checkpoint_if_cancelled()
+        return result
+
+    def spawn(self, fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> TaskHandle:
+        return _TrioTask(fn, name)
+
+    async def gather(self, aws: Sequence[Awaitable[T]]) -> list[T]:
+        results: list[Any] = [None] * len(aws)
+        first: list[Exception] = []
+
+        async with trio.open_nursery() as nursery:
+
+            async def one(i: int, aw: Awaitable[T]) -> None:
+                try:
+                    results[i] = await aw
+                except trio.Cancelled:
+                    # The scope that was cancelled stays cancelled: the
+                    # checkpoint below raises for an outer one.
+                    return
+                except Exception as exc:
+                    if not first:
+                        first.append(exc)
+                        nursery.cancel_scope.cancel()
+
+            for i, aw in enumerate(aws):
+                nursery.start_soon(one, i, aw)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if first:
+            raise first[0]
+        return results
