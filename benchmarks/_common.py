@@ -17,13 +17,18 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiokvcache.testing import Child, Peer
+from aiokvcache.testing import Child
+
+# The test suite's peer program and its clients (tests/support, not installed).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.harness import Peer
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -45,13 +45,18 @@ import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import numpy as np  # noqa: E402
 
 import aiokvcache as kv  # noqa: E402
 from aiokvcache._core import planner as blocks  # noqa: E402
-from aiokvcache.testing import Peer, cluster_info, options  # noqa: E402
+from aiokvcache.testing import cluster_info, options  # noqa: E402
+
+# The test suite's peer program and its clients (tests/support, not installed).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.harness import Peer  # noqa: E402
 
 MiB = 1 << 20
 SENDER, RECEIVER = 1, 2

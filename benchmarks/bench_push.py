@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Children, fmt_gbs, fmt_ratio, run_perftest, table
 
 import aiokvcache as kv
-from aiokvcache.testing import cluster_info, options, threads_cpu_s
+from aiokvcache.testing import cluster_info, options
+from support.harness import threads_cpu_s
 
 MiB = 1 << 20
 PERFTEST_TLS = {"shm": "sm,self", "tcp": "tcp,self"}

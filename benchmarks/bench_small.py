@@ -31,7 +31,8 @@ import numpy as np
 from _common import Children, run_perftest, table
 
 import aiokvcache as kv
-from aiokvcache.testing import cluster_info, options, threads_cpu_s
+from aiokvcache.testing import cluster_info, options
+from support.harness import threads_cpu_s
 
 KiB = 1 << 10
 LAYERS = 32

@@ -1,13 +1,18 @@
-"""LLMDataDist / CacheManager in one process: two instances linked to each other."""
+"""LLMDataDist / CacheManager in one process: two instances linked to each other.
+
+Every test runs on asyncio and on trio (anyio's pytest plugin, ``kv_pair``
+from aiokvcache's), over shared memory and TCP.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import hashlib
 import logging
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -24,6 +29,7 @@ from aiokvcache import (
     LLMStatusCode,
     LLMTimeoutError,
     Placement,
+    testing,
 )
 from aiokvcache.testing import (
     Pair,
@@ -32,13 +38,20 @@ from aiokvcache.testing import (
     fill,
     make_pair,
     options,
-    pair,
     same,
     snapshot,
 )
 
+pytestmark = pytest.mark.anyio
+
 S = LLMStatusCode
 MiB = 1 << 20
+
+
+@pytest.fixture
+def pair(kv_pair: Pair) -> Pair:
+    """The plugin's linked pair, on the test's backend."""
+    return kv_pair
 
 
 def kv_desc(layers: int = 4, batch: int = 2, tokens: int = 16, dim: int = 64) -> CacheDesc:
@@ -119,10 +132,9 @@ async def test_link_rules(pair: Pair, transport: str, caplog: pytest.LogCaptureF
     info = LLMClusterInfo()
     info.remote_cluster_id = 99
     info.append_remote_ip_info("127.0.0.1", 1)
-    loop = asyncio.get_running_loop()
-    t0 = loop.time()
+    t0 = anyio.current_time()
     rc, per = await pair.prompt.link_clusters([info], timeout=1000)
-    assert per == [S.LLM_LINK_FAILED] and loop.time() - t0 < 3
+    assert per == [S.LLM_LINK_FAILED] and anyio.current_time() - t0 < 3
     with pytest.raises(TypeError):
         await pair.prompt.link_clusters(info)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
@@ -152,7 +164,7 @@ async def test_unlink(pair: Pair) -> None:
     for _ in range(100):
         if 1 not in pair.decoder._links:
             break
-        await asyncio.sleep(0.01)
+        await anyio.sleep(0.01)
     assert 1 not in pair.decoder._links
     _rc, per = await pair.prompt.link_clusters([cluster_info(pair.decoder)])
     assert per == [S.LLM_SUCCESS]
@@ -427,7 +439,9 @@ async def test_many_concurrent_pushes(pair: Pair) -> None:
         for _ in range(5):
             await pair.p.push_cache(CacheKeyByIdAndIndex(2, d.cache_id), s)
 
-    await asyncio.gather(*(one(s, d) for s, d in pairs))
+    async with anyio.create_task_group() as tg:
+        for s, d in pairs:
+            tg.start_soon(one, s, d)
     assert all(digest(s) == digest(d) for s, d in pairs)
 
 
@@ -496,13 +510,13 @@ async def test_push_after_peer_deallocates(pair: Pair) -> None:
         except LLMException as exc:
             code = exc.status_code
             break
-        await asyncio.sleep(0.01)
+        await anyio.sleep(0.01)
     assert code == S.LLM_KV_CACHE_NOT_EXIST
     # The decoder's memory went back only after the prompt let go of it.
     for _ in range(200):
         if pair.d.stats()["regions"] == 0:
             break
-        await asyncio.sleep(0.01)
+        await anyio.sleep(0.01)
     assert pair.d.stats()["regions"] == 0
 
 
@@ -518,7 +532,7 @@ async def test_peer_finalize_fails_pushes_with_link_failed(pair: Pair) -> None:
         except LLMException as exc:
             code = exc.status_code
             break
-        await asyncio.sleep(0.01)
+        await anyio.sleep(0.01)
     assert code == S.LLM_LINK_FAILED
 
 
@@ -549,11 +563,23 @@ async def test_timeout_cancel_quiescent_and_reusable(transport: str) -> None:
         assert isinstance(ei.value, TimeoutError)
         assert "landed" in str(ei.value)
         await assert_still(dst)
-        task = asyncio.create_task(pr.p.push_cache(key, src))
-        await asyncio.sleep(0.001)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        outcome = []
+
+        async def push() -> None:
+            try:
+                await pr.p.push_cache(key, src)
+            except anyio.get_cancelled_exc_class():
+                outcome.append("cancelled")
+                # Quiescent when the cancellation reaches us.
+                outcome.append(pr.p.stats()["live_jobs"])
+                raise
+            outcome.append("landed")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(push)
+            await anyio.sleep(0.001)
+            tg.cancel_scope.cancel()
+        assert outcome == ["cancelled", 0]
         await assert_still(dst)
         with pytest.raises(TimeoutError):
             with anyio.fail_after(0.001):
@@ -590,11 +616,22 @@ async def test_finalize_fails_in_flight_push(transport: str) -> None:
         src = pr.p.allocate_cache(big_desc())
         key = CacheKeyByIdAndIndex(2, dst.cache_id)
         await pr.p.push_cache(key, src, src_layer_range=range(1))  # metadata in hand
-        tasks = [asyncio.create_task(pr.p.push_cache(key, src)) for _ in range(8)]
-        await asyncio.sleep(0.005)
-        assert not all(t.done() for t in tasks)
-        await pr.prompt.finalize()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        results: list[BaseException | None] = []
+
+        async def push() -> None:
+            try:
+                await pr.p.push_cache(key, src)
+            except LLMException as exc:
+                results.append(exc)
+            else:
+                results.append(None)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(8):
+                tg.start_soon(push)
+            await anyio.sleep(0.005)
+            assert len(results) < 8
+            await pr.prompt.finalize()
         failed = [r for r in results if r is not None]
         assert failed
         for r in failed:
@@ -613,6 +650,7 @@ async def test_tagged_push_notifies_receiver(pair: Pair) -> None:
     src = pair.p.allocate_cache(desc)
     fill(src, 11)
     seen = []
+    all_seen = anyio.Event()
 
     async def listen() -> None:
         async for note in pair.d.notifications():
@@ -621,13 +659,16 @@ async def test_tagged_push_notifies_receiver(pair: Pair) -> None:
             assert np.array_equal(dst.tensors[t][note.batch_index], src.tensors[t][0])
             seen.append(note)
             if len(seen) == 4:
+                all_seen.set()
                 return
 
-    listener = asyncio.create_task(listen())
-    await asyncio.sleep(0)
-    await pair.p.push_cache(CacheKeyByIdAndIndex(2, dst.cache_id, 1), src, tag="req-1")
-    await pair.d.wait_for_layers("req-1", range(4), timeout=5)
-    await asyncio.wait_for(listener, 5)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listen)
+        await anyio.lowlevel.checkpoint()
+        await pair.p.push_cache(CacheKeyByIdAndIndex(2, dst.cache_id, 1), src, tag="req-1")
+        await pair.d.wait_for_layers("req-1", range(4), timeout=5)
+        with anyio.fail_after(5):
+            await all_seen.wait()
     assert sorted(n.layer for n in seen) == [0, 1, 2, 3]
     assert {(n.tag, n.src_cluster_id, n.cache_id, n.batch_index) for n in seen} == {
         ("req-1", 1, dst.cache_id, 1)
@@ -640,7 +681,7 @@ async def test_tagged_push_notifies_receiver(pair: Pair) -> None:
     for _ in range(100):
         if pair.d.stats()["tag_records"]:
             break
-        await asyncio.sleep(0.01)
+        await anyio.sleep(0.01)
     pair.d.discard_tag(b"r2")
     assert pair.d.stats()["tag_records"] == 0
 
@@ -652,12 +693,12 @@ async def test_garbage_at_control_server_is_survived(
     host, port = pair.decoder.listen_address.rsplit(":", 1)
     caplog.set_level(logging.WARNING, "aiokvcache")
     for junk in (b"\xff\xff\xff\xff", b"\x00\x00\x00\x05hello", b"GET / HTTP/1.1\r\n\r\n"):
-        r, w = await asyncio.open_connection(host, int(port))
-        w.write(junk)
-        await w.drain()
-        await r.read()  # the server closes it
-        w.close()
-        await w.wait_closed()
+        async with await anyio.connect_tcp(host, int(port)) as conn:
+            await conn.send(junk)
+            with anyio.fail_after(10):
+                with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError):
+                    while True:
+                        await conn.receive()  # until the server closes it
     desc = kv_desc(layers=1)
     dst = pair.d.allocate_cache(desc)
     src = pair.p.allocate_cache(desc)
@@ -684,7 +725,7 @@ async def test_link_tries_every_address(pair: Pair, transport: str) -> None:
 
 async def test_data_plane_on_a_named_interface() -> None:
     # The loopback interface, named: UCX listens, advertises and connects only there.
-    async with pair("tcp", net_devices="lo") as pr:
+    async with testing.pair("tcp", net_devices="lo") as pr:
         desc = kv_desc(layers=2, batch=1)
         dst = pr.d.allocate_cache(desc)
         src = pr.p.allocate_cache(desc)

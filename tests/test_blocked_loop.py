@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import aiokvcache as kv
-from aiokvcache._peer import BLOCKED_PULL_KEY, BLOCKED_SHAPE, BLOCKED_TENSORS, blocked_pattern
-from aiokvcache.testing import AsyncPeer, cluster_info, options
+from aiokvcache.testing import cluster_info, options
+from support.harness import AsyncPeer
+from support.peer_modes import BLOCKED_PULL_KEY, BLOCKED_SHAPE, BLOCKED_TENSORS, blocked_pattern
 
 T = TypeVar("T")
 BLOCK_S = 8.0

@@ -1,11 +1,13 @@
-"""Blocks (paged) caches: allocate/register, push/pull_blocks, copy/swap_blocks."""
+"""Blocks (paged) caches: allocate/register, push/pull_blocks, copy/swap_blocks
+(on asyncio and trio, over shm and TCP)."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -24,7 +26,6 @@ from aiokvcache import (
 from aiokvcache._core import notify
 from aiokvcache._core import planner as blocks
 from aiokvcache.testing import (
-    AsyncPeer,
     Pair,
     assert_still,
     blocks_desc,
@@ -36,8 +37,17 @@ from aiokvcache.testing import (
     snapshot,
     status_of,
 )
+from support.harness import AsyncPeer
+
+pytestmark = pytest.mark.anyio
 
 S = LLMStatusCode
+
+
+@pytest.fixture
+def pair(kv_pair: Pair) -> Pair:
+    """The plugin's linked pair, on the test's backend."""
+    return kv_pair
 
 
 def kv(cache: Any, t: int) -> np.ndarray:
@@ -317,18 +327,21 @@ async def test_blocks_100k(transport: str) -> None:
                 if len(notes) == 2:
                     return
 
-        listener = asyncio.create_task(listen())
-        await asyncio.sleep(0)
-        await pr.p.push_blocks(BlocksCacheKey(2), src, np.arange(n), perm, tag="scattered")
-        for t in range(2):
-            assert np.array_equal(kv(dst, t)[perm], kv(src, t))
-        await pr.p.push_blocks(BlocksCacheKey(2), src, range(n), range(n), tag="consecutive")
-        for t in range(2):
-            assert np.array_equal(kv(dst, t), kv(src, t))
-        back = pr.p.allocate_blocks_cache(desc)
-        await pr.p.pull_blocks(BlocksCacheKey(2), back, perm, np.arange(n))
-        assert np.array_equal(kv(back, 1), kv(src, 1)[perm])
-        await asyncio.wait_for(listener, 10)
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(listen)
+                await anyio.lowlevel.checkpoint()
+                await pr.p.push_blocks(BlocksCacheKey(2), src, np.arange(n), perm, tag="scattered")
+                for t in range(2):
+                    assert np.array_equal(kv(dst, t)[perm], kv(src, t))
+                await pr.p.push_blocks(
+                    BlocksCacheKey(2), src, range(n), range(n), tag="consecutive"
+                )
+                for t in range(2):
+                    assert np.array_equal(kv(dst, t), kv(src, t))
+                back = pr.p.allocate_blocks_cache(desc)
+                await pr.p.pull_blocks(BlocksCacheKey(2), back, perm, np.arange(n))
+                assert np.array_equal(kv(back, 1), kv(src, 1)[perm])
         by_tag = {nt.tag: nt for nt in notes}
         assert by_tag["scattered"].batch_index is None  # too long for a notification
         assert by_tag["consecutive"].blocks == tuple(range(n))
@@ -353,11 +366,12 @@ async def test_blocks_notifications(pair: Pair) -> None:
             if len(seen) == 4:
                 return
 
-    listener = asyncio.create_task(listen())
-    await asyncio.sleep(0)
-    await pair.p.push_blocks(BlocksCacheKey(2), src, range(5), d_ids, tag="req-7")
-    await pair.d.wait_for_layers("req-7", range(4), timeout=5)
-    await asyncio.wait_for(listener, 5)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listen)
+            await anyio.lowlevel.checkpoint()
+            await pair.p.push_blocks(BlocksCacheKey(2), src, range(5), d_ids, tag="req-7")
+            await pair.d.wait_for_layers("req-7", range(4), timeout=5)
     assert sorted(n.layer for n in seen) == [0, 1, 2, 3]
     assert {(n.tag, n.src_cluster_id, n.cache_id, n.blocks) for n in seen} == {
         ("req-7", 1, dst.cache_id, tuple(d_ids))
@@ -374,11 +388,20 @@ async def test_push_blocks_cancel_and_timeout_quiescent(transport: str) -> None:
         fill(src, 10)
         ids = np.random.default_rng(11).permutation(64)
         await pr.p.push_blocks(BlocksCacheKey(2), src, [0], [0], src_layer_range=range(1))
-        task = asyncio.create_task(pr.p.push_blocks(BlocksCacheKey(2), src, range(64), ids))
-        await asyncio.sleep(0.003)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        outcome = []
+
+        async def push() -> None:
+            try:
+                await pr.p.push_blocks(BlocksCacheKey(2), src, range(64), ids)
+            except anyio.get_cancelled_exc_class():
+                outcome.append(pr.p.stats()["live_jobs"])  # quiescent when it reaches us
+                raise
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(push)
+            await anyio.sleep(0.003)
+            tg.cancel_scope.cancel()
+        assert outcome == [0]
         await assert_still(dst)
         with pytest.raises(TimeoutError):
             await pr.p.push_blocks(BlocksCacheKey(2), src, range(64), ids, timeout=0.003)

@@ -1,9 +1,8 @@
-"""A prefill process here, a decode process killed with SIGKILL mid-push."""
+"""A prefill process here, a decode process killed with SIGKILL mid-push (asyncio and trio)."""
 
 from __future__ import annotations
 
-import asyncio
-
+import anyio
 import numpy as np
 import pytest
 
@@ -15,7 +14,10 @@ from aiokvcache import (
     LLMStatusCode,
 )
 from aiokvcache.bench import Shape
-from aiokvcache.testing import AsyncPeer, cluster_info, options
+from aiokvcache.testing import cluster_info, options
+from support.harness import AsyncPeer
+
+pytestmark = pytest.mark.anyio
 
 
 async def test_decoder_killed_mid_push(transport: str) -> None:
@@ -35,18 +37,25 @@ async def test_decoder_killed_mid_push(transport: str) -> None:
             for t in src.tensors:
                 t[...] = np.float16(1.5)
             key = CacheKeyByIdAndIndex(2, peer.hello["cache_id"])
-            pushes = [
-                asyncio.create_task(dd.cache_manager.push_cache(key, src, tag="x"))
-                for _ in range(8)
-            ]
-            await asyncio.sleep(0.05)
-            assert not all(p.done() for p in pushes)
-            await peer.kill()  # SIGKILL, then reaped
-            loop = asyncio.get_running_loop()
-            t0 = loop.time()
-            async with asyncio.timeout(15):
-                results = await asyncio.gather(*pushes, return_exceptions=True)
-            assert loop.time() - t0 < 10
+            results: list[BaseException | None] = []
+
+            async def push() -> None:
+                try:
+                    await dd.cache_manager.push_cache(key, src, tag="x")
+                except Exception as exc:
+                    results.append(exc)
+                else:
+                    results.append(None)
+
+            with anyio.fail_after(15):
+                async with anyio.create_task_group() as tg:
+                    for _ in range(8):
+                        tg.start_soon(push)
+                    await anyio.sleep(0.05)
+                    assert len(results) < 8
+                    await peer.kill()  # SIGKILL, then reaped
+                    t0 = anyio.current_time()
+            assert anyio.current_time() - t0 < 10
             failures = [r for r in results if isinstance(r, BaseException)]
             assert failures, "no push noticed the dead peer"
             for r in failures:

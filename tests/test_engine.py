@@ -16,12 +16,13 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+import pytest_asyncio
 
 from aiokvcache import _bridge
 from aiokvcache._core.runner import run_jobs
 from aiokvcache._loader import native
 from aiokvcache.errors import LLMException, LLMStatusCode, LLMTimeoutError
-from aiokvcache.testing import Peer, read_memory
+from support.harness import Peer, read_memory
 
 MiB = 1 << 20
 
@@ -83,7 +84,7 @@ def link(a: Side, b: Side, transport: str) -> Link:
     return Link(a, b, ep, rkey)
 
 
-@pytest.fixture
+@pytest_asyncio.fixture
 async def pair(transport: str) -> AsyncIterator[Link]:
     """Two engines in this process; b owns a 64 MiB region that a writes."""
     a = make_side(transport)
@@ -116,7 +117,7 @@ async def test_the_spin_after_work_is_bounded(transport: str) -> None:
     """A long spin budget (50 ms) after a run of small jobs: the progress
     threads poll that long after the last one, then sleep, so two idle
     seconds cost far less than two seconds of CPU."""
-    from aiokvcache.testing import threads_cpu_s
+    from support.harness import threads_cpu_s
 
     a = make_side(transport, progress_spin_us=50_000)
     b = make_side(transport, MiB, progress_spin_us=50_000)
@@ -252,7 +253,7 @@ def slow_side(transport: str) -> Side:
     )
 
 
-@pytest.fixture
+@pytest_asyncio.fixture
 async def slow_pair(transport: str) -> AsyncIterator[Link]:
     a = slow_side(transport)
     b = make_side(transport, 64 * MiB)
@@ -392,7 +393,7 @@ def engine_peer(transport: str, size: int) -> Peer:
     return Peer("engine", transport, str(size))
 
 
-@pytest.fixture
+@pytest_asyncio.fixture
 async def remote(transport: str) -> AsyncIterator[tuple[Side, Peer, Link]]:
     with engine_peer(transport, 256 * MiB + 4096) as peer:
         a = make_side(transport)

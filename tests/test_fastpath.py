@@ -24,7 +24,8 @@ from aiokvcache import (
     Placement,
 )
 from aiokvcache._loader import native
-from aiokvcache.testing import Pair, fill, threads_cpu_s
+from aiokvcache.testing import Pair, fill
+from support.harness import threads_cpu_s
 
 S = LLMStatusCode
 

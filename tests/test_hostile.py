@@ -26,7 +26,8 @@ import pytest
 import aiokvcache as kv
 from aiokvcache._core import control, frames, handshake
 from aiokvcache._loader import native
-from aiokvcache.testing import AsyncPeer, cluster_info, options, rss_kb
+from aiokvcache.testing import cluster_info, options
+from support.harness import AsyncPeer, rss_kb
 
 TOKEN = "s3cret-token"
 TENSORS, TENSOR_BYTES = 4, 256 << 10

@@ -1,4 +1,7 @@
-"""transfer_cache_async / CacheTask, receiver notifications, and the layer-wise example."""
+"""transfer_cache_async / CacheTask, receiver notifications, and the layer-wise example.
+
+The API tests run on asyncio and on trio (``kv_pair``), over shm and TCP.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -37,15 +42,23 @@ from aiokvcache.testing import (
     snapshot,
 )
 
+pytestmark = pytest.mark.anyio
+
 S = LLMStatusCode
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def pair(kv_pair: Pair) -> Pair:
+    """The plugin's linked pair, on the test's backend."""
+    return kv_pair
 
 
 class Gate(LayerSynchronizer):
     """Layer *i* is ready once ``open(i)`` was called; returns ``verdict.get(i, True)``."""
 
     def __init__(self, layers: int, verdict: dict[int, Any] | None = None) -> None:
-        self.events = [asyncio.Event() for _ in range(layers)]
+        self.events = [anyio.Event() for _ in range(layers)]
         self.verdict = verdict or {}
         self.calls: list[tuple[int, int | None]] = []
 
@@ -101,7 +114,7 @@ async def test_pipelined_layer_by_layer(pair: Pair) -> None:
     task = await pair.p.transfer_cache_async(src, gate, [cfg])
     assert isinstance(task, CacheTask)
     for i in range(layers):
-        await asyncio.sleep(0.01)
+        await anyio.sleep(0.01)
         assert not task.done()
         assert layer_empty(dst, i), f"layer {i} was sent before it was ready"
         gate.open(i)
@@ -137,12 +150,13 @@ async def test_notifications_in_layer_order(pair: Pair) -> None:
                 return
             gate.open(note.layer + 1)
 
-    listener = asyncio.create_task(receiver())
-    await asyncio.sleep(0)
-    cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, dst.cache_id), tag=b"r")
-    task = await pair.p.transfer_cache_async(src, gate, [cfg])
-    gate.open(0)
-    await asyncio.wait_for(listener, 10)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(receiver)
+            await anyio.lowlevel.checkpoint()
+            cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, dst.cache_id), tag=b"r")
+            task = await pair.p.transfer_cache_async(src, gate, [cfg])
+            gate.open(0)
     await task
     assert seen == list(range(layers))
 
@@ -197,11 +211,12 @@ async def test_transfer_config_raw_addresses(pair: Pair) -> None:
             if len(notes) == 2:
                 return
 
-    listener = asyncio.create_task(listen())
-    await asyncio.sleep(0)
-    task = await pair.p.transfer_cache_async(src, Plain(), [cfg])
-    await task
-    await asyncio.wait_for(listener, 5)
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(listen)
+            await anyio.lowlevel.checkpoint()
+            task = await pair.p.transfer_cache_async(src, Plain(), [cfg])
+            await task
     assert np.array_equal(t(dst, 6)[2], t(src, 2)[1]) and np.array_equal(t(dst, 7)[2], t(src, 3)[1])
     assert np.array_equal(t(dst, 0)[2], t(src, 4)[1]) and np.array_equal(t(dst, 1)[2], t(src, 5)[1])
     assert sorted((n.layer, n.batch_index, n.cache_id) for n in notes) == [
@@ -379,7 +394,7 @@ async def test_synchronizer_raising(pair: Pair) -> None:
     assert layer_landed(dst, src, 0) and layer_empty(dst, 1) and layer_empty(dst, 2)
 
 
-async def test_cancel_midway_is_quiescent(transport: str) -> None:
+async def test_cancel_midway_is_quiescent(transport: str, anyio_backend: str) -> None:
     # A 64 KiB window: 8 MiB layers take many round trips.
     pr = await make_pair(transport, max_inflight_bytes=64 * 1024)
     try:
@@ -392,10 +407,15 @@ async def test_cancel_midway_is_quiescent(transport: str) -> None:
         cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, dst.cache_id))
         task = await pr.p.transfer_cache_async(src, gate, [cfg])
         gate.open(0, 1)  # layers 0 and 1 go; layer 2 is never ready
-        await asyncio.sleep(0.003)
+        await anyio.sleep(0.003)
         assert task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        if anyio_backend == "asyncio":
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:  # a trio cancellation belongs to a scope: awaiting it raises LLM_FAILED
+            with pytest.raises(LLMException, match="cancelled") as ei:
+                await task
+            assert ei.value.status_code == S.LLM_FAILED
         assert task.cancelled() and task.done()
         await assert_still(dst)
         assert layer_empty(dst, 2) and layer_empty(dst, 3)
@@ -406,14 +426,20 @@ async def test_cancel_midway_is_quiescent(transport: str) -> None:
         task2 = await pr.p.transfer_cache_async(src, gate2, [cfg])
         gate2.open(0)
 
-        async def waiter() -> None:
-            await task2
+        outcome = []
 
-        w = asyncio.create_task(waiter())
-        await asyncio.sleep(0.003)
-        w.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await w
+        async def waiter() -> None:
+            try:
+                await task2
+            except anyio.get_cancelled_exc_class():
+                outcome.append((task2.done(), pr.p.stats()["live_jobs"]))  # quiescent by now
+                raise
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0.003)
+            tg.cancel_scope.cancel()
+        assert outcome == [(True, 0)]
         assert task2.cancelled()
         await assert_still(dst)
         # Usable afterwards.
@@ -470,7 +496,7 @@ async def test_failing_destination_does_not_stop_the_others(pair: Pair) -> None:
     for _ in range(500):  # the prompt learns of it
         if b.cache_id not in link.remote:
             break
-        await asyncio.sleep(0.01)
+        await anyio.sleep(0.01)
     gate.open()
     with pytest.raises(LLMException) as ei:
         await task
@@ -493,14 +519,46 @@ async def test_bounded_receiver_state(pair: Pair, monkeypatch: pytest.MonkeyPatc
     async def landed(count: int) -> None:
         for _ in range(500):
             if pair.d.stats()["notifications_received"] >= count:
-                await asyncio.sleep(0.01)  # the loop dispatches what arrived
+                await anyio.sleep(0.01)  # the loop dispatches what arrived
                 return
-            await asyncio.sleep(0.01)
+            await anyio.sleep(0.01)
         raise AssertionError("notifications did not arrive")
 
     # A waited-for tag is never dropped, however many others come after it.
-    keep = asyncio.create_task(pair.d.wait_for_layers("keep", [0, 1], timeout=10))
-    await asyncio.sleep(0)
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pair.d.wait_for_layers, "keep", [0, 1], 10)
+            await anyio.lowlevel.checkpoint()
+            await _many_tags(pair, key, src, landed)
+    assert pair.d.stats()["tag_records"] == 1  # a record is dropped once its wait returned
+    pair.d.discard_tag("t4")
+    assert pair.d.stats()["tag_records"] == 0
+    # A subscriber that does not read: its queue is capped, oldest dropped.
+    agen = pair.d.notifications()
+    got: list[Any] = []
+
+    async def first() -> None:
+        got.append(await agen.__anext__())
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(first)
+            await anyio.lowlevel.checkpoint()
+            await pair.p.push_cache(key, src, src_layer_range=range(1), tag="q0")
+    assert got[0].tag == "q0"
+    for i in range(1, 4):
+        await pair.p.push_cache(key, src, src_layer_range=range(1), tag=f"q{i}")
+    await landed(12)
+    assert pair.d.stats()["dropped_notifications"] == 1
+    assert [(await agen.__anext__()).tag for _ in range(2)] == ["q2", "q3"]
+    await agen.aclose()
+    for i in range(4):
+        pair.d.discard_tag(f"q{i}")
+    assert pair.d.stats()["tag_records"] == 0
+
+
+async def _many_tags(pair: Pair, key: Any, src: Any, landed: Any) -> None:
+    """Push "keep" layer 0, six tags nobody waits for, then "keep" layer 1."""
     await pair.p.push_cache(key, src, src_layer_range=range(1), tag="keep")
     for i in range(6):  # records nobody waits for: capped, oldest dropped first
         await pair.p.push_cache(key, src, src_layer_range=range(1), tag=f"t{i}")
@@ -512,25 +570,6 @@ async def test_bounded_receiver_state(pair: Pair, monkeypatch: pytest.MonkeyPatc
     with pytest.raises(LLMTimeoutError):
         await pair.d.wait_for_layers("t0", [0], timeout=0.05)  # the oldest was dropped
     await pair.p.push_cache(key, src, src_layer_range=range(1, 2), tag="keep")
-    await asyncio.wait_for(keep, 5)
-    assert pair.d.stats()["tag_records"] == 1  # a record is dropped once its wait returned
-    pair.d.discard_tag("t4")
-    assert pair.d.stats()["tag_records"] == 0
-    # A subscriber that does not read: its queue is capped, oldest dropped.
-    agen = pair.d.notifications()
-    first = asyncio.create_task(agen.__anext__())
-    await asyncio.sleep(0)
-    await pair.p.push_cache(key, src, src_layer_range=range(1), tag="q0")
-    assert (await asyncio.wait_for(first, 5)).tag == "q0"
-    for i in range(1, 4):
-        await pair.p.push_cache(key, src, src_layer_range=range(1), tag=f"q{i}")
-    await landed(12)
-    assert pair.d.stats()["dropped_notifications"] == 1
-    assert [(await agen.__anext__()).tag for _ in range(2)] == ["q2", "q3"]
-    await agen.aclose()
-    for i in range(4):
-        pair.d.discard_tag(f"q{i}")
-    assert pair.d.stats()["tag_records"] == 0
 
 
 # ----------------------------------------------------------------- example
@@ -574,7 +613,7 @@ async def test_finalize_during_a_task(transport: str) -> None:
         cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, dst.cache_id))
         task = await pr.p.transfer_cache_async(src, gate, [cfg])
         gate.open(0)
-        await asyncio.sleep(0.01)
+        await anyio.sleep(0.01)
         await pr.prompt.finalize()
         with pytest.raises(LLMException) as ei:
             await task

@@ -130,7 +130,10 @@ def test_nothing_below_knows_what_is_above(layer: int, name: str) -> None:
 
 # The tools beside the library: they use it as a user would, through its public
 # modules only.
-TOOLS = ("aiokvcache.bench", "aiokvcache.__main__")
+TOOLS = ("aiokvcache.bench", "aiokvcache.__main__", "aiokvcache._benchpeer")
+#: What the tools share beside the public API: the JSON-lines protocol of
+#: their child processes (standard library only, nothing of the library).
+PLUMBING = ("aiokvcache._child",)
 PUBLIC = (
     "aiokvcache",
     "aiokvcache.errors",
@@ -143,13 +146,49 @@ PUBLIC = (
 
 
 def _public(mod: str) -> bool:
-    return mod in PUBLIC or mod == "aiokvcache.integrations.vllm"
+    return (
+        mod in PUBLIC
+        or mod in PLUMBING
+        or mod in TOOLS
+        or mod == "aiokvcache.integrations.vllm"
+    )
 
 
 def test_the_tools_use_only_the_public_api() -> None:
     graph = import_graph()
     bad = [f"{m} imports {d}" for m in TOOLS for d in graph[m] if not _public(d)]
     assert not bad, f"a tool reaches past the public API: {bad}"
+
+
+def test_the_plumbing_knows_nothing_of_the_library() -> None:
+    graph = import_graph()
+    bad = [f"{m} imports {d}" for m in PLUMBING for d in graph[m]]
+    assert not bad, f"the tools' plumbing imports the library: {bad}"
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        m = todo.pop()
+        for d in graph.get(m, ()):
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+def test_the_cli_does_not_import_the_test_harness() -> None:
+    # bench and its decode side are product: they run without the testing
+    # module (nor anyio, nor the pytest plugin).
+    graph = import_graph()
+    for tool in TOOLS:
+        harness = {
+            m
+            for m in _reachable(graph, tool)
+            if m.startswith(("aiokvcache.testing", "aiokvcache.pytest_plugin"))
+        }
+        assert not harness, f"{tool} imports {sorted(harness)}"
 
 
 def _example_imports(path: Path) -> set[str]:

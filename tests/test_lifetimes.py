@@ -85,7 +85,8 @@ import pytest
 
 import aiokvcache as kv
 from aiokvcache import testing
-from aiokvcache.testing import AsyncPeer, Pair, fill, options, snapshot
+from aiokvcache.testing import Pair, fill, options, snapshot
+from support.harness import AsyncPeer
 
 S = kv.LLMStatusCode
 SUPPORT = Path(__file__).parent / "support"

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 import aiokvcache as kv
-from aiokvcache.testing import AsyncPeer, cluster_info, options
+from aiokvcache.testing import cluster_info, options
+from support.harness import AsyncPeer
 
 S = kv.LLMStatusCode
 PEER_TIMEOUT_MS = 1000

@@ -16,7 +16,8 @@ import time
 
 import aiokvcache as kv
 from aiokvcache._core.retire import RETIRE_TIMEOUT_S
-from aiokvcache.testing import AsyncPeer, options
+from aiokvcache.testing import options
+from support.harness import AsyncPeer
 
 TENSORS, BYTES = 2, 1 << 20
 

@@ -31,7 +31,8 @@ import pytest
 import aiokvcache as kv
 from aiokvcache import testing
 from aiokvcache._loader import native
-from aiokvcache.testing import AsyncPeer, cluster_info
+from aiokvcache.testing import cluster_info
+from support.harness import AsyncPeer
 
 S = kv.LLMStatusCode
 SUPPORT = Path(__file__).parent / "support"

@@ -95,7 +95,8 @@ import numpy as np
 import pytest
 
 import aiokvcache as kv
-from aiokvcache.testing import AsyncPeer, cluster_info, fill, rss_kb
+from aiokvcache.testing import cluster_info, fill
+from support.harness import AsyncPeer, rss_kb
 
 S = kv.LLMStatusCode
 SUPPORT = Path(__file__).parent / "support"

@@ -8,7 +8,7 @@ thread; the event loop learns of completions from one eventfd.
 
 from __future__ import annotations
 
-from .cache_manager import CacheManager, Notification
+from .cache_manager import CacheManager, Notification, Notifications
 from .datadist import LLMDataDist
 from .errors import InternalError, LLMException, LLMStatusCode, LLMTimeoutError, Status
 from .layerwise import CacheTask
@@ -50,6 +50,7 @@ __all__ = [
     "LayerSynchronizer",
     "LlmConfig",
     "Notification",
+    "Notifications",
     "Placement",
     "Status",
     "TransferConfig",

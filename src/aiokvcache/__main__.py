@@ -16,7 +16,7 @@ import sys
 import traceback
 
 from . import LLMException, LLMStatusCode, bench
-from .testing import PeerError
+from ._child import PeerError
 
 DESCRIPTION = """\
 aiokvcache moves LLM KV caches between processes and hosts from asyncio.

@@ -34,15 +34,19 @@ from . import (
     CacheKeyByIdAndIndex,
     CacheManager,
     DataType,
+    LLMClusterInfo,
     LLMDataDist,
     LLMRole,
     LLMStatusCode,
     Placement,
     __version__,
 )
+from ._child import JsonPeer
 from .errors import make_error
 from .options import DEFAULT_MAX_INFLIGHT_BYTES, TRANSPORTS, LLMConfig
-from .testing import DECODER_ID, PROMPT_ID, Peer, cluster_info, options
+
+#: The prefill (this process) and decode (its child) cluster ids.
+PROMPT_ID, DECODER_ID = 1, 2
 
 
 @dataclass(frozen=True)
@@ -87,10 +91,22 @@ class Shape:
 
 def engine_options(transport: str, listen: bool, max_inflight: int | None) -> dict[str, str]:
     """Both sides' init options: a 60 s layer deadline (a loaded 2-core host is slow)."""
-    extra: dict[str, Any] = {"sync_kv_timeout": 60_000}
+    cfg = LLMConfig()
+    cfg.transport = transport
+    cfg.sync_kv_timeout = 60_000
+    if listen:
+        cfg.listen_ip_info = "127.0.0.1:0"
     if max_inflight:
-        extra["max_inflight_bytes"] = max_inflight
-    return options(transport, listen, **extra)
+        cfg.max_inflight_bytes = max_inflight
+    return cfg.generate_options()
+
+
+def _decoder_at(address: str) -> LLMClusterInfo:
+    host, port = address.rsplit(":", 1)
+    info = LLMClusterInfo()
+    info.remote_cluster_id = DECODER_ID
+    info.append_remote_ip_info(host, int(port))
+    return info
 
 
 def digest(cache: Cache, index: Any) -> str:
@@ -528,7 +544,7 @@ def _source_cache(cm: CacheManager, shape: Shape) -> Cache:
     return src
 
 
-def _layer_pusher(cm: CacheManager, shape: Shape, src: Cache, peer: Peer) -> PushLayer:
+def _layer_pusher(cm: CacheManager, shape: Shape, src: Cache, peer: JsonPeer) -> PushLayer:
     """Push one layer of ``src`` into the decode process's cache, under a tag."""
     if shape.block_tokens:
         bkey = BlocksCacheKey(DECODER_ID)
@@ -550,7 +566,7 @@ def _layer_pusher(cm: CacheManager, shape: Shape, src: Cache, peer: Peer) -> Pus
 
 
 async def _rounds(
-    args: argparse.Namespace, shape: Shape, peer: Peer, push_layer: PushLayer
+    args: argparse.Namespace, shape: Shape, peer: JsonPeer, push_layer: PushLayer
 ) -> list[list[PassResult]]:
     """One cold round, then ``args.iterations``: each a transfer-alone and a
     pipelined pass, in alternating order."""
@@ -619,10 +635,9 @@ async def _bench(args: argparse.Namespace) -> int:
         # This side first: a transport that cannot start fails here, with
         # its status, before any decode process exists.
         await dd.init(engine_options(args.transport, False, args.max_inflight))
-        with Peer("decode", *shape_argv(args), startup_timeout=120) as peer:
-            _, per = await dd.link_clusters(
-                [cluster_info(peer.address, DECODER_ID)], timeout=10_000
-            )
+        argv = [sys.executable, "-m", "aiokvcache._benchpeer", *shape_argv(args)]
+        with JsonPeer(argv, label="bench decode side", startup_timeout=120) as peer:
+            _, per = await dd.link_clusters([_decoder_at(peer.address)], timeout=10_000)
             if per[0] != LLMStatusCode.LLM_SUCCESS:
                 raise make_error(per[0], f"cannot link to the decode process at {peer.address}")
             cm = dd.cache_manager

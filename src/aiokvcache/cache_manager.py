@@ -9,7 +9,7 @@ tables and runs them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,7 +18,7 @@ import numpy.typing as npt
 from ._core import layerwise, planner
 from ._core.errors import LLMStatusCode, make_error, param_invalid
 from ._core.layerwise import CacheTask
-from ._core.notify import Notification
+from ._core.notify import Notification, Notifications
 from ._core.runner import check_timeout
 from ._core.types import (
     BlocksCacheKey,
@@ -40,7 +40,7 @@ from ._core.types import (
 if TYPE_CHECKING:
     from ._core.runtime import Runtime
 
-__all__ = ["CacheManager", "Notification"]
+__all__ = ["CacheManager", "Notification", "Notifications"]
 
 
 def _check_host_desc(cache_desc: Any) -> CacheDesc:
@@ -499,9 +499,14 @@ class CacheManager:
         check_tag("tag", tag)
         self._rt.receiver.discard(tag)
 
-    async def notifications(self) -> AsyncIterator[Notification]:
-        """Every notification that arrives from now on, as an async iterator."""
+    def notifications(self) -> Notifications:
+        """Every notification that arrives from now on, as an async iterator
+        (``async for note in cm.notifications()``).
+
+        It ends when the instance is finalized; ``async with
+        cm.notifications() as notes:`` or ``aclose()`` stops it earlier (one
+        dropped without either stops when it is garbage collected).
+        """
         self._check_ready()
         self._rt.check_loop()
-        async for note in self._rt.receiver.subscribe():
-            yield note
+        return self._rt.receiver.subscribe()

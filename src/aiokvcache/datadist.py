@@ -145,6 +145,8 @@ class LLMDataDist:
         close links and the server, release all memory. Idempotent."""
         if self._finalized:
             return
+        if self._rt is not None:
+            self._rt.check_can_close()  # a refused call changes nothing
         self._finalized = True
         if self._rt is not None:
             await self._rt.close()

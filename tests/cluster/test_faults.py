@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from aiokvcache.options import DEFAULT_MAX_UNCONFIRMED_BYTES
-from aiokvcache.testing import AsyncPeer, NetCluster, NetHost, read_memory
+from support.harness import AsyncPeer, NetCluster, NetHost, read_memory
 
 PORT = 26000
 TENSORS = 8

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from aiokvcache.testing import NETNS_PREFIX, NetCluster, netns_cleanup_stale
+from support.harness import NETNS_PREFIX, NetCluster, netns_cleanup_stale
 
 MakeCluster = Callable[..., NetCluster]
 

@@ -43,6 +43,8 @@ import aiokvcache as kv
 
 CANARY = 0xA5
 PEER_SCRIPT = Path(__file__).resolve().parent / "lt_peer.py"
+# Run as a script: the suite's support package is beside this file's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def result(**obj: Any) -> None:
@@ -144,7 +146,8 @@ async def unlink_scenario(
     canary caches of X's size (likely at X's addresses). ``freeze``:
     "frozen" stops the peer (SIGSTOP) just before our unlink and continues
     it once the canaries are in place; "running" leaves it alone."""
-    from aiokvcache.testing import AsyncPeer, cluster_info
+    from aiokvcache.testing import cluster_info
+    from support.harness import AsyncPeer
 
     # Small socket buffers on both sides (the peer inherits them): a TCP
     # sender then holds most of its posted, unconfirmed puts itself instead
@@ -234,7 +237,8 @@ async def stress_scenario(transport: str, seconds: str) -> None:
     transfer."""
     import hashlib
 
-    from aiokvcache.testing import AsyncPeer, cluster_info
+    from aiokvcache.testing import cluster_info
+    from support.harness import AsyncPeer
 
     peer_script = str(PEER_SCRIPT)
 

@@ -214,7 +214,7 @@ class _Pipeline:
                 await self._send_all()
                 await self._wait_all()
         except TimeoutError as exc:
-            await self._release_all()
+            interrupted = await self._release_all()
             self._settle(LLMStatusCode.LLM_TIMEOUT)
             # Ours, or the synchronizer's own TimeoutError.
             self.task._error = (
@@ -222,7 +222,11 @@ class _Pipeline:
                 if deadline.expired()
                 else exc
             )
+            if interrupted is not None:
+                raise interrupted from None
         except side.Cancelled:
+            # Under trio the cancellation stays on (the scope is cancelled)
+            # while we release: what _release_all saw is this one again.
             await self._release_all()
             if self.cm.state.finalized:
                 # finalize() stopped us, not the caller: say so.
@@ -235,10 +239,12 @@ class _Pipeline:
             self._settle(LLMStatusCode.LLM_FAILED)
             raise
         except Exception as exc:  # the engine went away under us
-            await self._release_all()
+            interrupted = await self._release_all()
             code = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
             self._settle(code)
             self.task._error = exc
+            if interrupted is not None:
+                raise interrupted from None
         else:
             self._finish()
         finally:
@@ -327,7 +333,9 @@ class _Pipeline:
                     for g2, _, _ in t.groups:
                         self.runner.bridge.cancel_group(g2)
 
-    async def _release_all(self) -> None:
+    async def _release_all(self) -> BaseException | None:
+        """Cancel every group and wait until each is released, whatever
+        cancellation arrives meanwhile: the one that did, for the caller."""
         groups = [g for t in self.targets for g, _, _ in t.groups]
         for g in groups:
             self.runner.bridge.cancel_group(g)
@@ -338,8 +346,7 @@ class _Pipeline:
                 await side.settle(g.released)
             except side.Cancelled as exc:
                 interrupted = exc
-        if interrupted is not None:
-            raise interrupted
+        return interrupted
 
     def _untrack(self) -> None:
         for t in self.targets:

@@ -14,8 +14,8 @@ sender, so no peer can speak for another.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
-from collections.abc import AsyncIterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -33,6 +33,7 @@ __all__ = [
     "MAX_TAG_RECORDS",
     "NO_BLOCKS",
     "Notification",
+    "Notifications",
     "Receiver",
     "block_list",
     "decode_block_ids",
@@ -156,12 +157,18 @@ def decode_block_ids(data: bytes) -> tuple[int, ...]:
 class _Subscription:
     """One ``notifications()`` iterator's queue: bounded, oldest dropped first."""
 
-    __slots__ = ("items", "side", "waiter")
+    __slots__ = ("closed", "items", "side", "waiter")
 
     def __init__(self, side: LoopSide) -> None:
         self.side = side
         self.items: collections.deque[Notification] = collections.deque()
         self.waiter: Waiter[None] | None = None
+        self.closed = False
+
+    def _wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def put(self, note: Notification) -> bool:
         """Queue ``note``; False when the oldest had to go to make room."""
@@ -169,16 +176,66 @@ class _Subscription:
         if not kept:
             self.items.popleft()
         self.items.append(note)
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        self._wake()
         return kept
+
+    def end(self) -> None:
+        """No more notifications (finalize): the iterator ends once drained."""
+        self.closed = True
+        self._wake()
 
     async def get(self) -> Notification:
         while not self.items:
+            if self.closed:
+                raise StopAsyncIteration
             self.waiter = self.side.future()
             await self.waiter
         return self.items.popleft()
+
+
+class Notifications:
+    """What ``CacheManager.notifications()`` returns: an async iterator of every
+    :class:`Notification` that arrives from the call on.
+
+    It ends when the instance is finalized. ``async with
+    cm.notifications() as notes:`` (or :meth:`aclose`) stops it at once; one
+    dropped without that stops when it is garbage collected. It is a plain
+    object, not an async generator: dropping it needs no event loop's help.
+    """
+
+    __slots__ = ("__weakref__", "_receiver", "_sub")
+
+    def __init__(self, receiver: Receiver, sub: _Subscription) -> None:
+        self._receiver: Receiver | None = receiver
+        self._sub = sub
+
+    def __aiter__(self) -> Notifications:
+        return self
+
+    async def __anext__(self) -> Notification:
+        return await self._sub.get()
+
+    def close(self) -> None:
+        """Stop receiving (idempotent)."""
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.unsubscribe(self._sub)
+        self._sub.end()
+
+    async def aclose(self) -> None:
+        """:meth:`close`, awaitable (``contextlib.aclosing``)."""
+        self.close()
+
+    async def __aenter__(self) -> Notifications:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        receiver = getattr(self, "_receiver", None)
+        if receiver is not None:
+            receiver.unsubscribe(self._sub)
 
 
 class Receiver:
@@ -193,6 +250,7 @@ class Receiver:
         )
         self._waiters: dict[str | bytes, list[tuple[set[int], int | None, Waiter[None]]]] = {}
         self._subscribers: list[_Subscription] = []
+        self._closed = False
         self.dropped_records = 0
         self.dropped_notifications = 0
         self.bad_notifications = 0
@@ -286,18 +344,26 @@ class Receiver:
         """Drop what is recorded for ``tag``."""
         self._records.pop(tag, None)
 
-    async def subscribe(self) -> AsyncIterator[Notification]:
+    def subscribe(self) -> Notifications:
         """Every notification that arrives from now on."""
         q = _Subscription(self._side)
-        self._subscribers.append(q)
-        try:
-            while True:
-                yield await q.get()
-        finally:
+        if self._closed:
+            q.end()
+        else:
+            self._subscribers.append(q)
+        return Notifications(self, q)
+
+    def unsubscribe(self, q: _Subscription) -> None:
+        """Stop queueing notifications for ``q``."""
+        with contextlib.suppress(ValueError):
             self._subscribers.remove(q)
 
     def close(self) -> None:
-        """finalize(): every waiter fails with ENGINE_FINALIZED."""
+        """finalize(): every waiter fails with ENGINE_FINALIZED; every
+        notification iterator ends once drained."""
+        self._closed = True
+        for q in self._subscribers:
+            q.end()
         for waiters in self._waiters.values():
             for _, _, fut in waiters:
                 if not fut.done():

@@ -236,9 +236,14 @@ class Runtime:
         """
         if self._closed:
             return
-        self.side.check_can_close()
+        self.check_can_close()
         self._closed = True
         await self.side.shielded(self._close())
+
+    def check_can_close(self) -> None:
+        """``RuntimeError`` unless finalize() may run on the calling loop
+        (under trio: only in the run that ran init())."""
+        self.side.check_can_close()
 
     async def _close(self) -> None:
         st = self.state

@@ -1,9 +1,6 @@
-"""Helpers for tests, benchmarks and examples: a linked pair, a peer process.
+"""Testing helpers for code that uses aiokvcache, in the style of ``trio.testing``.
 
-Not part of the transfer API; it uses nothing but that API (``aiokvcache``),
-the standard library and NumPy.
-
-In one process:
+In one process (asyncio or trio, nothing beyond the base install):
 
 * :func:`pair` (an async context manager) and :func:`make_pair`: a prompt
   :class:`~aiokvcache.LLMDataDist` (cluster 1) linked to a listening decoder
@@ -13,75 +10,27 @@ In one process:
 * :func:`fill`, :func:`snapshot`, :func:`same`, :func:`assert_still`,
   :func:`status_of`, :func:`blocks_desc`: small checks on caches.
 
-Across processes:
+In a child process:
 
-* :class:`Child`: any child process spoken to in lines on stdin/stdout,
-  always killed and reaped on :meth:`~Child.close` (a ``with`` block).
-* :class:`Peer` (blocking) and :class:`AsyncPeer` (asyncio): the peer
-  program, ``python -m aiokvcache._peer MODE ...``, spoken to in JSON lines:
-  it prints one JSON object when ready (:attr:`Peer.hello`), then answers
-  each request ``{"op": ..., ...}`` with one JSON object. Its modes:
+* :class:`PeerProcess`: an ``LLMDataDist`` in a child process
+  (``python -m aiokvcache.testing.peer``), driven by requests; frozen,
+  thawed, slowed or killed on demand, to test hand-off code against a peer
+  that stops answering, dies or crawls. It runs under asyncio and trio
+  (anyio: ``pip install "aiokvcache[pytest]"``).
+* :class:`Child`: any child program spoken to in lines (blocking), always
+  killed and reaped on :meth:`~Child.close`; :class:`PeerError`,
+  :class:`PeerExited`.
 
-  ``decode``
-      the decode side of ``python -m aiokvcache bench``: a decoder
-      (cluster 2) owning one KV cache of the bench's shape options;
-      ``hello = {"address", "cache_id"}``; ops ``wait`` (``tag``: every
-      layer of that tag landed), ``digest``.
-  ``blocks TRANSPORT TENSORS BLOCKS BLOCK_BYTES``
-      a decoder owning two uint8 blocks caches, ``BlocksCacheKey(2, 0)``
-      zeroed and ``BlocksCacheKey(2, 1)`` filled from seed 99 (unless
-      ``--no-pattern``); ``hello = {"address"}``; op ``hash`` (``cache``,
-      ``tensor``, ``blocks``).
-  ``blocked TRANSPORT``
-      a decoder that blocks its own event loop on request (``time.sleep``
-      or a pure-Python busy loop), to show that peers are served meanwhile;
-      ``hello = {"address", "push", "pull", "gone"}`` (cache ids); ops
-      ``block`` (``how``, ``seconds``: answers ``{"blocking": true}``, then
-      ``{"unblocked_at", "sha"}``) and, while blocked, ``dealloc``.
-  ``engine TRANSPORT SIZE``
-      a bare native engine owning one zeroed region; ``hello = {"worker",
-      "addr", "size", "rkey", "pid"}``; ops ``hash`` (``offset``,
-      ``length``), ``fill`` (``seed``), ``notes`` (``count``).
-
-  ``prefill TRANSPORT`` / ``decoder TRANSPORT``
-      an :class:`~aiokvcache.LLMDataDist` driven op by op (prompt role,
-      cluster 1 / decoder role, cluster 2 by default; ``--cluster-id``,
-      ``--listen IP:PORT`` (the decoder's default 127.0.0.1:0),
-      ``--auth-token``, ``--sync-kv-timeout MS``); ``hello = {"address",
-      "pid", "cluster_id", "rss_kb"}``. Caches are named by the caller:
-      ``alloc`` (``name``, ``tensors``, ``bytes``, ``seed``: uint8 tensors
-      of ``[1, bytes]``; answers ``cache_id``, ``addrs``, ``sha``),
-      ``fill``, ``hash``, ``free``; links: ``link`` / ``unlink``
-      (``address``, ``cluster_id``, ``timeout_ms``; answer ``status``,
-      ``per``, ``seconds``); transfers: ``push`` / ``pull`` (``cluster_id``,
-      ``cache_id``, ``src`` / ``dst``, ``call_timeout``: the call's ``timeout=``,
-      seconds, default 5) answer ``status`` (an
-      ``LLMStatusCode`` name, ``"LLM_SUCCESS"`` included: a failed transfer
-      is a result, not an error), ``start`` and ``end`` (``time.monotonic()``,
-      the same clock as the caller's on one machine), ``seconds`` and
-      ``message``; ``loop`` (``loop``, ``count``, ``seconds``, ``srcs``,
-      ``stop_on_error``) pushes back to back in the background,
-      ``loop_status`` / ``loop_join`` (``wait`` seconds) report on it; ``reinit`` replaces the
-      LLMDataDist by a fresh one; ``rss``, ``stats``.
-
-  Every mode exits on ``{"op": "exit"}`` or end of input, ignores SIGINT
-  (its parent decides when it ends) and takes ``--lifetime SECONDS``.
-  :class:`AsyncPeer` runs it inside a network namespace with ``netns=``.
-
-Across hosts (network namespaces, root only): :class:`NetCluster` makes N
-hosts cabled to one bridge, :meth:`NetCluster.peer` starts the peer program
-inside one, :meth:`NetCluster.cut` / :meth:`~NetCluster.restore` take a
-host's cable down and up; :meth:`AsyncPeer.signal` stops, continues or kills
-a host's process; :func:`read_memory` reads a (stopped) process's memory.
+The fixtures of the pytest plugin (:mod:`aiokvcache.pytest_plugin`) are
+built from these.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -99,47 +48,43 @@ from aiokvcache import (
     Placement,
 )
 
-from ._netcluster import (
-    NETNS_PREFIX,
-    NETNS_SUBNET,
-    NetCluster,
-    NetHost,
-    netns_cleanup_stale,
-    netns_unavailable,
-)
-from ._peerclient import AsyncPeer, Child, Peer, PeerError, PeerExited, peer_argv
-from ._procfs import read_memory, rss_kb, threads_cpu_s
+from .. import _loopside
+from .._child import Child, PeerError, PeerExited
+
+if TYPE_CHECKING:
+    from ._process import JsonChild, PeerProcess
 
 __all__ = [
     "DECODER_ID",
-    "NETNS_PREFIX",
-    "NETNS_SUBNET",
     "PROMPT_ID",
-    "AsyncPeer",
     "Child",
-    "NetCluster",
-    "NetHost",
+    "JsonChild",
     "Pair",
-    "Peer",
     "PeerError",
     "PeerExited",
+    "PeerProcess",
     "assert_still",
     "blocks_desc",
     "cluster_info",
     "fill",
     "make_pair",
-    "netns_cleanup_stale",
-    "netns_unavailable",
     "options",
     "pair",
-    "peer_argv",
-    "read_memory",
-    "rss_kb",
     "same",
     "snapshot",
     "status_of",
-    "threads_cpu_s",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The child-process client needs anyio (the "pytest" extra): imported
+    # only when asked for.
+    if name in ("PeerProcess", "JsonChild"):
+        from . import _process
+
+        return getattr(_process, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 PROMPT_ID, DECODER_ID = 1, 2
 
@@ -281,7 +226,7 @@ def same(before: Sequence[np.ndarray], cache: Cache) -> bool:
 async def assert_still(cache: Cache, wait: float = 0.2) -> None:
     """Nothing writes into ``cache`` for ``wait`` seconds (``AssertionError`` otherwise)."""
     before = snapshot(cache)
-    await asyncio.sleep(wait)
+    await _loopside.current().sleep(wait)
     if not same(before, cache):
         raise AssertionError("write after the call returned")
 

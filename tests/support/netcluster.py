@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Self
 
-from ._peerclient import AsyncPeer
+from support.peerclient import AsyncPeer
 
 __all__ = [
     "NETNS_PREFIX",

@@ -1,9 +1,16 @@
-"""The parent's side of the peer program (``python -m aiokvcache._peer``).
+"""Child processes spoken to in JSON lines: both ends of the protocol.
 
-:class:`Child` speaks lines to any child process; :class:`Peer` and
-:class:`AsyncPeer` speak the peer program's JSON requests. The protocol and
-the modes are described in :mod:`aiokvcache.testing`, which makes these
-names public.
+The parent's end: :class:`Child` (blocking) starts any program, writes lines
+to its stdin and reads its stdout with deadlines, skipping lines that are
+not what it asks for (log lines, build chatter); it always kills and reaps
+the child when it closes. The child's end: :func:`say` prints one JSON
+object per line, :func:`serve` answers each request line ``{"op": ..., ...}``
+with one JSON line (``{"error": ...}`` when the request failed) until
+``{"op": "exit"}`` or end of input.
+
+``python -m aiokvcache bench`` runs its decode side this way
+(:mod:`aiokvcache._benchpeer`), :mod:`aiokvcache.testing` its peer process
+(:mod:`aiokvcache.testing.peer`). Standard library only.
 """
 
 from __future__ import annotations
@@ -18,11 +25,25 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import IO, Any, Self
 
-__all__ = ["AsyncPeer", "Child", "Peer", "PeerError", "PeerExited", "peer_argv"]
+__all__ = [
+    "Child",
+    "Handler",
+    "JsonPeer",
+    "PeerError",
+    "PeerExited",
+    "checked",
+    "json_object",
+    "say",
+    "serve",
+    "unknown",
+]
+
+#: A child program's request handler: one request in, one answer out.
+Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 
 class PeerError(RuntimeError):
@@ -33,21 +54,8 @@ class PeerExited(PeerError):
     """A child process ended (or closed its stdout) while we waited for it."""
 
 
-def peer_argv(
-    mode: str, *args: str, lifetime: float | None = None, netns: str | None = None
-) -> list[str]:
-    """The command line of the peer program in ``mode`` (see the module docs),
-    run inside network namespace ``netns`` if given (``ip netns exec``, which
-    execs the program itself: the child's pid is the peer's)."""
-    argv = [sys.executable, "-m", "aiokvcache._peer", mode, *args]
-    if lifetime is not None:
-        argv.append(f"--lifetime={lifetime:g}")
-    if netns is not None:
-        argv = ["ip", "netns", "exec", netns, *argv]
-    return argv
-
-
-def _json_object(line: str) -> dict[str, Any] | None:
+def json_object(line: str) -> dict[str, Any] | None:
+    """The JSON object on ``line``, or None when it is none."""
     text = line.strip()
     if not text.startswith("{"):
         return None
@@ -58,10 +66,51 @@ def _json_object(line: str) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _checked(reply: dict[str, Any], op: str) -> dict[str, Any]:
+def checked(reply: dict[str, Any], op: str) -> dict[str, Any]:
+    """``reply``, or :class:`PeerError` when it is an error answer to ``op``."""
     if "error" in reply:
         raise PeerError(f"peer failed {op!r}: {reply['error']}")
     return reply
+
+
+# ---------------------------------------------------------------- child's end
+
+
+def say(obj: dict[str, Any]) -> None:
+    """Print one JSON line on stdout (the child's hello and answers)."""
+    print(json.dumps(obj), flush=True)
+
+
+def unknown(req: dict[str, Any]) -> dict[str, Any]:
+    """The answer to an op the program does not know."""
+    return {"error": f"unknown op {req['op']!r}"}
+
+
+async def serve(handle: Handler) -> None:
+    """Answer request lines on stdin until ``exit`` or end of input (asyncio)."""
+    while True:
+        line = await asyncio.to_thread(sys.stdin.readline)
+        if not line:
+            return
+        if not line.strip():
+            continue
+        try:
+            req = json.loads(line)
+            if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+                raise ValueError(f"not a request: {line.strip()!r}")
+        except ValueError as exc:
+            say({"error": str(exc)})
+            continue
+        if req["op"] == "exit":
+            return
+        try:
+            reply = await handle(req)
+        except Exception as exc:
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        say(reply)
+
+
+# ---------------------------------------------------------------- parent's end
 
 
 class Child:
@@ -176,7 +225,7 @@ class Child:
             line = self._line(deadline)
             if line is None:
                 raise self._exited()
-            obj = _json_object(line)
+            obj = json_object(line)
             if obj is not None:
                 return obj
             self._skipped.append(line)
@@ -238,31 +287,24 @@ class Child:
         self.close()
 
 
-class Peer(Child):
-    """The peer program (``python -m aiokvcache._peer MODE ...``), blocking.
-
-    Starting it waits for its hello line (:attr:`hello`); if that fails the
-    process is killed and reaped before the error propagates.
-    """
+class JsonPeer(Child):
+    """A child program that speaks JSON lines, blocking: started, it waits for
+    its hello line (:attr:`hello`); if that fails the process is killed and
+    reaped before the error propagates."""
 
     def __init__(
         self,
-        mode: str,
-        *args: str,
+        argv: Sequence[str],
+        *,
+        label: str | None = None,
         startup_timeout: float = 60,
-        lifetime: float | None = None,
         env: Mapping[str, str] | None = None,
         stderr: int | IO[Any] | None = None,
         new_session: bool = False,
     ) -> None:
-        super().__init__(
-            peer_argv(mode, *args, lifetime=lifetime),
-            env=env,
-            stderr=stderr,
-            new_session=new_session,
-        )
-        self.mode = mode
-        self.label = f"peer {mode}"
+        super().__init__(argv, env=env, stderr=stderr, new_session=new_session)
+        if label is not None:
+            self.label = label
         try:
             self.hello: dict[str, Any] = self.read_json(startup_timeout)
         except BaseException:
@@ -272,152 +314,10 @@ class Peer(Child):
 
     @property
     def address(self) -> str:
-        """Its control address, ``ip:port`` (modes ``decode`` and ``blocks``)."""
+        """Its control address, ``ip:port``, from its hello."""
         return str(self.hello["address"])
 
     def call(self, op: str, timeout: float = 120, **args: Any) -> dict[str, Any]:
         """Send ``{"op": op, **args}``; its answer (``PeerError`` if it is an error)."""
         self.send({"op": op, **args})
-        return _checked(self.read_json(timeout), op)
-
-
-class AsyncPeer:
-    """The peer program on asyncio: ``async with AsyncPeer(mode, *args) as peer``.
-
-    Started (up to its hello line) on entering the block, or by
-    :meth:`start`; :meth:`close` (the end of the block, failing or not)
-    ends it and reaps it.
-    """
-
-    def __init__(
-        self,
-        mode: str,
-        *args: str,
-        startup_timeout: float = 60,
-        lifetime: float | None = None,
-        env: Mapping[str, str] | None = None,
-        stderr: int | IO[Any] | None = None,
-        netns: str | None = None,
-    ) -> None:
-        self.mode = mode
-        self.netns = netns
-        self.argv = peer_argv(mode, *args, lifetime=lifetime, netns=netns)
-        self._startup_timeout = startup_timeout
-        self._env = None if env is None else dict(env)
-        self._stderr = stderr
-        self.proc: asyncio.subprocess.Process | None = None
-        self.hello: dict[str, Any] = {}
-        self._skipped: collections.deque[str] = collections.deque(maxlen=5)
-
-    @property
-    def pid(self) -> int:
-        """The child's process id."""
-        return self._proc().pid
-
-    @property
-    def address(self) -> str:
-        """Its control address, ``ip:port`` (modes ``decode`` and ``blocks``)."""
-        return str(self.hello["address"])
-
-    def _proc(self) -> asyncio.subprocess.Process:
-        if self.proc is None:
-            raise RuntimeError("the peer is not started")
-        return self.proc
-
-    async def start(self) -> Self:
-        """Start it and wait for its hello line (killed and reaped if that fails)."""
-        if self.proc is not None:
-            raise RuntimeError("the peer is already started")
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=self._stderr,
-            env=self._env,
-            limit=1 << 20,
-        )
-        try:
-            self.hello = await self.read_json(self._startup_timeout)
-        except BaseException:
-            await self.kill()
-            await self.close()
-            raise
-        return self
-
-    async def send(self, obj: Mapping[str, Any]) -> None:
-        """Write one JSON line."""
-        stdin = self._proc().stdin
-        assert stdin is not None
-        try:
-            stdin.write((json.dumps(dict(obj)) + "\n").encode())
-            await stdin.drain()
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            raise PeerExited(f"peer exited (rc {self._proc().returncode})") from exc
-
-    async def read_json(self, timeout: float = 60) -> dict[str, Any]:
-        """The next line that is a JSON object, skipping others."""
-        stdout = self._proc().stdout
-        assert stdout is not None
-        async with asyncio.timeout(timeout):
-            while True:
-                raw = await stdout.readline()
-                if not raw:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._proc().wait(), 1)
-                    raise PeerExited(
-                        f"peer {self.mode} exited (rc {self._proc().returncode}): "
-                        f"last lines {list(self._skipped)}"
-                    )
-                line = raw.decode(errors="replace")
-                obj = _json_object(line)
-                if obj is not None:
-                    return obj
-                self._skipped.append(line.rstrip())
-
-    async def call(self, op: str, timeout: float = 120, **args: Any) -> dict[str, Any]:
-        """Send ``{"op": op, **args}``; its answer (``PeerError`` if it is an error)."""
-        await self.send({"op": op, **args})
-        return _checked(await self.read_json(timeout), op)
-
-    def signal(self, sig: int) -> float:
-        """Send ``sig`` (``signal.SIGSTOP``, ``SIGCONT``...); returns
-        ``time.monotonic()`` just after it was sent."""
-        self._proc().send_signal(sig)
-        return time.monotonic()
-
-    async def kill(self) -> None:
-        """``SIGKILL`` it now and reap it."""
-        proc = self._proc()
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        await proc.wait()
-
-    async def close(self, grace: float = 10) -> int | None:
-        """End it: end of input, ``grace`` seconds, then kill. Idempotent."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.returncode is None:  # a stopped peer would never read its end of input
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGCONT)
-        if proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                proc.stdin.close()
-        if proc.returncode is None:
-            try:
-                async with asyncio.timeout(grace):
-                    await proc.wait()
-            except TimeoutError:
-                await self.kill()
-        return await proc.wait()
-
-    async def __aenter__(self) -> Self:
-        if self.proc is None:
-            await self.start()
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
+        return checked(self.read_json(timeout), op)

@@ -1,0 +1,165 @@
+"""pytest fixtures for test suites of code built on aiokvcache (the ``pytest11`` plugin).
+
+Installed with the package and loaded by pytest automatically; the fixtures
+need anyio's pytest plugin (``pip install "aiokvcache[pytest]"``) and run on
+the test's anyio backend, asyncio or trio: mark the tests ``@pytest.mark.anyio``
+(this works beside pytest-asyncio) and parametrize ``anyio_backend`` to run
+them on both.
+
+* ``kv_pair``: a prompt (cluster 1) linked to a listening decoder (cluster 2),
+  both in this process (:class:`aiokvcache.testing.Pair`).
+* ``kv_peer``: a decoder (cluster 2) in a child process
+  (:class:`aiokvcache.testing.PeerProcess`), which the test can freeze,
+  thaw, slow down or kill.
+* ``kv_prompt``: a prompt :class:`~aiokvcache.LLMDataDist` (cluster 1) in this
+  process, linked to ``kv_peer``.
+* ``kv_transport`` ("auto") and ``kv_options`` (``{}``: extra
+  :class:`~aiokvcache.LLMConfig` attributes, ``{"sync_kv_timeout": 2000}``)
+  configure them; override them in a ``conftest.py``, or give
+  ``--kv-transports=shm,tcp`` (or the ini option ``kv_transports``) to run
+  every test that uses them once per transport.
+
+What the fixtures promise at teardown, each failing the test otherwise (the
+guarantees aiokvcache's own suite holds itself to): no native transfer job
+left live in an instance they made; no error reached a peer-service loop's
+exception handler; the peer process did not die unless the test killed it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from aiokvcache import LLMDataDist
+    from aiokvcache.testing import Pair, PeerProcess
+
+__all__ = ["kv_options", "kv_pair", "kv_peer", "kv_prompt", "kv_transport"]
+
+_TRANSPORTS_HELP = (
+    "comma-separated transports (auto, shm, tcp, rdma) to run each test that uses "
+    "aiokvcache's kv_* fixtures with (default: auto)"
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--kv-transports`` and the ini option ``kv_transports``."""
+    group = parser.getgroup("aiokvcache")
+    group.addoption("--kv-transports", default=None, help=_TRANSPORTS_HELP)
+    parser.addini("kv_transports", _TRANSPORTS_HELP, default="")
+
+
+def _transports(config: pytest.Config) -> list[str]:
+    text = config.getoption("--kv-transports") or config.getini("kv_transports") or ""
+    return [t.strip() for t in str(text).split(",") if t.strip()]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """One run per transport given to ``--kv-transports`` (``kv_transport``'s value)."""
+    if "kv_transport" not in metafunc.fixturenames:
+        return
+    transports = _transports(metafunc.config)
+    if transports:
+        metafunc.parametrize("kv_transport", transports, ids=[f"kv-{t}" for t in transports])
+
+
+@pytest.fixture
+def kv_transport() -> str:
+    """The data plane of the instances the fixtures make: "auto" (UCX picks)."""
+    return "auto"
+
+
+@pytest.fixture
+def kv_options() -> dict[str, Any]:
+    """Extra :class:`~aiokvcache.LLMConfig` attributes for every instance the
+    fixtures make (``{"sync_kv_timeout": 2000, "peer_timeout": 1000}``)."""
+    return {}
+
+
+class _ServiceErrors(logging.Handler):
+    """What reached a peer-service loop's exception handler (logged at ERROR)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _no_service_errors(what: str) -> Iterator[None]:
+    logger = logging.getLogger("aiokvcache.service")
+    handler = _ServiceErrors()
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+    if handler.messages:
+        pytest.fail(f"{what}: an error reached a peer-service loop: {handler.messages}")
+
+
+def _live_jobs(dd: LLMDataDist) -> int:
+    try:
+        return int(dd.cache_manager.stats()["live_jobs"])
+    except RuntimeError:  # not initialized
+        return 0
+
+
+@pytest.fixture
+async def kv_pair(
+    anyio_backend: Any, kv_transport: str, kv_options: dict[str, Any]
+) -> AsyncIterator[Pair]:
+    """A prompt (cluster 1) linked to a listening decoder (cluster 2) in this
+    process; finalized after the test, which fails if a native job was left."""
+    from aiokvcache import testing
+
+    with _no_service_errors("kv_pair"):
+        async with testing.pair(kv_transport, **kv_options) as pr:
+            yield pr
+
+
+@pytest.fixture
+async def kv_peer(
+    anyio_backend: Any, kv_transport: str, kv_options: dict[str, Any]
+) -> AsyncIterator[PeerProcess]:
+    """A listening decoder (cluster 2) in a child process, started for the
+    test and ended after it; the test fails if it died unless it was killed
+    through it (:meth:`~aiokvcache.testing.PeerProcess.kill`)."""
+    from aiokvcache.testing import PeerProcess
+
+    peer = PeerProcess("decoder", kv_transport, options=kv_options)
+    async with peer:
+        yield peer
+        died = peer.returncode is not None and not peer.killed
+    if died:
+        pytest.fail(f"kv_peer: the peer process died during the test (rc {peer.returncode})")
+
+
+@pytest.fixture
+async def kv_prompt(
+    anyio_backend: Any, kv_peer: PeerProcess, kv_transport: str, kv_options: dict[str, Any]
+) -> AsyncIterator[LLMDataDist]:
+    """A prompt (cluster 1) in this process, linked to ``kv_peer``; finalized
+    after the test, which fails if a native job was left."""
+    from aiokvcache import LLMDataDist, LLMRole, LLMStatusCode, testing
+
+    with _no_service_errors("kv_prompt"):
+        dd = LLMDataDist(LLMRole.PROMPT, testing.PROMPT_ID)
+        try:
+            await dd.init(testing.options(kv_transport, **kv_options))
+            info = testing.cluster_info(kv_peer.address, kv_peer.cluster_id)
+            rc, per = await dd.link_clusters([info], timeout=10_000)
+            if rc != LLMStatusCode.LLM_SUCCESS:
+                raise RuntimeError(f"kv_prompt: cannot link to kv_peer: {[s.name for s in per]}")
+            yield dd
+            left = _live_jobs(dd)
+        finally:
+            await dd.finalize()
+    if left:
+        pytest.fail(f"kv_prompt: {left} native jobs still live after the test")

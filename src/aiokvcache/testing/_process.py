@@ -1,0 +1,367 @@
+"""Child processes from async tests, on asyncio or trio (anyio underneath).
+
+:class:`JsonChild` starts any program that speaks JSON lines (it prints a
+hello object when ready, then answers each request line with one line:
+:mod:`aiokvcache._child`), and can stop it (``SIGSTOP``), let it go on
+(``SIGCONT``), slow it down (run it only part of the time) or kill it.
+:class:`PeerProcess` is the one users start: an ``LLMDataDist`` in a child
+process (:mod:`aiokvcache.testing.peer`).
+
+A frozen peer's process is stopped: its progress thread, its control plane
+and its keep-alives all stop, as when a host hangs. A slowed peer is stopped
+and continued in turn (``duty`` of every ``period`` running), from a thread
+of this process, so it crawls whatever this process's loop does: over TCP
+its reads of our puts crawl with it, so a push to it does; over shared
+memory our puts land in its mapped memory whatever it does, and what crawls
+is its answers (lookups, notifications).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import IO, Any, Self
+
+import anyio
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from .._child import PeerExited, checked, json_object
+
+__all__ = ["JsonChild", "PeerProcess"]
+
+_MAX_LINE = 1 << 22
+
+
+class _Slower:
+    """Stops and continues a process in turn, from a thread, until stopped."""
+
+    def __init__(self, pid: int, duty: float, period: float) -> None:
+        self._pid = pid
+        self._run_s = period * duty
+        self._stop_s = period * (1 - duty)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="aiokvcache-slow", daemon=True)
+        self._thread.start()
+
+    def _signal(self, sig: int) -> bool:
+        try:
+            os.kill(self._pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _main(self) -> None:
+        while not self._done.is_set():
+            if not self._signal(signal.SIGCONT) or self._done.wait(self._run_s):
+                break
+            if not self._signal(signal.SIGSTOP):
+                break
+            self._done.wait(self._stop_s)
+        self._signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        """Stop slowing; the process runs (continued) when this returns."""
+        self._done.set()
+        self._thread.join()
+
+
+class JsonChild:
+    """A child program speaking JSON lines: ``async with JsonChild(argv) as child``.
+
+    Started (up to its hello line, :attr:`hello`) on entering the block or
+    by :meth:`start`; :meth:`close` (the end of the block, failing or not,
+    cancelled or not) ends it and reaps it. Lines on its stdout that are not
+    JSON objects (log lines) are skipped; its stderr is ours unless
+    ``stderr`` says otherwise.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        label: str | None = None,
+        startup_timeout: float = 60,
+        env: Mapping[str, str] | None = None,
+        stderr: int | IO[Any] | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.label = label or os.path.basename(self.argv[0])
+        self.hello: dict[str, Any] = {}
+        self.proc: anyio.abc.Process | None = None
+        self._startup_timeout = startup_timeout
+        self._env = None if env is None else dict(env)
+        self._stderr = stderr
+        self._out: BufferedByteReceiveStream | None = None
+        self._skipped: list[str] = []
+        self._slower: _Slower | None = None
+        self.killed = False
+
+    # ------------------------------------------------------------ lifetime
+
+    def _proc(self) -> anyio.abc.Process:
+        if self.proc is None:
+            raise RuntimeError(f"{self.label} is not started")
+        return self.proc
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._proc().pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status; None while it runs (or before it started)."""
+        return None if self.proc is None else self.proc.returncode
+
+    async def start(self) -> Self:
+        """Start it and wait for its hello line (killed and reaped if that fails)."""
+        if self.proc is not None:
+            raise RuntimeError(f"{self.label} is already started")
+        self.proc = await anyio.open_process(
+            self.argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=self._env,
+        )
+        assert self.proc.stdout is not None
+        self._out = BufferedByteReceiveStream(self.proc.stdout)
+        try:
+            self.hello = await self.read_json(self._startup_timeout)
+        except BaseException:
+            await self.close(grace=0)
+            raise
+        return self
+
+    async def close(self, grace: float = 10) -> int | None:
+        """End it: continue it if stopped, end its input, give it ``grace``
+        seconds, then kill it; reap it. Idempotent, and it completes even
+        when the caller is cancelled."""
+        proc = self.proc
+        if proc is None:
+            return None
+        with anyio.CancelScope(shield=True):
+            self.slow(None)
+            if proc.returncode is None:  # a stopped child would never read its end of input
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGCONT)
+            if proc.stdin is not None:
+                with contextlib.suppress(Exception):
+                    await proc.stdin.aclose()
+            if proc.returncode is None:
+                with anyio.move_on_after(grace):
+                    await proc.wait()
+            if proc.returncode is None:
+                await self.kill()
+            await proc.wait()
+            with contextlib.suppress(Exception):
+                await proc.aclose()
+        return proc.returncode
+
+    async def __aenter__(self) -> Self:
+        if self.proc is None:
+            await self.start()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ requests
+
+    async def send(self, obj: Mapping[str, Any]) -> None:
+        """Write one JSON line to its stdin."""
+        stdin = self._proc().stdin
+        assert stdin is not None
+        try:
+            await stdin.send((json.dumps(dict(obj)) + "\n").encode())
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            raise PeerExited(f"{self.label} exited (rc {self.returncode})") from exc
+
+    async def read_json(self, timeout: float = 60) -> dict[str, Any]:
+        """The next line that is a JSON object, skipping others; ``TimeoutError``
+        after ``timeout`` seconds, :class:`PeerExited` when it ends first."""
+        out = self._out
+        assert out is not None
+        with anyio.fail_after(timeout):
+            while True:
+                try:
+                    raw = await out.receive_until(b"\n", _MAX_LINE)
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError):
+                    with anyio.move_on_after(1):
+                        await self._proc().wait()
+                    raise PeerExited(
+                        f"{self.label} exited (rc {self.returncode}): "
+                        f"last lines {self._skipped[-5:]}"
+                    ) from None
+                line = raw.decode(errors="replace")
+                obj = json_object(line)
+                if obj is not None:
+                    return obj
+                self._skipped = [*self._skipped[-4:], line.rstrip()]
+
+    async def call(self, op: str, timeout: float = 120, **args: Any) -> dict[str, Any]:
+        """Send ``{"op": op, **args}``; its answer (:class:`PeerError` if an error)."""
+        await self.send({"op": op, **args})
+        return checked(await self.read_json(timeout), op)
+
+    # ------------------------------------------------------------ faults
+
+    def signal(self, sig: int) -> float:
+        """Send ``sig``; ``time.monotonic()`` just after it was sent."""
+        self._proc().send_signal(signal.Signals(sig))
+        return time.monotonic()
+
+    def freeze(self) -> float:
+        """Stop it (``SIGSTOP``): nothing in it runs until :meth:`thaw`.
+        Returns ``time.monotonic()`` just after."""
+        self.slow(None)
+        return self.signal(signal.SIGSTOP)
+
+    def thaw(self) -> float:
+        """Let a frozen (or slowed) child run again (``SIGCONT``)."""
+        self.slow(None)
+        return self.signal(signal.SIGCONT)
+
+    def slow(self, duty: float | None, period: float = 0.02) -> None:
+        """Run it only ``duty`` (0 < duty < 1) of every ``period`` seconds,
+        stopped the rest, until ``slow(None)``, :meth:`thaw` or :meth:`close`."""
+        if self._slower is not None:
+            self._slower.stop()
+            self._slower = None
+        if duty is None:
+            return
+        if not 0 < duty < 1:
+            raise ValueError(f"duty must be between 0 and 1 (exclusive), got {duty!r}")
+        if not period > 0:
+            raise ValueError(f"period must be > 0 seconds, got {period!r}")
+        self._slower = _Slower(self.pid, duty, period)
+
+    async def kill(self) -> None:
+        """``SIGKILL`` it now and reap it."""
+        proc = self._proc()
+        self.killed = True
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        with anyio.CancelScope(shield=True):
+            await proc.wait()
+
+
+class PeerProcess(JsonChild):
+    """An ``LLMDataDist`` in a child process: ``async with PeerProcess() as peer``.
+
+    ``role`` "decoder" (cluster 2, listening on 127.0.0.1, the default) or
+    "prefill" (cluster 1, listening only with ``listen``); ``options``: extra
+    :class:`~aiokvcache.LLMConfig` attributes (``{"auth_token": ...}``;
+    ``sync_kv_timeout`` is 60 s unless given); ``lifetime``: it exits after
+    that many seconds whatever happens (a test killed hard leaves no
+    process behind for long). Its hello gives
+    :attr:`address` ("ip:port", when it listens), :attr:`cluster_id` and its
+    pid. Caches are named by the caller; the requests (see
+    :mod:`aiokvcache.testing.peer` for all of them) have methods here. A
+    transfer's failure is an answer (``status``, an ``LLMStatusCode``
+    name), not an exception.
+    """
+
+    def __init__(
+        self,
+        role: str = "decoder",
+        transport: str = "auto",
+        *,
+        cluster_id: int | None = None,
+        listen: str | None = None,
+        options: Mapping[str, Any] | None = None,
+        lifetime: float | None = 600,
+        env: Mapping[str, str] | None = None,
+        stderr: int | IO[Any] | None = None,
+        startup_timeout: float = 60,
+    ) -> None:
+        if role not in ("decoder", "prefill"):
+            raise ValueError(f"role must be 'decoder' or 'prefill', got {role!r}")
+        argv = [sys.executable, "-m", "aiokvcache.testing.peer", role, transport]
+        if cluster_id is not None:
+            argv.append(f"--cluster-id={cluster_id}")
+        if listen is not None:
+            argv.append(f"--listen={listen}")
+        if options:
+            argv.append(f"--options={json.dumps(dict(options))}")
+        if lifetime is not None:
+            argv.append(f"--lifetime={lifetime:g}")
+        super().__init__(
+            argv,
+            label=f"peer {role}",
+            startup_timeout=startup_timeout,
+            env=env,
+            stderr=stderr,
+        )
+        self.role = role
+
+    @property
+    def address(self) -> str:
+        """Its control-plane address, ``ip:port`` (``ValueError`` if it does not listen)."""
+        address = self.hello.get("address")
+        if not address:
+            raise ValueError(f"{self.label} does not listen")
+        return str(address)
+
+    @property
+    def cluster_id(self) -> int:
+        """Its cluster id."""
+        return int(self.hello["cluster_id"])
+
+    async def alloc(
+        self,
+        name: str,
+        tensors: int,
+        nbytes: int,
+        *,
+        blocks: int | None = None,
+        seed: int | None = None,
+        timeout: float = 60,
+    ) -> dict[str, Any]:
+        """Allocate cache ``name``: ``tensors`` uint8 tensors of ``nbytes``
+        each, shape ``[1, nbytes]``, or with ``blocks`` a blocks cache of
+        ``[blocks, nbytes // blocks]`` bound to ``BlocksCacheKey(cluster_id,
+        model_id=0)``; filled from ``seed`` if given. Returns its
+        ``cache_id``, ``addrs`` and ``sha``."""
+        return await self.call(
+            "alloc", timeout, name=name, tensors=tensors, bytes=nbytes, blocks=blocks, seed=seed
+        )
+
+    async def sha(self, name: str, *, blocks: Sequence[int] | None = None) -> str:
+        """sha256 of cache ``name``'s bytes (tensor by tensor; only ``blocks``
+        of each, in that order, when given)."""
+        reply = await self.call(
+            "hash", name=name, blocks=None if blocks is None else [int(b) for b in blocks]
+        )
+        return str(reply["sha"])
+
+    async def wait_for_layers(
+        self, tag: str, layers: Sequence[int], timeout: float = 30
+    ) -> dict[str, Any]:
+        """Its ``wait_for_layers(tag, layers)``: ``status`` "LLM_SUCCESS" once
+        every layer landed, else the failure's status."""
+        return await self.call(
+            "wait", timeout + 30, tag=tag, layers=[int(x) for x in layers], wait_timeout=timeout
+        )
+
+    async def link(self, address: str, cluster_id: int, timeout_ms: int = 5000) -> dict[str, Any]:
+        """Link to ``address`` (cluster ``cluster_id``): ``status`` and ``per``."""
+        return await self.call(
+            "link", address=address, cluster_id=cluster_id, timeout_ms=timeout_ms
+        )
+
+    async def stats(self) -> dict[str, int]:
+        """Its ``cache_manager.stats()``."""
+        return {k: int(v) for k, v in (await self.call("stats")).items()}

@@ -1,0 +1,387 @@
+"""The peer program of :mod:`aiokvcache.testing`: ``python -m aiokvcache.testing.peer``.
+
+Usage: ``python -m aiokvcache.testing.peer ROLE TRANSPORT [options]``.
+
+An :class:`~aiokvcache.LLMDataDist` in its own process, driven op by op
+(:class:`aiokvcache.testing.PeerProcess` starts it and speaks to it). ROLE is
+``decoder`` (cluster 2, listening on 127.0.0.1:0 by default) or ``prefill``
+(cluster 1, a client unless ``--listen``). It prints its hello,
+``{"address", "pid", "cluster_id", "rss_kb"}``, then answers one JSON line per
+request (``{"error": ...}`` when one failed) until ``{"op": "exit"}`` or end of
+input:
+
+* caches, named by the caller: ``alloc`` (``name``, ``tensors``, ``bytes``,
+  ``blocks``: a blocks cache of ``[blocks, bytes // blocks]`` bound to
+  ``BlocksCacheKey(cluster_id)``, else ``[1, bytes]``; ``seed``: random bytes;
+  answers ``cache_id``, ``addrs``, ``sha``), ``fill`` (``seed``), ``hash``
+  (``blocks``: only those), ``free``;
+* links: ``link`` / ``unlink`` (``address``, ``cluster_id``, ``timeout_ms``,
+  ``force``; answer ``status``, ``per``, ``seconds``);
+* transfers, whose failure is an answer: ``push`` / ``pull`` (``cluster_id``,
+  ``cache_id``, ``index``, ``src`` / ``dst``, ``call_timeout`` seconds) and
+  ``wait`` (``tag``, ``layers``, ``wait_timeout``: its ``wait_for_layers``)
+  answer ``status`` (an ``LLMStatusCode`` name), ``start``, ``end`` (its
+  ``time.monotonic()``), ``seconds``, ``message``; ``loop`` (``loop``,
+  ``count``, ``seconds``, ``srcs``, ``stop_on_error``) pushes back to back in
+  the background, ``loop_status`` / ``loop_join`` (``wait`` seconds) report;
+* ``reinit`` (a fresh LLMDataDist), ``rss``, ``stats``.
+
+It ignores SIGINT (its parent decides when it ends) and exits after
+``--lifetime`` seconds whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from aiokvcache import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    Placement,
+)
+from aiokvcache.options import KEY_LISTEN_IP_INFO, TRANSPORTS
+
+from .._child import say, serve, unknown
+from . import cluster_info, options
+
+__all__ = ["main", "parser", "run"]
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _node_options(args: argparse.Namespace) -> dict[str, str]:
+    extra: dict[str, Any] = {"sync_kv_timeout": args.sync_kv_timeout}
+    if args.auth_token:
+        extra["auth_token"] = args.auth_token
+    if args.net_devices:
+        extra["net_devices"] = args.net_devices
+    given = json.loads(args.options)
+    if not isinstance(given, dict):
+        raise SystemExit("--options must be a JSON object")
+    extra.update(given)
+    cfg = options(args.transport, **extra)
+    if args.listen:
+        cfg[KEY_LISTEN_IP_INFO] = args.listen
+    return cfg
+
+
+async def _timed_status(aw: Awaitable[Any]) -> dict[str, Any]:
+    """Run ``aw``: its status name, start and end (``time.monotonic()``)."""
+    start = time.monotonic()
+    try:
+        await aw
+        status, error = "LLM_SUCCESS", None
+    except LLMException as exc:
+        status, error = exc.status_code.name, str(exc)
+    except Exception as exc:
+        status, error = "EXCEPTION", f"{type(exc).__name__}: {exc}"
+    end = time.monotonic()
+    out: dict[str, Any] = {"status": status, "start": start, "end": end, "seconds": end - start}
+    if error is not None:
+        out["message"] = error[:500]
+    return out
+
+
+def _summary(done: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a push loop did so far."""
+    failed = [r for r in done if r["status"] != "LLM_SUCCESS"]
+    return {
+        "done": len(done),
+        "ok": len(done) - len(failed),
+        "failed": failed[:5],
+        "last": done[-1] if done else None,
+        "last_ok_src": next((r["src"] for r in reversed(done) if r not in failed), None),
+        "max_seconds": max((r["seconds"] for r in done), default=0.0),
+    }
+
+
+def _key_of(req: dict[str, Any]) -> CacheKeyByIdAndIndex:
+    return CacheKeyByIdAndIndex(
+        int(req["cluster_id"]), int(req["cache_id"]), int(req.get("index", 0))
+    )
+
+
+def _cache_sha(cache: Cache) -> str:
+    return _sha(b"".join(t.tobytes() for t in cache.tensors))
+
+
+def _fill(cache: Cache, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for t in cache.tensors:
+        t[...] = rng.integers(0, 256, t.shape, dtype=np.uint8)
+
+
+class _Node:
+    """An LLMDataDist driven op by op: the caches and push loops it owns, one
+    method per request op (see :data:`_NODE_OPS`)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.role = LLMRole.PROMPT if args.mode == "prefill" else LLMRole.DECODER
+        self.cfg = _node_options(args)
+        self.dd = LLMDataDist(self.role, args.cluster_id)
+        self.caches: dict[str, Cache] = {}
+        self.loops: dict[str, asyncio.Task[list[dict[str, Any]]]] = {}
+        self.progress: dict[str, list[dict[str, Any]]] = {}
+
+    async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = _NODE_OPS.get(req["op"])
+        if op is None:
+            return unknown(req)
+        return await op(self, req)
+
+    def stop_loops(self) -> None:
+        for task in self.loops.values():
+            task.cancel()
+
+    # ------------------------------------------------------------ caches
+
+    async def alloc(self, req: dict[str, Any]) -> dict[str, Any]:
+        tensors, nbytes, blocks = int(req["tensors"]), int(req["bytes"]), req.get("blocks")
+        cm = self.dd.cache_manager
+        if blocks is None:
+            desc = CacheDesc(tensors, [1, nbytes], DataType.DT_UINT8, Placement.HOST)
+            cache = cm.allocate_cache(desc)
+        else:
+            shape = [int(blocks), nbytes // int(blocks)]
+            desc = CacheDesc(tensors, shape, DataType.DT_UINT8, Placement.HOST)
+            cache = cm.allocate_blocks_cache(desc, BlocksCacheKey(self.args.cluster_id))
+        if req.get("seed") is not None:
+            _fill(cache, int(req["seed"]))
+        self.caches[str(req["name"])] = cache
+        return {
+            "cache_id": cache.cache_id,
+            "addrs": cache.tensor_addrs,
+            "tensor_bytes": int(req["bytes"]),
+            "sha": _cache_sha(cache),
+        }
+
+    async def fill(self, req: dict[str, Any]) -> dict[str, Any]:
+        cache = self.caches[str(req["name"])]
+        _fill(cache, int(req["seed"]))
+        return {"sha": _cache_sha(cache)}
+
+    async def hash(self, req: dict[str, Any]) -> dict[str, Any]:
+        cache = self.caches[str(req["name"])]
+        if req.get("blocks") is None:
+            return {"sha": _cache_sha(cache)}
+        ids = [int(b) for b in req["blocks"]]
+        return {"sha": _sha(b"".join(t[ids].tobytes() for t in cache.tensors))}
+
+    async def wait(self, req: dict[str, Any]) -> dict[str, Any]:
+        layers = [int(x) for x in req["layers"]]
+        tmo = float(req.get("wait_timeout", 30))
+        return await _timed_status(
+            self.dd.cache_manager.wait_for_layers(str(req["tag"]), layers, timeout=tmo)
+        )
+
+    async def free(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.dd.cache_manager.deallocate_cache(self.caches.pop(str(req["name"])))
+        return {"freed": True}
+
+    # ------------------------------------------------------------ links
+
+    async def link(self, req: dict[str, Any]) -> dict[str, Any]:
+        info = cluster_info(str(req["address"]), int(req["cluster_id"]))
+        start = time.monotonic()
+        timeout = int(req.get("timeout_ms", 3000))
+        if req["op"] == "link":
+            rc, per = await self.dd.link_clusters([info], timeout=timeout)
+        else:
+            rc, per = await self.dd.unlink_clusters(
+                [info], timeout=timeout, force=bool(req.get("force"))
+            )
+        return {
+            "status": rc.name,
+            "per": [s.name for s in per],
+            "seconds": time.monotonic() - start,
+        }
+
+    # ------------------------------------------------------------ transfers
+
+    def _push_of(self, req: dict[str, Any], src: str | None = None) -> Awaitable[None]:
+        return self.dd.cache_manager.push_cache(
+            _key_of(req),
+            self.caches[src or str(req["src"])],
+            timeout=float(req.get("call_timeout", 5)),
+        )
+
+    async def push(self, req: dict[str, Any]) -> dict[str, Any]:
+        return await _timed_status(self._push_of(req))
+
+    async def pull(self, req: dict[str, Any]) -> dict[str, Any]:
+        dst = self.caches[str(req["dst"])]
+        timeout = float(req.get("call_timeout", 5))
+        return await _timed_status(
+            self.dd.cache_manager.pull_cache(_key_of(req), dst, timeout=timeout)
+        )
+
+    async def _push_loop(
+        self, req: dict[str, Any], done: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        # Pushes back to back, from "srcs" in turn (or "src"), for "count"
+        # pushes or "seconds", stopping at the first error if "stop_on_error".
+        deadline = time.monotonic() + float(req.get("seconds", 60))
+        count = int(req.get("count", 1 << 30))
+        stop_on_error = bool(req.get("stop_on_error", True))
+        srcs = [str(x) for x in req.get("srcs", [req.get("src")])]
+        while len(done) < count and time.monotonic() < deadline:
+            src = srcs[len(done) % len(srcs)]
+            res = await _timed_status(self._push_of(req, src))
+            res["src"] = src
+            done.append(res)
+            if res["status"] != "LLM_SUCCESS" and stop_on_error:
+                break
+        return done
+
+    async def loop(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = str(req["loop"])
+        self.progress[name] = []
+        self.loops[name] = asyncio.create_task(self._push_loop(req, self.progress[name]))
+        return {"started": name}
+
+    async def loop_status(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = str(req["loop"])
+        return {"running": not self.loops[name].done(), **_summary(self.progress[name])}
+
+    async def loop_join(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = str(req["loop"])
+        async with asyncio.timeout(float(req.get("wait", 60))):
+            done = await self.loops.pop(name)
+        return _summary(done)
+
+    # ------------------------------------------------------------ the instance
+
+    async def reinit(self, req: dict[str, Any]) -> dict[str, Any]:
+        # A fresh LLMDataDist (new engine, new links); caches are gone.
+        start = time.monotonic()
+        self.stop_loops()
+        self.loops.clear()
+        self.caches.clear()
+        await self.dd.finalize()
+        self.dd = LLMDataDist(self.role, self.args.cluster_id)
+        await self.dd.init(self.cfg)
+        return {"seconds": time.monotonic() - start, "address": self.dd.listen_address}
+
+    async def rss(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"rss_kb": _rss_kb()}
+
+    async def stats(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {k: int(v) for k, v in self.dd.cache_manager.stats().items()}
+
+
+#: The requests a prefill / decoder node answers, by op.
+_NODE_OPS: dict[str, Callable[[_Node, dict[str, Any]], Awaitable[dict[str, Any]]]] = {
+    "alloc": _Node.alloc,
+    "fill": _Node.fill,
+    "hash": _Node.hash,
+    "wait": _Node.wait,
+    "free": _Node.free,
+    "link": _Node.link,
+    "unlink": _Node.link,
+    "push": _Node.push,
+    "pull": _Node.pull,
+    "loop": _Node.loop,
+    "loop_status": _Node.loop_status,
+    "loop_join": _Node.loop_join,
+    "reinit": _Node.reinit,
+    "rss": _Node.rss,
+    "stats": _Node.stats,
+}
+
+
+async def run(args: argparse.Namespace) -> None:
+    """An LLMDataDist driven op by op until ``exit`` or end of input."""
+    node = _Node(args)
+    await node.dd.init(node.cfg)
+    say(
+        {
+            "address": node.dd.listen_address,
+            "pid": os.getpid(),
+            "cluster_id": args.cluster_id,
+            "rss_kb": _rss_kb(),
+        }
+    )
+    try:
+        await serve(node.handle)
+    finally:
+        node.stop_loops()
+        await node.dd.finalize()
+
+
+def parser(prog: str = "python -m aiokvcache.testing.peer") -> argparse.ArgumentParser:
+    """The command line: ROLE TRANSPORT and the instance's options."""
+    p = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("mode", choices=["decoder", "prefill"], metavar="ROLE", help="decoder, prefill")
+    p.add_argument("transport", choices=TRANSPORTS)
+    p.add_argument("--cluster-id", type=int, default=None, help="default 2 (decoder), 1 (prefill)")
+    p.add_argument("--listen", default=None, help="control-plane listen address ip:port")
+    p.add_argument("--auth-token", default=None)
+    p.add_argument("--net-devices", default=None, help="the data plane's interfaces")
+    p.add_argument("--sync-kv-timeout", type=int, default=60_000, help="ms per layer")
+    p.add_argument(
+        "--options", default="{}", help="more LLMConfig attributes, a JSON object"
+    )
+    p.add_argument("--lifetime", type=float, default=None, help="exit after this many seconds")
+    return p
+
+
+def finish_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill in the role's defaults (cluster id, the decoder's listen address)."""
+    if args.cluster_id is None:
+        args.cluster_id = 2 if args.mode == "decoder" else 1
+    if args.listen is None and args.mode == "decoder":
+        args.listen = "127.0.0.1:0"
+    return args
+
+
+def watchdog(seconds: float) -> None:
+    """Exit the process (status 124) after ``seconds``, whatever it is doing."""
+
+    def run() -> None:
+        time.sleep(seconds)
+        os._exit(124)
+
+    threading.Thread(target=run, name="lifetime", daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the peer until told to exit."""
+    args = finish_args(parser().parse_args(argv))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    if args.lifetime is not None:
+        watchdog(args.lifetime)
+    asyncio.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
