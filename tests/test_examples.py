@@ -87,6 +87,25 @@ def test_layerwise_pd(transport: str) -> None:
     assert not PROTOCOL.search(out), out
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_structured_flow(backend: str, transport: str) -> None:
+    """anyio on each backend: pushes in a task group, a cancel scope and a
+    fail_after cutting pushes mid-way (nothing in flight, nothing written
+    after), a pull back, finalize."""
+    out = run(
+        [str(EXAMPLES / "structured_flow.py"), "--backend", backend, "--transport", transport]
+    )
+    assert "16 layers pushed layer by layer" in out
+    aborted = "aborted push: cut off True, in flight after it 0, destination still afterwards True"
+    assert aborted in out
+    assert (
+        "bounded push: TimeoutError, in flight after it 0, destination still afterwards True"
+        in out
+        or "bounded push: landed in time" in out
+    )
+    assert "pulled back: identical" in out and out.rstrip().endswith("finalized")
+
+
 # ------------------------------------------------------------ --help
 
 

@@ -145,6 +145,11 @@ class Pair:
         """The decoder's cache manager."""
         return self.decoder.cache_manager
 
+    @property
+    def instances(self) -> tuple[LLMDataDist, LLMDataDist]:
+        """(prompt, decoder)."""
+        return self.prompt, self.decoder
+
     def submitted(self) -> int:
         """Native jobs both engines were given so far."""
         return int(self.p.stats()["jobs_submitted"]) + int(self.d.stats()["jobs_submitted"])
@@ -183,7 +188,8 @@ async def pair(transport: str = "auto", **extra: Any) -> AsyncIterator[Pair]:
     """A linked :class:`Pair` for the ``async with`` block; finalized after it.
 
     When the block ends normally, no native job may be left live in either
-    engine (``AssertionError`` otherwise).
+    engine (``AssertionError`` otherwise, after both are finalized): a
+    transfer still moving when its test returned is a bug of the test.
     """
     pr = await make_pair(transport, **extra)
     try:
@@ -191,11 +197,11 @@ async def pair(transport: str = "auto", **extra: Any) -> AsyncIterator[Pair]:
     except BaseException:
         await pr.close()
         raise
+    live = {dd.cluster_id: int(dd.cache_manager.stats()["live_jobs"]) for dd in pr.instances}
     await pr.close()
-    for dd in (pr.prompt, pr.decoder):
-        live = dd.cache_manager.stats()["live_jobs"]
-        if live:
-            raise AssertionError(f"{live} native jobs still live in cluster {dd.cluster_id}")
+    left = {cid: n for cid, n in live.items() if n}
+    if left:
+        raise AssertionError(f"native jobs still live when the block ended: {left} (by cluster)")
 
 
 def blocks_desc(layers: int = 3, blocks: int = 16, tokens: int = 4, dim: int = 8) -> CacheDesc:
