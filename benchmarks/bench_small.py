@@ -11,6 +11,7 @@ CPU time for one awaited job that moves nothing (the bridge alone).
 
     python benchmarks/bench_small.py                    # shm and tcp
     python benchmarks/bench_small.py --transport shm --seconds 2
+    python benchmarks/bench_small.py --backend trio     # the same on trio
 
 Targets: all in flight at 2 KiB <= 10 us per layer on shm; each
 awaited at 2 KiB <= 30 us on shm, <= 60 us on tcp; loop CPU per call <= 8 us.
@@ -23,7 +24,9 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -41,8 +44,44 @@ PERFTEST_TLS = {"shm": "sm,self", "tcp": "tcp,self"}
 HEAD_DIM = 128  # fp16: a token is 256 bytes
 
 
+class Loop:
+    """What the measurement needs of the async library: run, gather, sleep."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+
+    def run(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any) -> Any:
+        if self.backend == "asyncio":
+            return asyncio.run(fn(*args))
+        import trio
+
+        return trio.run(fn, *args)
+
+    async def gather(self, aws: list[Awaitable[None]]) -> None:
+        if self.backend == "asyncio":
+            await asyncio.gather(*aws)
+            return
+        import trio
+
+        async with trio.open_nursery() as nursery:
+            for aw in aws:
+                nursery.start_soon(_await, aw)
+
+    async def sleep(self, seconds: float) -> None:
+        if self.backend == "asyncio":
+            await asyncio.sleep(seconds)
+            return
+        import trio
+
+        await trio.sleep(seconds)
+
+
+async def _await(aw: Awaitable[None]) -> None:
+    await aw
+
+
 async def measure(
-    transport: str, size: int, seconds: float, idle_s: float, children: Children
+    loop: Loop, transport: str, size: int, seconds: float, idle_s: float, children: Children
 ) -> dict[str, float]:
     tokens = size // (2 * HEAD_DIM)
     shape = [f"--layers={LAYERS}", f"--tokens={tokens}", "--heads=1", f"--head-dim={HEAD_DIM}"]
@@ -63,7 +102,7 @@ async def measure(
             layers = [range(i, i + 1) for i in range(LAYERS)]
 
             async def in_flight() -> None:
-                await asyncio.gather(*(cm.push_cache(key, src, src_layer_range=r) for r in layers))
+                await loop.gather([cm.push_cache(key, src, src_layer_range=r) for r in layers])
 
             async def awaited() -> None:
                 for r in layers:
@@ -83,9 +122,9 @@ async def measure(
                 calls = passes * LAYERS
                 out[f"{name}_us"] = elapsed / calls * 1e6
                 out[f"{name}_loop_cpu_us"] = cpu / calls * 1e6
-            await asyncio.sleep(0.5)  # let any spin after the last call end
+            await loop.sleep(0.5)  # let any spin after the last call end
             cpu0 = threads_cpu_s()
-            await asyncio.sleep(idle_s)
+            await loop.sleep(idle_s)
             out["idle_progress_cpu_ms"] = (threads_cpu_s() - cpu0) * 1e3
     finally:
         children.end(peer)
@@ -123,7 +162,11 @@ def main() -> int:
     ap.add_argument("--transport", choices=["shm", "tcp", "both"], default="both")
     ap.add_argument("--seconds", type=float, default=2.0, help="per measurement")
     ap.add_argument("--idle", type=float, default=2.0, help="idle seconds measured")
+    ap.add_argument(
+        "--backend", choices=["asyncio", "trio"], default="asyncio", help="the async library"
+    )
     args = ap.parse_args()
+    loop = Loop(args.backend)
     transports = ["shm", "tcp"] if args.transport == "both" else [args.transport]
     children = Children()
     rows = []
@@ -131,7 +174,7 @@ def main() -> int:
         for tr in transports:
             for size in SIZES:
                 lat = run_perftest(children, "ucp_put_lat", size, 20000, PERFTEST_TLS[tr])
-                r = asyncio.run(measure(tr, size, args.seconds, args.idle, children))
+                r = loop.run(measure, loop, tr, size, args.seconds, args.idle, children)
                 rows.append(
                     [
                         tr,
@@ -147,8 +190,8 @@ def main() -> int:
     finally:
         children.close_all()
     print(
-        f"push_cache, {LAYERS} layers x (K,V), one call per layer; {args.seconds:g} s per "
-        f"measurement; {os.cpu_count()} cores"
+        f"push_cache on {args.backend}, {LAYERS} layers x (K,V), one call per layer; "
+        f"{args.seconds:g} s per measurement; {os.cpu_count()} cores"
     )
     print(
         table(
@@ -167,7 +210,7 @@ def main() -> int:
         )
     )
     for tr in transports:
-        f = asyncio.run(bridge_floor(tr, min(args.seconds, 2.0)))
+        f = loop.run(bridge_floor, tr, min(args.seconds, 2.0))
         print(
             f"floor, {tr}: an awaited job that moves nothing costs the loop "
             f"{f['cpu_us']:.1f} us of CPU ({f['wall_us']:.1f} us wall)"

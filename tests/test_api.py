@@ -41,6 +41,7 @@ from aiokvcache.testing import (
     same,
     snapshot,
 )
+from support.guards import engine_of
 
 pytestmark = pytest.mark.anyio
 
@@ -733,5 +734,5 @@ async def test_data_plane_on_a_named_interface() -> None:
         await pr.p.push_cache(CacheKeyByIdAndIndex(2, dst.cache_id), src, timeout=10)
         assert same(snapshot(src), dst)
         for dd in (pr.prompt, pr.decoder):
-            lanes = [w for w in dd._engine.info().split() if w.startswith("tcp/")]
+            lanes = [w for w in engine_of(dd).info().split() if w.startswith("tcp/")]
             assert lanes and set(lanes) == {"tcp/lo"}, lanes

@@ -25,6 +25,7 @@ from aiokvcache import (
 )
 from aiokvcache._loader import native
 from aiokvcache.testing import Pair, fill
+from support.guards import engine_of
 from support.harness import threads_cpu_s
 
 S = LLMStatusCode
@@ -96,7 +97,7 @@ async def test_a_plan_never_outlives_its_remote_cache(pair: Pair) -> None:
 
 
 async def test_submit_many_is_all_or_nothing(pair: Pair) -> None:
-    engine = pair.prompt._engine
+    engine = engine_of(pair.prompt)
     rows = np.zeros((1, 4), np.uint64)
     live = engine.stats()["live_jobs"]
     submitted = engine.stats()["jobs_submitted"]
@@ -158,7 +159,7 @@ async def test_copy_lanes_option_reaches_the_engine() -> None:
     cfg.copy_lanes = 3
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init({**options("shm"), **cfg.generate_options()})
-        assert dd._engine.copy_lanes == 3
+        assert engine_of(dd).copy_lanes == 3
     with pytest.raises(ValueError, match="copy_lanes"):
         cfg.copy_lanes = 65
 
@@ -173,7 +174,7 @@ async def test_progress_spin_option_reaches_the_engine() -> None:
     assert cfg.generate_options()["aiokvcache.progressSpinUs"] == "0"
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init({**options("shm"), **cfg.generate_options()})
-        assert dd._engine.progress_spin_us == 0
+        assert engine_of(dd).progress_spin_us == 0
     with pytest.raises(ValueError, match="progress_spin_us"):
         cfg.progress_spin_us = 100_001
     with pytest.raises(ValueError, match="progress_spin_us"):

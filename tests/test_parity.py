@@ -26,6 +26,7 @@ from aiokvcache import (
     TransferWithCacheKeyConfig,
 )
 from aiokvcache.testing import Pair, blocks_desc, cluster_info, fill, options
+from support.guards import engine_of
 
 S = LLMStatusCode
 
@@ -249,7 +250,7 @@ async def test_rdma_qos_options_reach_ucx_where_it_has_ib(transport: str) -> Non
     cfg.rdma_service_level = 3
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init({**options(transport), **cfg.generate_options()})
-        ucx = dd._engine.ucx_config()
+        ucx = engine_of(dd).ucx_config()
         if "IB_SL" in ucx:  # a UCX build with its IB transport
             assert "IB_SL=3" in ucx.replace(" ", "") and "IB_TRAFFIC_CLASS=104" in ucx
         else:
@@ -271,10 +272,10 @@ async def test_transport_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("AIOKVCACHE_TRANSPORT", "tcp")
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:
         await dd.init({})
-        assert "tcp" in dd._engine.ucx_config().split("TLS=")[1].split()[0]
+        assert "tcp" in engine_of(dd).ucx_config().split("TLS=")[1].split()[0]
     async with LLMDataDist(LLMRole.PROMPT, 1) as dd:  # the option wins
         await dd.init(options("shm"))
-        assert "tcp" not in dd._engine.ucx_config().split("TLS=")[1].split()[0]
+        assert "tcp" not in engine_of(dd).ucx_config().split("TLS=")[1].split()[0]
     monkeypatch.setenv("AIOKVCACHE_TRANSPORT", "carrier-pigeon")
     dd = LLMDataDist(LLMRole.PROMPT, 1)
     with pytest.raises(LLMException, match="AIOKVCACHE_TRANSPORT") as ei:

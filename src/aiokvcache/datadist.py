@@ -200,13 +200,8 @@ class LLMDataDist:
         return self._rt
 
     @property
-    def _engine(self) -> Any:
-        """The native engine, also after finalize (tests and tools read its counters)."""
-        return None if self._rt is None else self._rt.engine
-
-    @property
     def _links(self) -> dict[int, Any]:
-        """A snapshot of the links by cluster id (tests look at it)."""
+        """A snapshot of the links by cluster id."""
         if self._rt is None:
             return {}
         return self._rt.links()

@@ -14,9 +14,9 @@ import logging
 import weakref
 from typing import Any
 
-from aiokvcache import _bridge
+from aiokvcache import LLMDataDist, _bridge
 
-__all__ = ["BRIDGES", "ServiceErrors", "track_bridges"]
+__all__ = ["BRIDGES", "ServiceErrors", "engine_of", "track_bridges"]
 
 #: Every bridge made since :func:`track_bridges`.
 BRIDGES: weakref.WeakSet[_bridge.Bridge] = weakref.WeakSet()
@@ -56,3 +56,11 @@ class ServiceErrors(logging.Handler):
 
     def describe(self) -> str:
         return "; ".join(r.getMessage() for r in self.records)
+
+
+def engine_of(dd: LLMDataDist) -> Any:
+    """The native engine of an initialized instance (its counters, its UCX
+    configuration), also after finalize."""
+    rt = dd._rt
+    assert rt is not None, "not initialized"
+    return rt.engine

@@ -18,14 +18,14 @@ from typing import Any
 from .. import _loopside, _ucxlog
 from .._bridge import Bridge
 from .._loader import native
-from .._loopside import LoopSide
+from .._loopside import LoopSide, ServiceGone
 from .caches import LocalCaches
 from .control import LocalInfo
 from .copies import LocalCopies
 from .errors import LLMStatusCode, make_error
 from .notify import Receiver
 from .options import EngineOptions
-from .runner import Runner
+from .runner import Runner, engine_finalized
 from .service import PeerService, overall
 from .state import Link, State
 from .transfers import Transfers
@@ -193,7 +193,10 @@ class Runtime:
     async def on_service(self, coro: Any) -> Any:
         """``coro`` run on the peer-service thread, awaited on the owner's loop."""
         cf: concurrent.futures.Future[Any] = self.service.call(coro)
-        return await self.side.from_service(cf)
+        try:
+            return await self.side.from_service(cf)
+        except ServiceGone:
+            raise engine_finalized() from None
 
     def _on_endpoint_error(self, ep: int, ucs_status: int) -> None:
         reason = f"transport error: {native.ucs_status_string(ucs_status)}"

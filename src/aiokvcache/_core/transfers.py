@@ -17,10 +17,10 @@ import numpy as np
 import numpy.typing as npt
 
 from .._bridge import OP_GET, OP_PUT
-from .._loopside import LoopSide, TaskHandle
+from .._loopside import LoopSide, ServiceGone, TaskHandle
 from . import notify, planner
 from .errors import LLMStatusCode, LLMTimeoutError, make_error, param_invalid
-from .runner import Runner, run_jobs, time_left
+from .runner import Runner, engine_finalized, run_jobs, time_left
 from .service import PeerService
 from .slots import SlotTransfer, copy_inline, slot_plan
 from .state import Link, LocalCache, RemoteCache, State
@@ -135,7 +135,10 @@ class Transfers:
     async def on_service(self, coro: Coroutine[Any, Any, T]) -> T:
         """``coro`` run on the peer-service thread, awaited on the owner's loop."""
         cf: concurrent.futures.Future[T] = self.service.call(coro)
-        return await self.side.from_service(cf)
+        try:
+            return await self.side.from_service(cf)
+        except ServiceGone:
+            raise engine_finalized() from None
 
     def require_remote_access(self, what: str) -> None:
         """Pushing writes peers' memory: only with llm.EnableRemoteCacheAccessible on."""

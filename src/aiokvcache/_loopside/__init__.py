@@ -31,9 +31,9 @@ from __future__ import annotations
 import sniffio
 
 from ._asyncio import AsyncioSide
-from ._base import Deadline, LoopSide, TaskHandle, Waiter
+from ._base import Deadline, LoopSide, ServiceGone, TaskHandle, Waiter
 
-__all__ = ["AsyncioSide", "Deadline", "LoopSide", "TaskHandle", "Waiter", "current"]
+__all__ = ["AsyncioSide", "Deadline", "LoopSide", "ServiceGone", "TaskHandle", "Waiter", "current"]
 
 
 def current() -> LoopSide:

@@ -7,7 +7,7 @@ import concurrent.futures
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from ._base import Deadline, LoopSide, TaskHandle, Waiter
+from ._base import Deadline, LoopSide, ServiceGone, TaskHandle, Waiter
 
 __all__ = ["AsyncioSide", "settle"]
 
@@ -124,7 +124,13 @@ class AsyncioSide(LoopSide):
 
     async def from_service(self, cf: concurrent.futures.Future[T]) -> T:
         # wrap_future's result is set on the running loop; cancelling it cancels cf.
-        return await asyncio.wrap_future(cf)
+        try:
+            return await asyncio.wrap_future(cf)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if cf.cancelled() and task is not None and not task.cancelling():
+                raise ServiceGone("the peer-service thread stopped") from None
+            raise
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         work = asyncio.ensure_future(asyncio.to_thread(fn, *args))

@@ -10,7 +10,7 @@ from typing import Any, Protocol, TypeVar
 
 import sniffio
 
-__all__ = ["Deadline", "LoopSide", "TaskHandle", "Waiter"]
+__all__ = ["Deadline", "LoopSide", "ServiceGone", "TaskHandle", "Waiter"]
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -18,6 +18,11 @@ T_co = TypeVar("T_co", covariant=True)
 #: Polling intervals of :meth:`LoopSide.poll_until` (see servicethread.until).
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.02
+
+
+class ServiceGone(RuntimeError):
+    """The peer-service thread cancelled the work we awaited (it is stopping:
+    finalize), not the caller."""
 
 
 class Waiter(Protocol[T]):
@@ -145,7 +150,8 @@ class LoopSide:
         self, cf: concurrent.futures.Future[T]
     ) -> T:  # pragma: no cover - abstract
         """The result of work running on the peer-service thread, awaited
-        here; cancelling the caller cancels ``cf`` (the service task)."""
+        here; cancelling the caller cancels ``cf`` (the service task).
+        :class:`ServiceGone` when the service cancelled it (not the caller)."""
         raise NotImplementedError
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:  # pragma: no cover

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from ._base import Deadline, LoopSide, TaskHandle, Waiter
+from ._base import Deadline, LoopSide, ServiceGone, TaskHandle, Waiter
 
 __all__ = ["TrioSide", "TrioWaiter"]
 
@@ -249,6 +249,8 @@ class TrioSide(LoopSide):
         except trio.Cancelled:
             cf.cancel()  # run_coroutine_threadsafe cancels the service task
             raise
+        if cf.cancelled():
+            raise ServiceGone("the peer-service thread stopped")
         return cf.result()
 
     async def in_thread(self, fn: Callable[..., T], *args: Any) -> T:
