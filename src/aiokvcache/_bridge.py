@@ -170,7 +170,7 @@ class Bridge:
         self.on_notify: Callable[[int, bytes], None] | None = None
         #: Called with (endpoint id, UCX status) when an endpoint fails.
         self.on_endpoint_error: Callable[[int, int], None] | None = None
-        self._side.watch_fd(self._fd, self._on_readable)
+        self._side.watch_fd(self._fd, self._on_readable, self._busy)
 
     # ------------------------------------------------------------ plumbing
 
@@ -193,6 +193,9 @@ class Bridge:
     def pending_jobs(self) -> int:
         """Jobs submitted through this bridge and not yet reported released."""
         return len(self._groups)
+
+    def _busy(self) -> bool:
+        return bool(self._groups)
 
     def _on_readable(self) -> None:
         # One native call resets the eventfd and drains the queue: an entry

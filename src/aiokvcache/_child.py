@@ -36,6 +36,7 @@ __all__ = [
     "PeerError",
     "PeerExited",
     "checked",
+    "is_answer",
     "json_object",
     "say",
     "serve",
@@ -64,6 +65,12 @@ def json_object(line: str) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return obj if isinstance(obj, dict) else None
+
+
+def is_answer(reply: dict[str, Any], request_id: int) -> bool:
+    """Whether ``reply`` answers request ``request_id``: a reply that carries
+    another id is the late answer to an earlier request (one that timed out)."""
+    return bool(reply.get("id", request_id) == request_id)
 
 
 def checked(reply: dict[str, Any], op: str) -> dict[str, Any]:
@@ -107,6 +114,8 @@ async def serve(handle: Handler) -> None:
             reply = await handle(req)
         except Exception as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
+        if "id" in req:  # the asker matches answers to requests by it
+            reply = {**reply, "id": req["id"]}
         say(reply)
 
 
@@ -318,6 +327,13 @@ class JsonPeer(Child):
         return str(self.hello["address"])
 
     def call(self, op: str, timeout: float = 120, **args: Any) -> dict[str, Any]:
-        """Send ``{"op": op, **args}``; its answer (``PeerError`` if it is an error)."""
-        self.send({"op": op, **args})
-        return checked(self.read_json(timeout), op)
+        """Send ``{"op": op, "id": n, **args}``; its answer (``PeerError`` if it
+        is an error). Answers to earlier requests that timed out are skipped."""
+        self._requests = getattr(self, "_requests", 0) + 1
+        rid = self._requests
+        self.send({"op": op, "id": rid, **args})
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self.read_json(max(0.0, deadline - time.monotonic()))
+            if is_answer(reply, rid):
+                return checked(reply, op)

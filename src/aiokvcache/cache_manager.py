@@ -280,6 +280,7 @@ class CacheManager:
         or None) only labels the copy in logs, as in LLM-DataDist.
         """
         self._check_ready()
+        self._rt.check_loop()
         if req_id is not None:
             check_int("req_id", req_id, 0, 2**64 - 1)
         d = self._rt.caches.local("dst", dst)
@@ -370,6 +371,7 @@ class CacheManager:
         and may not also be a source (the result would depend on order).
         """
         self._check_ready()
+        self._rt.check_loop()
         rec = self._rt.caches.local("cache", cache)
         srcs, dsts = planner.block_mapping("copy_block_info", copy_block_info, True)
         await self._rt.copies.copy_blocks(rec, srcs, dsts)
@@ -384,6 +386,7 @@ class CacheManager:
         HOST↔HOST is what is allowed here **[ours]**.
         """
         self._check_ready()
+        self._rt.check_loop()
         s = self._rt.caches.local("src_cache", src_cache)
         d = self._rt.caches.local("dst_cache", dst_cache)
         srcs, dsts = planner.block_mapping("src_to_dst", src_to_dst, False)

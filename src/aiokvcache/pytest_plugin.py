@@ -129,16 +129,29 @@ async def kv_peer(
     anyio_backend: Any, kv_transport: str, kv_options: dict[str, Any]
 ) -> AsyncIterator[PeerProcess]:
     """A listening decoder (cluster 2) in a child process, started for the
-    test and ended after it; the test fails if it died unless it was killed
-    through it (:meth:`~aiokvcache.testing.PeerProcess.kill`)."""
+    test and ended after it. The test fails if the peer died unless it was
+    killed through it (:meth:`~aiokvcache.testing.PeerProcess.kill`), or if
+    the peer (thawed first, if the test left it frozen) still has native
+    jobs live or an error reached its peer-service loop."""
     from aiokvcache.testing import PeerProcess
 
     peer = PeerProcess("decoder", kv_transport, options=kv_options)
+    problems: list[str] = []
     async with peer:
         yield peer
-        died = peer.returncode is not None and not peer.killed
-    if died:
-        pytest.fail(f"kv_peer: the peer process died during the test (rc {peer.returncode})")
+        if peer.returncode is not None:
+            if not peer.killed:
+                problems.append(f"the peer process died during the test (rc {peer.returncode})")
+        elif not peer.killed:
+            peer.thaw()
+            health = await peer.health()
+            if health["live_jobs"]:
+                problems.append(f"{health['live_jobs']} native jobs still live in the peer")
+            if health["service_errors"]:
+                errors = health["service_errors"]
+                problems.append(f"an error reached the peer's service loop: {errors}")
+    if problems:
+        pytest.fail("kv_peer: " + "; ".join(problems))
 
 
 @pytest.fixture

@@ -300,8 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args = _parser().parse_args(argv)
         run = MODES[args.mode]
-    if args.lifetime is not None:
-        testing_peer.watchdog(args.lifetime)
+    testing_peer.guard(args.lifetime)
     asyncio.run(run(args))
     return 0
 

@@ -155,20 +155,21 @@ def decode_block_ids(data: bytes) -> tuple[int, ...]:
 
 
 class _Subscription:
-    """One ``notifications()`` iterator's queue: bounded, oldest dropped first."""
+    """One ``notifications()`` iterator's queue: bounded, oldest dropped first.
+    Any number of readers may wait on it; each note goes to one of them."""
 
-    __slots__ = ("closed", "items", "side", "waiter")
+    __slots__ = ("closed", "items", "side", "waiters")
 
     def __init__(self, side: LoopSide) -> None:
         self.side = side
         self.items: collections.deque[Notification] = collections.deque()
-        self.waiter: Waiter[None] | None = None
+        self.waiters: list[Waiter[None]] = []
         self.closed = False
 
     def _wake(self) -> None:
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        for w in self.waiters:
+            if not w.done():
+                w.set_result(None)
 
     def put(self, note: Notification) -> bool:
         """Queue ``note``; False when the oldest had to go to make room."""
@@ -176,11 +177,12 @@ class _Subscription:
         if not kept:
             self.items.popleft()
         self.items.append(note)
-        self._wake()
+        if self.waiters:
+            self._wake()
         return kept
 
     def end(self) -> None:
-        """No more notifications (finalize): the iterator ends once drained."""
+        """No more notifications (finalize, close): every reader ends once drained."""
         self.closed = True
         self._wake()
 
@@ -188,8 +190,12 @@ class _Subscription:
         while not self.items:
             if self.closed:
                 raise StopAsyncIteration
-            self.waiter = self.side.future()
-            await self.waiter
+            w = self.side.future()
+            self.waiters.append(w)
+            try:
+                await w
+            finally:
+                self.waiters.remove(w)
         return self.items.popleft()
 
 

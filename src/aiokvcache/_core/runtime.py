@@ -191,7 +191,16 @@ class Runtime:
             )
 
     async def on_service(self, coro: Any) -> Any:
-        """``coro`` run on the peer-service thread, awaited on the owner's loop."""
+        """``coro`` run on the peer-service thread, awaited on the owner's loop
+        (checked first: from another loop nothing is submitted)."""
+        try:
+            self.check_loop()
+        except RuntimeError:
+            coro.close()
+            raise
+        return await self._on_service(coro)
+
+    async def _on_service(self, coro: Any) -> Any:
         cf: concurrent.futures.Future[Any] = self.service.call(coro)
         try:
             return await self.side.from_service(cf)
@@ -233,9 +242,9 @@ class Runtime:
         """finalize(): peers told, transfers ended, links and server closed, memory freed.
 
         It runs to its end even when the caller is cancelled meanwhile (an
-        ``async with`` left by a cancel scope, ``fail_after`` around it): a
-        finalize cut short would leave the engine and its memory behind. The
-        cancellation comes after.
+        ``async with`` left by a cancel scope, ``fail_after`` around it) or
+        interrupted (Ctrl-C under trio): a finalize cut short would leave the
+        engine and its memory behind. The cancellation comes after.
         """
         if self._closed:
             return
@@ -244,8 +253,9 @@ class Runtime:
         await self.side.shielded(self._close())
 
     def check_can_close(self) -> None:
-        """``RuntimeError`` unless finalize() may run on the calling loop
-        (under trio: only in the run that ran init())."""
+        """``RuntimeError`` unless finalize() may run on the calling loop: the
+        one that ran init() (under asyncio also any loop once that one no
+        longer runs; under trio only the run that ran init())."""
         self.side.check_can_close()
 
     async def _close(self) -> None:
@@ -256,7 +266,7 @@ class Runtime:
         # Tell peers first, so the transport errors they are about to see
         # read as a shutdown, not a failure.
         with contextlib.suppress(Exception):
-            await self.on_service(self.service.announce_finalizing())
+            await self._on_service(self.service.announce_finalizing())
         # Local copies run in worker threads and cannot be stopped: the
         # engine unmaps every region when it closes, so wait for them first.
         copies = self.caches.copy_leases()
@@ -268,7 +278,7 @@ class Runtime:
         # (ENGINE_FINALIZED) before memory goes.
         self.bridge.close()
         with contextlib.suppress(Exception):
-            await self.on_service(self.service.close())
+            await self._on_service(self.service.close())
         self.service.stop()
         await self.transfers.end_tasks()
         self.caches.drop_all()

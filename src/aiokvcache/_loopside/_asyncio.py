@@ -93,12 +93,19 @@ class AsyncioSide(LoopSide):
             return False
 
     def check_can_close(self) -> None:
-        # Any asyncio loop may finalize (the loop that ran init() may be gone):
-        # nothing below waits on the bridge's loop.
+        # The loop that ran init(), or any asyncio loop once that one no
+        # longer runs (closed, or stopped): then nobody is left to wake. While
+        # it runs in another thread, its waiters and its reader are its own.
         try:
-            asyncio.get_running_loop()
+            running = asyncio.get_running_loop()
         except RuntimeError:
             raise RuntimeError("aiokvcache: finalize() must be awaited on an event loop") from None
+        owner = self.loop
+        if running is not owner and owner.is_running() and not owner.is_closed():
+            raise RuntimeError(
+                "aiokvcache: finalize() must be awaited on the event loop that ran init() "
+                "while that loop runs (it runs in another thread)"
+            )
 
     def time(self) -> float:
         return self.loop.time()
@@ -106,7 +113,8 @@ class AsyncioSide(LoopSide):
     def future(self) -> asyncio.Future[Any]:
         return self.loop.create_future()
 
-    def watch_fd(self, fd: int, on_readable: Callable[[], None]) -> None:
+    def watch_fd(self, fd: int, on_readable: Callable[[], None], busy: Callable[[], bool]) -> None:
+        # A reader outlives the tasks: asyncio.run's shutdown still runs it.
         self.loop.add_reader(fd, on_readable)
 
     def unwatch_fd(self, fd: int) -> None:
@@ -150,4 +158,11 @@ class AsyncioSide(LoopSide):
         return _AsyncioTask(self.loop.create_task(fn(), name=name))
 
     async def gather(self, aws: Sequence[Awaitable[T]]) -> list[T]:
-        return list(await asyncio.gather(*aws))
+        tasks = [asyncio.ensure_future(aw) for aw in aws]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await settle(asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True)))
+            raise

@@ -124,8 +124,12 @@ class LoopSide:
         """A new :class:`Waiter`."""
         raise NotImplementedError
 
-    def watch_fd(self, fd: int, on_readable: Callable[[], None]) -> None:  # pragma: no cover
-        """Call ``on_readable()`` on the loop each time ``fd`` is readable, until unwatched."""
+    def watch_fd(
+        self, fd: int, on_readable: Callable[[], None], busy: Callable[[], bool]
+    ) -> None:  # pragma: no cover - abstract
+        """Call ``on_readable()`` on the loop each time ``fd`` is readable, until
+        unwatched. While ``busy()`` (someone waits for what ``fd`` reports) the
+        watch outlives the loop's own shutdown: a waiter is never left without it."""
         raise NotImplementedError
 
     def unwatch_fd(self, fd: int) -> None:  # pragma: no cover - abstract
@@ -161,8 +165,8 @@ class LoopSide:
         raise NotImplementedError
 
     async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:  # pragma: no cover - abstract
-        """Run ``coro`` to its end even if the caller is cancelled meanwhile
-        (cleanup that must finish: finalize); the cancellation comes after."""
+        """Run ``coro`` to its end even if the caller is cancelled (or
+        interrupted) meanwhile; the cancellation comes after."""
         raise NotImplementedError
 
     def spawn(
@@ -172,8 +176,8 @@ class LoopSide:
         raise NotImplementedError
 
     async def gather(self, aws: Sequence[Awaitable[T]]) -> list[T]:  # pragma: no cover
-        """Run ``aws`` concurrently; their results in order, or the first error
-        (the rest are cancelled and waited for)."""
+        """Run ``aws`` concurrently; their results in order, or the first error,
+        plain (the rest are cancelled and waited for)."""
         raise NotImplementedError
 
     async def poll_until(self, done: Callable[[], bool], timeout: float | None = None) -> bool:

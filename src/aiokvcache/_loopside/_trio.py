@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import logging
 import math
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
@@ -131,11 +132,19 @@ class _TrioTask:
         self._scope = trio.CancelScope()
         self._done = trio.Event()
         self._cancelled = False
-        trio.lowlevel.spawn_system_task(self._run, fn, name=name)
+        # The caller's context, as asyncio's create_task copies it (request
+        # ids, tracing spans the layer synchronizer reads).
+        trio.lowlevel.spawn_system_task(
+            self._run, fn, name=name, context=contextvars.copy_context()
+        )
 
     async def _run(self, fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
         try:
             with self._scope:
+                # A cancel before the task first ran stops it here, before
+                # anything is sent (an asyncio task cancelled before it
+                # starts never runs).
+                await trio.lowlevel.checkpoint_if_cancelled()
                 await fn()
         except Exception:  # an error in a system task would end the whole run
             log.exception("aiokvcache: background task failed")
@@ -201,13 +210,15 @@ class TrioSide(LoopSide):
     def future(self) -> TrioWaiter:
         return TrioWaiter()
 
-    def watch_fd(self, fd: int, on_readable: Callable[[], None]) -> None:
+    def watch_fd(self, fd: int, on_readable: Callable[[], None], busy: Callable[[], bool]) -> None:
         self._watched.add(fd)
         trio.lowlevel.spawn_system_task(
-            self._watch, fd, on_readable, name=f"aiokvcache.completions(fd={fd})"
+            self._watch, fd, on_readable, busy, name=f"aiokvcache.completions(fd={fd})"
         )
 
-    async def _watch(self, fd: int, on_readable: Callable[[], None]) -> None:
+    async def _watch(
+        self, fd: int, on_readable: Callable[[], None], busy: Callable[[], bool]
+    ) -> None:
         try:
             while fd in self._watched:
                 await trio.lowlevel.wait_readable(fd)
@@ -215,16 +226,46 @@ class TrioSide(LoopSide):
                     on_readable()
         except trio.ClosedResourceError:
             return  # unwatched
+        except trio.Cancelled:
+            # The run is ending and cancels every system task at once: a
+            # cancelled transfer (the layer-wise task's) may still wait,
+            # shielded, for releases only this watch reports. Report them.
+            with trio.CancelScope(shield=True):
+                await self._drain_while(fd, on_readable, busy)
+            raise
+
+    async def _drain_while(
+        self, fd: int, on_readable: Callable[[], None], busy: Callable[[], bool]
+    ) -> None:
+        while fd in self._watched and busy():
+            try:
+                with trio.move_on_after(0.05):  # a safety net, as the engine's
+                    await trio.lowlevel.wait_readable(fd)
+            except trio.ClosedResourceError:
+                return
+            if fd in self._watched:
+                on_readable()
 
     def unwatch_fd(self, fd: int) -> None:
         if fd in self._watched:
             self._watched.discard(fd)
             trio.lowlevel.notify_closing(fd)
 
+    @trio.lowlevel.enable_ki_protection
     async def settle(self, fut: Waiter[Any]) -> None:
+        # Shielded from cancellation; and a Ctrl-C, which trio delivers to
+        # the main task at any checkpoint, shields or not, is held until the
+        # release (bounded by the engine's graces) and raised right after.
         assert isinstance(fut, TrioWaiter)
+        interrupted: KeyboardInterrupt | None = None
         with trio.CancelScope(shield=True):
-            await fut.wait()
+            while not fut.done():
+                try:
+                    await fut.wait()
+                except KeyboardInterrupt as exc:
+                    interrupted = exc
+        if interrupted is not None:
+            raise interrupted
         await trio.lowlevel.checkpoint_if_cancelled()
 
     def deadline(self, seconds: float | None) -> Deadline:
@@ -260,11 +301,39 @@ class TrioSide(LoopSide):
         await trio.lowlevel.checkpoint_if_cancelled()
         return result
 
+    @trio.lowlevel.enable_ki_protection
     async def shielded(self, coro: Coroutine[Any, Any, T]) -> T:
+        # In a system task: trio cancels those only when the run ends (and it
+        # cannot end while we wait here) and never delivers Ctrl-C to them,
+        # so the work runs to its end whatever reaches the caller meanwhile.
+        done = trio.Event()
+        outcome: list[Any] = []
+
+        async def work() -> None:
+            try:
+                outcome.append((True, await coro))
+            except BaseException as exc:  # handed to the caller, below
+                outcome.append((False, exc))
+            finally:
+                done.set()
+
+        trio.lowlevel.spawn_system_task(
+            work, name="aiokvcache.shielded", context=contextvars.copy_context()
+        )
+        interrupted: KeyboardInterrupt | None = None
         with trio.CancelScope(shield=True):
-            result = await coro
+            while not done.is_set():
+                try:
+                    await done.wait()
+                except KeyboardInterrupt as exc:
+                    interrupted = exc
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        if interrupted is not None:
+            raise interrupted
         await trio.lowlevel.checkpoint_if_cancelled()
-        return result
+        return value  # type: ignore[no-any-return]
 
     def spawn(self, fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> TaskHandle:
         return _TrioTask(fn, name)
@@ -272,7 +341,20 @@ class TrioSide(LoopSide):
     async def gather(self, aws: Sequence[Awaitable[T]]) -> list[T]:
         results: list[Any] = [None] * len(aws)
         first: list[Exception] = []
+        try:
+            await self._gather(aws, results, first)
+        except BaseExceptionGroup as group:
+            # The children keep Cancelled and errors to themselves: what comes
+            # out is KeyboardInterrupt or SystemExit, raised plain.
+            raise _first_leaf(group) from None
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if first:
+            raise first[0]
+        return results
 
+    async def _gather(
+        self, aws: Sequence[Awaitable[T]], results: list[Any], first: list[Exception]
+    ) -> None:
         async with trio.open_nursery() as nursery:
 
             async def one(i: int, aw: Awaitable[T]) -> None:
@@ -289,7 +371,10 @@ class TrioSide(LoopSide):
 
             for i, aw in enumerate(aws):
                 nursery.start_soon(one, i, aw)
-        await trio.lowlevel.checkpoint_if_cancelled()
-        if first:
-            raise first[0]
-        return results
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

@@ -34,7 +34,7 @@ import anyio
 import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from .._child import PeerExited, checked, json_object
+from .._child import PeerExited, checked, is_answer, json_object
 
 __all__ = ["JsonChild", "PeerProcess"]
 
@@ -103,6 +103,7 @@ class JsonChild:
         self._out: BufferedByteReceiveStream | None = None
         self._skipped: list[str] = []
         self._slower: _Slower | None = None
+        self._requests = 0
         self.killed = False
 
     # ------------------------------------------------------------ lifetime
@@ -211,15 +212,27 @@ class JsonChild:
                 self._skipped = [*self._skipped[-4:], line.rstrip()]
 
     async def call(self, op: str, timeout: float = 120, **args: Any) -> dict[str, Any]:
-        """Send ``{"op": op, **args}``; its answer (:class:`PeerError` if an error)."""
-        await self.send({"op": op, **args})
-        return checked(await self.read_json(timeout), op)
+        """Send ``{"op": op, "id": n, **args}``; its answer (:class:`PeerError`
+        if an error). The answers to earlier requests that timed out (or whose
+        caller was cancelled) are skipped: they carry those requests' ids."""
+        self._requests += 1
+        rid = self._requests
+        await self.send({"op": op, "id": rid, **args})
+        with anyio.fail_after(timeout):
+            while True:
+                reply = await self.read_json(timeout)
+                if is_answer(reply, rid):
+                    return checked(reply, op)
 
     # ------------------------------------------------------------ faults
 
     def signal(self, sig: int) -> float:
-        """Send ``sig``; ``time.monotonic()`` just after it was sent."""
-        self._proc().send_signal(signal.Signals(sig))
+        """Send ``sig``; ``time.monotonic()`` just after it was sent
+        (:class:`PeerExited` if it is gone)."""
+        try:
+            self._proc().send_signal(signal.Signals(sig))
+        except ProcessLookupError:
+            raise PeerExited(f"{self.label} exited (rc {self.returncode})") from None
         return time.monotonic()
 
     def freeze(self) -> float:
@@ -229,9 +242,13 @@ class JsonChild:
         return self.signal(signal.SIGSTOP)
 
     def thaw(self) -> float:
-        """Let a frozen (or slowed) child run again (``SIGCONT``)."""
+        """Let a frozen (or slowed) child run again (``SIGCONT``). A child
+        that is gone is no error here: a ``finally: peer.thaw()`` must not
+        hide why the test failed."""
         self.slow(None)
-        return self.signal(signal.SIGCONT)
+        with contextlib.suppress(PeerExited):
+            self.signal(signal.SIGCONT)
+        return time.monotonic()
 
     def slow(self, duty: float | None, period: float = 0.02) -> None:
         """Run it only ``duty`` (0 < duty < 1) of every ``period`` seconds,
@@ -364,4 +381,9 @@ class PeerProcess(JsonChild):
 
     async def stats(self) -> dict[str, int]:
         """Its ``cache_manager.stats()``."""
-        return {k: int(v) for k, v in (await self.call("stats")).items()}
+        return {k: int(v) for k, v in (await self.call("stats")).items() if k != "id"}
+
+    async def health(self, timeout: float = 30) -> dict[str, Any]:
+        """Its native jobs still live (``live_jobs``) and the errors that
+        reached its peer-service loop (``service_errors``)."""
+        return await self.call("health", timeout)

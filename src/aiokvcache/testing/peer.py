@@ -24,7 +24,8 @@ input:
   ``time.monotonic()``), ``seconds``, ``message``; ``loop`` (``loop``,
   ``count``, ``seconds``, ``srcs``, ``stop_on_error``) pushes back to back in
   the background, ``loop_status`` / ``loop_join`` (``wait`` seconds) report;
-* ``reinit`` (a fresh LLMDataDist), ``rss``, ``stats``.
+* ``reinit`` (a fresh LLMDataDist), ``rss``, ``stats``, ``health`` (its
+  ``live_jobs`` and the errors that reached its peer-service loop).
 
 It ignores SIGINT (its parent decides when it ends) and exits after
 ``--lifetime`` seconds whatever happens.
@@ -36,6 +37,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -62,7 +64,7 @@ from aiokvcache.options import KEY_LISTEN_IP_INFO, TRANSPORTS
 from .._child import say, serve, unknown
 from . import cluster_info, options
 
-__all__ = ["main", "parser", "run"]
+__all__ = ["finish_args", "guard", "main", "parser", "run"]
 
 
 def _sha(data: bytes) -> str:
@@ -297,6 +299,27 @@ class _Node:
     async def stats(self, req: dict[str, Any]) -> dict[str, Any]:
         return {k: int(v) for k, v in self.dd.cache_manager.stats().items()}
 
+    async def health(self, req: dict[str, Any]) -> dict[str, Any]:
+        # What the pytest plugin holds a peer to at teardown.
+        return {
+            "live_jobs": int(self.dd.cache_manager.stats()["live_jobs"]),
+            "service_errors": list(_SERVICE_ERRORS.messages),
+        }
+
+
+class _ServiceErrors(logging.Handler):
+    """What reached this process's peer-service loop (logged at ERROR)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage()[:300])
+
+
+_SERVICE_ERRORS = _ServiceErrors()
+
 
 #: The requests a prefill / decoder node answers, by op.
 _NODE_OPS: dict[str, Callable[[_Node, dict[str, Any]], Awaitable[dict[str, Any]]]] = {
@@ -315,11 +338,13 @@ _NODE_OPS: dict[str, Callable[[_Node, dict[str, Any]], Awaitable[dict[str, Any]]
     "reinit": _Node.reinit,
     "rss": _Node.rss,
     "stats": _Node.stats,
+    "health": _Node.health,
 }
 
 
 async def run(args: argparse.Namespace) -> None:
     """An LLMDataDist driven op by op until ``exit`` or end of input."""
+    logging.getLogger("aiokvcache.service").addHandler(_SERVICE_ERRORS)
     node = _Node(args)
     await node.dd.init(node.cfg)
     say(
@@ -363,22 +388,55 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def watchdog(seconds: float) -> None:
-    """Exit the process (status 124) after ``seconds``, whatever it is doing."""
+def guard(lifetime: float | None) -> None:
+    """End this process when the one that started it dies, and after
+    ``lifetime`` seconds (if given) whatever it is doing, frozen
+    (``SIGSTOP``) included.
 
-    def run() -> None:
-        time.sleep(seconds)
-        os._exit(124)
+    The lifetime is kept by a forked watchdog process, which a ``SIGSTOP`` of
+    this one does not stop: it ``SIGKILL``s this process when the time is up
+    (a stopped process dies of it too) and leaves when this one is gone.
+    Call it first, before any thread starts.
+    """
+    _die_with_parent()
+    if lifetime is None:
+        return
+    seconds = lifetime
+    peer = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the watchdog
+        try:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                time.sleep(0.2)
+                if os.getppid() != peer:
+                    os._exit(0)  # the peer ended (we were reparented)
+            os.kill(peer, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    # Reaped when it ends, so it leaves no zombie behind.
+    threading.Thread(target=os.waitpid, args=(pid, 0), name="watchdog", daemon=True).start()
 
-    threading.Thread(target=run, name="lifetime", daemon=True).start()
+
+def _die_with_parent() -> None:
+    """``SIGKILL`` this process when the one that started it dies (Linux:
+    ``prctl(PR_SET_PDEATHSIG)``; it reaches a stopped process too)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # it died before the call took effect
+        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the peer until told to exit."""
     args = finish_args(parser().parse_args(argv))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    if args.lifetime is not None:
-        watchdog(args.lifetime)
+    guard(args.lifetime)
     asyncio.run(run(args))
     return 0
 
