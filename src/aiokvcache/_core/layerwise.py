@@ -178,7 +178,7 @@ async def transfer_cache_async(
         raise LLMTimeoutError(
             "transfer_cache_async timed out looking up the destinations"
         ) from None
-    tmo = time_left(tmo, start, side.time())
+    tmo = time_left(tmo, start, side.time)
     task = CacheTask(len(configs))
     runner = _Pipeline(cm, prep, src, targets, sync, task, tmo)
     task._attach(cm.spawn(runner.run, "aiokvcache.transfer_cache_async"))

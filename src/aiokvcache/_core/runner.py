@@ -11,7 +11,7 @@ already made the group quiescent when it returns or raises.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from .._bridge import Bridge, BridgeError, GroupFailed, JobGroup, JobResult, Jobs
@@ -61,11 +61,12 @@ def check_timeout(timeout: Any) -> float | None:
     return None if value >= MAX_TIMEOUT_S else value
 
 
-def time_left(timeout: float | None, start: float, now: float) -> float | None:
-    """What is left of ``timeout`` (seconds) from loop time ``start`` to ``now``; never 0."""
+def time_left(timeout: float | None, start: float, clock: Callable[[], float]) -> float | None:
+    """What is left of ``timeout`` (seconds) since loop time ``start`` by the
+    loop's ``clock`` (read only when there is a timeout); never 0."""
     if timeout is None:
         return None
-    return max(timeout - (now - start), 1e-6)
+    return max(timeout - (clock() - start), 1e-6)
 
 
 def failure(group: JobGroup, labels: Sequence[str] | None, *, timed_out: bool) -> LLMException:

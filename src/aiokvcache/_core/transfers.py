@@ -265,7 +265,7 @@ class Transfers:
             else "the batch index dst_cache_key is bound to"
         )
         t = SlotTransfer(OP_PUT, src, sb, remote, db, name, n, src_r, dst_r)
-        await self.slot(t, link, tag, time_left(tmo, start, self.side.time()))
+        await self.slot(t, link, tag, time_left(tmo, start, self.side.time))
 
     async def pull_slot(
         self,
@@ -294,7 +294,7 @@ class Transfers:
         t = SlotTransfer(
             OP_GET, dst, db, remote, sb, "cache_key.batch_index", n, src_r, dst_r, size
         )
-        await self.slot(t, link, None, time_left(tmo, start, self.side.time()))
+        await self.slot(t, link, None, time_left(tmo, start, self.side.time))
 
     # ------------------------------------------------------------ blocks
 
@@ -325,7 +325,7 @@ class Transfers:
         link = self.state.link_for(key.cluster_id)
         start = self.side.time()
         remote = await self.remote_blocks(link, key, tmo, "push_blocks")
-        tmo = time_left(tmo, start, self.side.time())
+        tmo = time_left(tmo, start, self.side.time)
         nb = planner.num_blocks(remote.desc)
         planner.check_in_range("dst_blocks", dst_ids, nb, "the remote cache")
         planner.check_unique("dst_blocks", dst_ids, nb)
@@ -378,7 +378,7 @@ class Transfers:
             sb = None
         else:
             remote, sb = await self.remote_slot(link, key, tmo, "pull_blocks")
-        tmo = time_left(tmo, start, self.side.time())
+        tmo = time_left(tmo, start, self.side.time)
         pairs = planner.layer_pairs(
             n, remote.desc, dst.desc, src_r, dst_r, "the remote cache", "dst_cache"
         )

@@ -13,6 +13,8 @@ __all__ = ["AsyncioSide", "settle"]
 
 T = TypeVar("T")
 
+_running_loop = asyncio.events._get_running_loop
+
 async def settle(fut: asyncio.Future[Any]) -> None:
     """Wait until the asyncio future ``fut`` is done, even through
     cancellation, then re-raise the cancellation (see :meth:`LoopSide.settle`)."""
@@ -87,10 +89,8 @@ class AsyncioSide(LoopSide):
         self.loop = asyncio.get_running_loop()
 
     def is_current(self) -> bool:
-        try:
-            return asyncio.get_running_loop() is self.loop
-        except RuntimeError:
-            return False
+        # Per transfer call: the C function that returns None off-loop.
+        return _running_loop() is self.loop
 
     def check_can_close(self) -> None:
         # The loop that ran init(), or any asyncio loop once that one no
