@@ -10,7 +10,8 @@ has its retirement guard. Everything here runs on the service loop.
 from __future__ import annotations
 
 import asyncio
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 from .._loader import native
 from .catalog import install_remote
@@ -38,6 +39,7 @@ __all__ = ["METADATA_TIMEOUT_S", "Lookups"]
 METADATA_TIMEOUT_S = 10.0
 
 R = TypeVar("R", bound=Message)
+T = TypeVar("T")
 
 
 class Lookups:
@@ -47,7 +49,7 @@ class Lookups:
         self._state = state
         self._thread = thread
         self._prober = prober
-        self._fetching: dict[tuple[int, int], asyncio.Future[RemoteCache]] = {}
+        self._asking: dict[tuple[int, Any], asyncio.Future[Any]] = {}
 
     async def _ask(self, link: Link, request: Request[R]) -> R:
         """``request``'s answer from the peer of ``link``; an answer that does
@@ -81,26 +83,37 @@ class Lookups:
             rc = link.remote.get(cache_id)
         if rc is not None:
             return rc
-        key = (id(link), cache_id)
-        fut = self._fetching.get(key)
+
+        async def ask() -> RemoteCache:
+            await self.ensure_ctl(link)
+            answer = await self._ask(link, CacheById(cache_id))
+            return install_remote(self._state, link, answer.meta)
+
+        return await self._shared(link, ("id", cache_id), ask)
+
+    async def _shared(
+        self, link: Link, what: Any, ask: Callable[[], Coroutine[Any, Any, T]]
+    ) -> T:
+        """``ask()``'s answer, one ask in flight per (link, ``what``): callers
+        that come while it is in flight share its answer. Keys are asked
+        every time (the peer may rebind them), but 32 layers of one push round
+        asking at once are one question, not 32: the answer they share is one
+        the peer gave after the first of them asked."""
+        key = (id(link), what)
+        fut = self._asking.get(key)
         if fut is None:
             loop = self._thread.loop
             fut = loop.create_future()
-            self._fetching[key] = fut
-            loop.create_task(self._fetch(link, cache_id, key, fut))
-        return await asyncio.shield(fut)
+            self._asking[key] = fut
+            loop.create_task(self._run_shared(key, fut, ask))
+        result: T = await asyncio.shield(fut)
+        return result
 
-    async def _fetch(
-        self,
-        link: Link,
-        cache_id: int,
-        key: tuple[int, int],
-        fut: asyncio.Future[RemoteCache],
+    async def _run_shared(
+        self, key: tuple[int, Any], fut: asyncio.Future[Any], ask: Callable[[], Awaitable[Any]]
     ) -> None:
         try:
-            await self.ensure_ctl(link)
-            answer = await self._ask(link, CacheById(cache_id))
-            rc = install_remote(self._state, link, answer.meta)
+            result = await ask()
         except BaseException as exc:
             if not fut.done():
                 fut.set_exception(exc if isinstance(exc, Exception) else LLMException(str(exc)))
@@ -109,26 +122,37 @@ class Lookups:
                 raise
         else:
             if not fut.done():
-                fut.set_result(rc)
+                fut.set_result(result)
         finally:
-            self._fetching.pop(key, None)
+            self._asking.pop(key, None)
 
     async def remote_by_key(self, link: Link, key: CacheKey) -> tuple[RemoteCache, int]:
-        """The peer's cache and batch index bound to ``key`` (asked every time)."""
-        await self.ensure_ctl(link)
-        answer = await self._ask(link, CacheByKey(key))
-        return install_remote(self._state, link, answer.meta), answer.batch_index
+        """The peer's cache and batch index bound to ``key`` (asked every time;
+        concurrent asks share one, see :meth:`_shared`)."""
+
+        async def ask() -> tuple[RemoteCache, int]:
+            await self.ensure_ctl(link)
+            answer = await self._ask(link, CacheByKey(key))
+            return install_remote(self._state, link, answer.meta), answer.batch_index
+
+        what = ("key", key.cluster_id, key.req_id, key.model_id, key.prefix_id)
+        return await self._shared(link, what, ask)
 
     async def remote_blocks(self, link: Link, key: BlocksCacheKey) -> RemoteCache:
-        """The peer's blocks cache bound to ``key`` (asked every time: keys rebind)."""
-        await self.ensure_ctl(link)
-        answer = await self._ask(link, BlocksByKey(key))
-        remote = install_remote(self._state, link, answer.meta)
-        if not remote.is_blocks:
-            raise make_error(
-                LLMStatusCode.LLM_FAILED, f"cluster {link.cluster_id} sent a non-blocks cache"
-            )
-        return remote
+        """The peer's blocks cache bound to ``key`` (asked every time: keys
+        rebind; concurrent asks share one, see :meth:`_shared`)."""
+
+        async def ask() -> RemoteCache:
+            await self.ensure_ctl(link)
+            answer = await self._ask(link, BlocksByKey(key))
+            remote = install_remote(self._state, link, answer.meta)
+            if not remote.is_blocks:
+                raise make_error(
+                    LLMStatusCode.LLM_FAILED, f"cluster {link.cluster_id} sent a non-blocks cache"
+                )
+            return remote
+
+        return await self._shared(link, ("blocks", key.cluster_id, key.model_id), ask)
 
     async def remotes_by_addr(self, link: Link, addrs: list[int]) -> None:
         """Ask the peer which caches hold ``addrs``; record every one it names."""

@@ -58,6 +58,16 @@ def _on_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> 
     )
 
 
+def _name_os_thread(name: bytes) -> None:
+    """The calling thread's OS name (Linux, 15 bytes; best effort)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 class ServiceThread:
     """One daemon thread running one asyncio loop, and the background tasks on it."""
 
@@ -69,6 +79,7 @@ class ServiceThread:
         self._thread.start()
 
     def _main(self) -> None:
+        _name_os_thread(b"akv-service")  # top -H, /proc/PID/task/*/comm
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_forever()

@@ -24,6 +24,11 @@ input:
   ``time.monotonic()``), ``seconds``, ``message``; ``loop`` (``loop``,
   ``count``, ``seconds``, ``srcs``, ``stop_on_error``) pushes back to back in
   the background, ``loop_status`` / ``loop_join`` (``wait`` seconds) report;
+  ``rounds`` (``src``, ``seconds``, ``start_at``; ``cluster_id`` with
+  ``src_blocks`` / ``dst_blocks`` / ``model_id`` for push_blocks to a
+  BlocksCacheKey, or ``cache_id`` / ``slot`` for push_cache) pushes every
+  layer of ``src`` at once, round after round, and answers ``rounds``,
+  ``pushes``, ``failed``, ``bytes``, ``seconds``, ``p50`` / ``p99`` (s);
 * ``reinit`` (a fresh LLMDataDist), ``rss``, ``stats``, ``health`` (its
   ``live_jobs`` and the errors that reached its peer-service loop).
 
@@ -264,6 +269,50 @@ class _Node:
                 break
         return done
 
+    async def rounds(self, req: dict[str, Any]) -> dict[str, Any]:
+        # Every layer of cache "src" in flight at once, round after round, for
+        # "seconds" (from "start_at", this host's time.monotonic(), if given):
+        # push_blocks of "src_blocks" to "dst_blocks" of BlocksCacheKey
+        # ("cluster_id", "model_id"), or with "slot" push_cache to batch "slot"
+        # of cache "cache_id". Answers what moved and the layer latencies.
+        cm = self.dd.cache_manager
+        src = self.caches[str(req["src"])]
+        layers = src.cache_desc.num_tensors // 2
+        tmo = float(req.get("call_timeout", 10))
+        push = _round_pusher(cm, src, req, tmo)
+        start_at = float(req.get("start_at", 0))
+        await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+        start = time.monotonic()
+        end = start + float(req["seconds"])
+        lat: list[float] = []
+        errors: list[str] = []
+
+        async def one(layer: int) -> None:
+            t0 = time.perf_counter()
+            try:
+                await push(layer)
+            except LLMException as exc:
+                errors.append(f"{exc.status_code.name}: {exc.message}"[:300])
+                return
+            lat.append(time.perf_counter() - t0)
+
+        n = 0
+        while time.monotonic() < end:
+            await asyncio.gather(*(one(layer) for layer in range(layers)))
+            n += 1
+        elapsed = time.monotonic() - start
+        lat.sort()
+        return {
+            "rounds": n,
+            "pushes": len(lat),
+            "failed": len(errors),
+            "error": errors[0] if errors else None,
+            "bytes": len(lat) * 2 * _round_bytes(src, req),
+            "seconds": elapsed,
+            "p50": _quantile(lat, 0.5),
+            "p99": _quantile(lat, 0.99),
+        }
+
     async def loop(self, req: dict[str, Any]) -> dict[str, Any]:
         name = str(req["loop"])
         self.progress[name] = []
@@ -321,6 +370,41 @@ class _ServiceErrors(logging.Handler):
 _SERVICE_ERRORS = _ServiceErrors()
 
 
+def _round_pusher(
+    cm: Any, src: Cache, req: dict[str, Any], tmo: float
+) -> Callable[[int], Awaitable[None]]:
+    """One layer's push of a ``rounds`` request."""
+    if req.get("slot") is not None:
+        key = CacheKeyByIdAndIndex(int(req["cluster_id"]), int(req["cache_id"]), int(req["slot"]))
+
+        async def slot(layer: int) -> None:
+            await cm.push_cache(key, src, src_layer_range=range(layer, layer + 1), timeout=tmo)
+
+        return slot
+    bkey = BlocksCacheKey(int(req["cluster_id"]), int(req.get("model_id", 0)))
+    src_blocks = np.asarray(req["src_blocks"], dtype=np.int64)
+    dst_blocks = np.asarray(req["dst_blocks"], dtype=np.int64)
+
+    async def blocks(layer: int) -> None:
+        await cm.push_blocks(
+            bkey, src, src_blocks, dst_blocks, src_layer_range=range(layer, layer + 1), timeout=tmo
+        )
+
+    return blocks
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def _round_bytes(src: Cache, req: dict[str, Any]) -> int:
+    """Bytes of one tensor one ``rounds`` push moves."""
+    desc = src.cache_desc
+    if req.get("slot") is not None:
+        return int(desc.size // desc.batch_size)
+    return int(desc.size // desc.shape[0]) * len(req["src_blocks"])
+
+
 #: The requests a prefill / decoder node answers, by op.
 _NODE_OPS: dict[str, Callable[[_Node, dict[str, Any]], Awaitable[dict[str, Any]]]] = {
     "alloc": _Node.alloc,
@@ -332,6 +416,7 @@ _NODE_OPS: dict[str, Callable[[_Node, dict[str, Any]], Awaitable[dict[str, Any]]
     "unlink": _Node.link,
     "push": _Node.push,
     "pull": _Node.pull,
+    "rounds": _Node.rounds,
     "loop": _Node.loop,
     "loop_status": _Node.loop_status,
     "loop_join": _Node.loop_join,
