@@ -129,7 +129,7 @@ async def one_n(n: int, args: argparse.Namespace) -> Result:
             )  # fmt: skip
         else:
             dst = await decode.call(
-                "alloc", name="dst", tensors=2 * LAYERS, bytes=BLOCKS_PER_PEER * BLOCK
+                "alloc", name="dst", tensors=2 * LAYERS, bytes=BLOCKS_PER_PEER * BLOCK, batch=n
             )
         await asyncio.gather(*(p.start() for p in prefills))
         for p in prefills:
@@ -166,7 +166,7 @@ async def one_n(n: int, args: argparse.Namespace) -> Result:
                     dst_blocks=list(range(i * BLOCKS_PER_PEER, (i + 1) * BLOCKS_PER_PEER)),
                 )
             else:
-                req.update(cluster_id=2, cache_id=dst["cache_id"], slot=0)
+                req.update(cluster_id=2, cache_id=dst["cache_id"], slot=i)
             reqs.append(p.call("rounds", timeout=args.seconds + 120, **req))
         done = await asyncio.gather(*reqs)
         cpu1 = thread_cpu_s(dpid)
@@ -188,7 +188,7 @@ async def one_n(n: int, args: argparse.Namespace) -> Result:
         failed=sum(r["failed"] for r in done),
         progress_cpu_s=cpu1.get("akv-progress", 0) - cpu0.get("akv-progress", 0),
         service_cpu_s=cpu1.get("akv-service", 0) - cpu0.get("akv-service", 0),
-        errors=[r["error"] for r in done if r["error"]][:3],
+        errors=[r["first_error"] for r in done if r["first_error"]][:3],
     )
 
 

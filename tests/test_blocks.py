@@ -536,3 +536,44 @@ async def test_blocks_across_processes(transport: str) -> None:
                 assert await digest(peer, 1, t, scattered_src) == sha(pattern[t][scattered_src])
         finally:
             await dd.finalize()
+
+
+# ------------------------------------------------------------ by key, recorded
+
+
+async def test_push_blocks_by_key_asks_the_peer_once_and_follows_a_rebind(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A BlocksCacheKey leaves its cache only when the cache retires: the
+    prompt asks the peer once, then uses its record while it is valid; when
+    the owner deallocates the cache and binds the key to a new one, the next
+    push lands in the new one (asked again), however soon it comes."""
+    from aiokvcache._core import lookups
+
+    asked: list[Any] = []
+    real = lookups.Lookups.remote_blocks
+
+    async def counting(self: Any, link: Any, key: BlocksCacheKey) -> Any:
+        asked.append(key)
+        return await real(self, link, key)
+
+    monkeypatch.setattr(lookups.Lookups, "remote_blocks", counting)
+    desc = blocks_desc(layers=2, blocks=8)
+    src = pair.p.allocate_blocks_cache(desc)
+    key = BlocksCacheKey(2, 3)
+    dst = pair.d.allocate_blocks_cache(desc, key)
+    for _ in range(10):
+        await pair.p.push_blocks(key, src, [0, 1], [4, 5])
+    assert len(asked) == 1
+    for round_ in range(12):
+        fill(src, 100 + round_)
+        pair.d.deallocate_blocks_cache(dst)
+        dst = pair.d.allocate_blocks_cache(desc, key)  # the key, on a new cache
+        if round_ % 3 == 0:
+            await anyio.sleep(0.02)  # sometimes the invalidation is in first
+        await pair.p.push_blocks(key, src, [0, 1], [4, 5])
+        for t in range(desc.num_tensors):
+            assert np.array_equal(kv(dst, t)[[4, 5]], kv(src, t)[[0, 1]]), round_
+    # Each rebind asked once more; rounds in between used the record.
+    await pair.p.push_blocks(key, src, [2], [6])
+    assert len(asked) == 13

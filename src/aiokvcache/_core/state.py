@@ -141,6 +141,10 @@ class Link:
     broken: bool = False
     reason: str = ""
     remote: dict[int, RemoteCache] = field(default_factory=dict)  # by remote cache id
+    #: The peer's blocks cache each BlocksCacheKey was last found bound to
+    #: (model id -> its record). A blocks key leaves its cache only when the
+    #: cache retires, so a record still valid is still bound (Transfers).
+    blocks_keys: dict[int, RemoteCache] = field(default_factory=dict)
     #: Our rkey id for the peer's control region (its probe slots and
     #: retirement words), unpacked when the link is probed.
     ctl_rkey: int | None = None

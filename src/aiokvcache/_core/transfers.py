@@ -9,8 +9,10 @@ segment tables (:mod:`.planner`, :mod:`.slots`) and runs them
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -19,7 +21,7 @@ import numpy.typing as npt
 from .._bridge import OP_GET, OP_PUT
 from .._loopside import LoopSide, ServiceGone, TaskHandle
 from . import notify, planner
-from .errors import LLMStatusCode, LLMTimeoutError, make_error, param_invalid
+from .errors import LLMException, LLMStatusCode, LLMTimeoutError, make_error, param_invalid
 from .runner import Runner, engine_finalized, run_jobs, time_left
 from .service import PeerService
 from .slots import SlotTransfer, copy_inline, slot_plan
@@ -102,6 +104,54 @@ def _pull_blocks_plan(
     return planner.slot_blocks_plan(off, length, dst_ids, block, blocks_local=True)
 
 
+#: Most push_blocks job sets kept (see Transfers._push_blocks_into).
+_BLOCKS_PLANS = 256
+
+
+@dataclass(slots=True, eq=False)
+class _BlocksJobs:
+    """One push_blocks' checked jobs: (segment table, notification) per layer."""
+
+    src: LocalCache
+    remote: RemoteCache
+    parts: list[tuple[npt.NDArray[np.uint64], bytes]]
+    labels: list[str]
+
+    @classmethod
+    def make(
+        cls,
+        src: LocalCache,
+        remote: RemoteCache,
+        src_ids: npt.NDArray[np.int64],
+        dst_ids: npt.NDArray[np.int64],
+        n: int,
+        src_r: range | None,
+        dst_r: range | None,
+        tag: str | bytes | None,
+    ) -> _BlocksJobs:
+        """The block lists checked against both caches, the tables planned."""
+        planner.check_in_range("src_blocks", src_ids, planner.num_blocks(src.desc), "src_cache")
+        nb = planner.num_blocks(remote.desc)
+        planner.check_in_range("dst_blocks", dst_ids, nb, "the remote cache")
+        planner.check_unique("dst_blocks", dst_ids, nb)
+        pairs = planner.layer_pairs(
+            n, src.desc, remote.desc, src_r, dst_r, "src_cache", "the remote cache"
+        )
+        size = planner.check_block_sizes(src.desc, remote.desc, "src_cache", "the remote cache")
+        plan = planner.blocks_plan(src_ids, dst_ids, size)
+        block_list = notify.block_list(tag, dst_ids)
+        parts = []
+        for sl, dl in pairs:
+            rows = planner.layer_rows(
+                plan,
+                src.addrs[sl * n : (sl + 1) * n],
+                remote.addrs[dl * n : (dl + 1) * n],
+                remote.tensor_rkey[dl * n : (dl + 1) * n],
+            )
+            parts.append((rows, notify.payload(tag, remote.cache_id, None, dl, block_list)))
+        return cls(src, remote, parts, [f"layer {dl}" for _, dl in pairs])
+
+
 class Transfers:
     """Lookups of remote caches and every transfer path to and from peers."""
 
@@ -113,6 +163,10 @@ class Transfers:
         self.side: LoopSide = runner.bridge.side
         #: Background tasks on the owner's loop (transfer_cache_async), ended by finalize.
         self.tasks: set[TaskHandle] = set()
+        #: push_blocks' checked job sets, most recent last.
+        self._blocks_plans: collections.OrderedDict[tuple[Any, ...], _BlocksJobs] = (
+            collections.OrderedDict()
+        )
 
     def spawn(self, fn: Callable[[], Coroutine[Any, Any, None]], name: str) -> TaskHandle:
         """Run ``fn()`` in the background on the owner's loop until it ends;
@@ -195,11 +249,55 @@ class Transfers:
     async def remote_blocks(
         self, link: Link, key: BlocksCacheKey, tmo: float | None, what: str
     ) -> RemoteCache:
-        """The remote blocks cache bound to ``key`` (asked every time: keys rebind)."""
+        """The remote blocks cache bound to ``key``, asked (and recorded on the link)."""
         found: RemoteCache = await self._ask(
             self.service.remote_blocks(link, key), tmo, f"{what} timed out looking up {key!r}"
         )
+        with self.state.lock:
+            link.blocks_keys[key.model_id] = found
         return found
+
+    def _recorded_blocks(self, link: Link, key: BlocksCacheKey) -> RemoteCache | None:
+        """The blocks cache ``key`` was last found bound to, while its record is valid."""
+        with self.state.lock:
+            rc = link.blocks_keys.get(key.model_id)
+            if rc is not None and rc.valid and link.remote.get(rc.cache_id) is rc:
+                return rc
+            link.blocks_keys.pop(key.model_id, None)
+        return None
+
+    async def by_blocks_key(
+        self,
+        link: Link,
+        key: BlocksCacheKey,
+        tmo: float | None,
+        what: str,
+        run: Callable[[RemoteCache, float | None], Coroutine[Any, Any, None]],
+    ) -> None:
+        """``run(remote, time left)`` on the remote blocks cache bound to ``key``.
+
+        The peer is not asked on every call: a BlocksCacheKey leaves its
+        cache only when the cache retires, so the link's record of it, while
+        valid, is the binding. If the recorded cache turns out retired under
+        the call (``KV_CACHE_NOT_EXIST``: the owner deallocated it, maybe
+        bound the key to a new cache, and its invalidation had not reached
+        us), the peer is asked and the call runs again, once: what it moved
+        went into retired memory no one reads.
+        """
+        start = self.side.time()
+        remote = self._recorded_blocks(link, key)
+        if remote is not None:
+            try:
+                await run(remote, time_left(tmo, start, self.side.time))
+                return
+            except LLMException as exc:
+                if exc.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
+                    raise
+                with self.state.lock:
+                    if link.blocks_keys.get(key.model_id) is remote:
+                        del link.blocks_keys[key.model_id]
+        remote = await self.remote_blocks(link, key, time_left(tmo, start, self.side.time), what)
+        await run(remote, time_left(tmo, start, self.side.time))
 
     # ------------------------------------------------------------ slots
 
@@ -311,7 +409,8 @@ class Transfers:
         tmo: float | None,
     ) -> None:
         """``push_blocks`` after its argument checks: the block lists checked
-        against the source cache, then against the remote one it looks up."""
+        against both caches (the source's with the remote's, once the remote
+        is known), then pushed."""
         if not src.cache.is_blocks_cache:
             raise param_invalid("src_cache is not a blocks cache: use push_cache")
         if dst_ids.size == 0:
@@ -320,34 +419,53 @@ class Transfers:
             raise param_invalid(
                 f"src_blocks has {src_ids.size} blocks but dst_blocks has {dst_ids.size}"
             )
-        planner.check_in_range("src_blocks", src_ids, planner.num_blocks(src.desc), "src_cache")
         self.require_remote_access("push_blocks")
         link = self.state.link_for(key.cluster_id)
-        start = self.side.time()
-        remote = await self.remote_blocks(link, key, tmo, "push_blocks")
-        tmo = time_left(tmo, start, self.side.time)
-        nb = planner.num_blocks(remote.desc)
-        planner.check_in_range("dst_blocks", dst_ids, nb, "the remote cache")
-        planner.check_unique("dst_blocks", dst_ids, nb)
-        pairs = planner.layer_pairs(
-            n, src.desc, remote.desc, src_r, dst_r, "src_cache", "the remote cache"
-        )
-        size = planner.check_block_sizes(src.desc, remote.desc, "src_cache", "the remote cache")
-        plan = planner.blocks_plan(src_ids, dst_ids, size)
-        block_list = notify.block_list(tag, dst_ids)
-        per_job_ms = self.state.options.sync_kv_timeout_ms
-        jobs = []
-        guards = _guards(remote, len(pairs))
-        for (sl, dl), g in zip(pairs, guards, strict=True):
-            rows = planner.layer_rows(
-                plan,
-                src.addrs[sl * n : (sl + 1) * n],
-                remote.addrs[dl * n : (dl + 1) * n],
-                remote.tensor_rkey[dl * n : (dl + 1) * n],
+
+        async def run(remote: RemoteCache, left: float | None) -> None:
+            await self._push_blocks_into(
+                remote, link, src, src_ids, dst_ids, n, src_r, dst_r, tag, left
             )
-            payload = notify.payload(tag, remote.cache_id, None, dl, block_list)
-            jobs.append((OP_PUT, link.ep, rows, payload, per_job_ms, g))
-        await self.runner.run(jobs, [f"layer {dl}" for _, dl in pairs], tmo, src, remote)
+
+        await self.by_blocks_key(link, key, tmo, "push_blocks", run)
+
+    async def _push_blocks_into(
+        self,
+        remote: RemoteCache,
+        link: Link,
+        src: LocalCache,
+        src_ids: npt.NDArray[np.int64],
+        dst_ids: npt.NDArray[np.int64],
+        n: int,
+        src_r: range | None,
+        dst_r: range | None,
+        tag: str | bytes | None,
+        tmo: float | None,
+    ) -> None:
+        """``push_blocks`` into ``remote``: the block lists checked against it, then run.
+
+        The checks and the segment tables are made once per (caches, block
+        lists, layers, tag) and kept (:class:`_BlocksJobs`, a small LRU): the
+        32 layer calls of one request share their block lists, and only the
+        first pays for them.
+        """
+        ck = (id(src), id(remote), n, src_r, dst_r, tag, src_ids.tobytes(), dst_ids.tobytes())
+        plans = self._blocks_plans
+        made = plans.get(ck)
+        if made is None or not (made.src.valid and made.remote.valid):
+            made = _BlocksJobs.make(src, remote, src_ids, dst_ids, n, src_r, dst_r, tag)
+            plans[ck] = made
+            if len(plans) > _BLOCKS_PLANS:
+                plans.popitem(last=False)
+        else:
+            plans.move_to_end(ck)
+        per_job_ms = self.state.options.sync_kv_timeout_ms
+        guards = _guards(remote, len(made.parts))
+        jobs = [
+            (OP_PUT, link.ep, rows, payload, per_job_ms, g)
+            for (rows, payload), g in zip(made.parts, guards, strict=True)
+        ]
+        await self.runner.run(jobs, made.labels, tmo, src, remote, checked=True)
 
     async def notify(self, cluster_id: int, tag: str | bytes, tmo: float | None) -> None:
         """``notify`` after its argument checks: one job that moves nothing
@@ -372,13 +490,34 @@ class Transfers:
         against the destination cache, then against the remote one it looks up."""
         _check_pull_blocks(key, dst, src_ids, dst_ids)
         link = self.state.link_for(key.cluster_id)
-        start = self.side.time()
         if isinstance(key, BlocksCacheKey):
-            remote = await self.remote_blocks(link, key, tmo, "pull_blocks")
-            sb = None
-        else:
-            remote, sb = await self.remote_slot(link, key, tmo, "pull_blocks")
-        tmo = time_left(tmo, start, self.side.time)
+
+            async def run(remote: RemoteCache, left: float | None) -> None:
+                await self._pull_blocks_from(
+                    remote, None, link, dst, src_ids, dst_ids, n, src_r, dst_r, left
+                )
+
+            await self.by_blocks_key(link, key, tmo, "pull_blocks", run)
+            return
+        start = self.side.time()
+        remote, sb = await self.remote_slot(link, key, tmo, "pull_blocks")
+        left = time_left(tmo, start, self.side.time)
+        await self._pull_blocks_from(remote, sb, link, dst, src_ids, dst_ids, n, src_r, dst_r, left)
+
+    async def _pull_blocks_from(
+        self,
+        remote: RemoteCache,
+        sb: int | None,
+        link: Link,
+        dst: LocalCache,
+        src_ids: npt.NDArray[np.int64],
+        dst_ids: npt.NDArray[np.int64],
+        n: int,
+        src_r: range | None,
+        dst_r: range | None,
+        tmo: float | None,
+    ) -> None:
+        """``pull_blocks`` from ``remote`` (blocks, or batch slot ``sb``): checked, then run."""
         pairs = planner.layer_pairs(
             n, remote.desc, dst.desc, src_r, dst_r, "the remote cache", "dst_cache"
         )

@@ -12,7 +12,8 @@ input:
 
 * caches, named by the caller: ``alloc`` (``name``, ``tensors``, ``bytes``,
   ``blocks``: a blocks cache of ``[blocks, bytes // blocks]`` bound to
-  ``BlocksCacheKey(cluster_id)``, else ``[1, bytes]``; ``seed``: random bytes;
+  ``BlocksCacheKey(cluster_id)``, else ``[batch, bytes]`` (``batch`` 1 by
+  default); ``seed``: random bytes;
   answers ``cache_id``, ``addrs``, ``sha``), ``fill`` (``seed``), ``hash``
   (``blocks``: only those), ``free``;
 * links: ``link`` / ``unlink`` (``address``, ``cluster_id``, ``timeout_ms``,
@@ -175,7 +176,8 @@ class _Node:
         tensors, nbytes, blocks = int(req["tensors"]), int(req["bytes"]), req.get("blocks")
         cm = self.dd.cache_manager
         if blocks is None:
-            desc = CacheDesc(tensors, [1, nbytes], DataType.DT_UINT8, Placement.HOST)
+            batch = int(req.get("batch", 1))
+            desc = CacheDesc(tensors, [batch, nbytes], DataType.DT_UINT8, Placement.HOST)
             cache = cm.allocate_cache(desc)
         else:
             shape = [int(blocks), nbytes // int(blocks)]
@@ -306,7 +308,7 @@ class _Node:
             "rounds": n,
             "pushes": len(lat),
             "failed": len(errors),
-            "error": errors[0] if errors else None,
+            "first_error": errors[0] if errors else None,
             "bytes": len(lat) * 2 * _round_bytes(src, req),
             "seconds": elapsed,
             "p50": _quantile(lat, 0.5),
