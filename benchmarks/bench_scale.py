@@ -11,6 +11,8 @@ one bridge; root only).
 
 Printed per N, against N = 1 of the same run (the baseline): link set-up
 p50 / p99 (seconds each prefill's ``link_clusters`` took, all N at once);
+the CPU one link costs (the prefill's process over its call plus the
+decode's over all N, per link);
 the decode process's RSS and open fds per link (after the links, against
 before them); aggregate throughput and each peer's share (max / min bytes);
 push latency p50 (median over peers) / p99 (worst peer's); failed pushes;
@@ -65,6 +67,13 @@ def proc_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 def thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds by thread name (threads of one name summed)."""
     out: dict[str, float] = {}
@@ -84,6 +93,7 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
 class Result:
     n: int
     link_s: list[float]
+    link_cpu_ms: float  # CPU per link: the prefill's and the decode's, together
     rss_per_link_kb: float
     fds_per_link: float
     gbs: float
@@ -142,7 +152,7 @@ async def one_n(n: int, args: argparse.Namespace) -> Result:
                 await p.call("alloc", name="src", tensors=2 * LAYERS, bytes=BLOCKS_PER_PEER * BLOCK)
         await asyncio.sleep(0.5)
         dpid = int(decode.hello["pid"])
-        rss0, fds0 = proc_rss_kb(dpid), proc_fds(dpid)
+        rss0, fds0, dcpu0 = proc_rss_kb(dpid), proc_fds(dpid), proc_cpu_s(dpid)
         links = await asyncio.gather(
             *(
                 p.call("link", address=decode.address, cluster_id=2, timeout_ms=60_000)
@@ -152,6 +162,7 @@ async def one_n(n: int, args: argparse.Namespace) -> Result:
         bad = [r for r in links if r["status"] != "LLM_SUCCESS"]
         if bad:
             raise RuntimeError(f"{len(bad)} links failed: {bad[0]}")
+        dcpu1 = proc_cpu_s(dpid)
         await asyncio.sleep(0.5)
         rss1, fds1 = proc_rss_kb(dpid), proc_fds(dpid)
         cpu0 = thread_cpu_s(dpid)
@@ -179,6 +190,7 @@ async def one_n(n: int, args: argparse.Namespace) -> Result:
     return Result(
         n=n,
         link_s=sorted(r["seconds"] for r in links),
+        link_cpu_ms=(sum(r["cpu_s"] for r in links) + dcpu1 - dcpu0) / n * 1e3,
         rss_per_link_kb=(rss1 - rss0) / n,
         fds_per_link=(fds1 - fds0) / n,
         gbs=sum(moved) / elapsed / 1e9,
@@ -218,6 +230,7 @@ def report(runs: list[list[Result]], args: argparse.Namespace) -> None:
                 str(n),
                 f"{rng(p50, '.0f')} / {rng(p99, '.0f')}",
                 rng(ratio, ".2f"),
+                rng([r.link_cpu_ms for r in rs], ".1f"),
                 rng([r.rss_per_link_kb / 1024 for r in rs], ".2f"),
                 rng([r.fds_per_link for r in rs], ".1f"),
                 rng([r.gbs for r in rs], ".2f"),
@@ -240,6 +253,7 @@ def report(runs: list[list[Result]], args: argparse.Namespace) -> None:
                 "N",
                 "link p50 / p99, ms",
                 "p99 / N=1's",
+                "CPU/link, ms",
                 "decode RSS/link, MiB",
                 "fds/link",
                 "aggregate GB/s",
@@ -249,7 +263,7 @@ def report(runs: list[list[Result]], args: argparse.Namespace) -> None:
                 "decode CPU s: progress / service",
             ],
             rows,
-            right=[True] * 10,
+            right=[True] * 11,
         )
     )
     for rs in by_n.values():

@@ -17,7 +17,8 @@ input:
   answers ``cache_id``, ``addrs``, ``sha``), ``fill`` (``seed``), ``hash``
   (``blocks``: only those), ``free``;
 * links: ``link`` / ``unlink`` (``address``, ``cluster_id``, ``timeout_ms``,
-  ``force``; answer ``status``, ``per``, ``seconds``);
+  ``force``; answer ``status``, ``per``, ``seconds``, ``cpu_s``: this
+  process's CPU over the call);
 * transfers, whose failure is an answer: ``push`` / ``pull`` (``cluster_id``,
   ``cache_id``, ``index``, ``src`` / ``dst``, ``call_timeout`` seconds) and
   ``wait`` (``tag``, ``layers``, ``wait_timeout``: its ``wait_for_layers``)
@@ -220,7 +221,7 @@ class _Node:
 
     async def link(self, req: dict[str, Any]) -> dict[str, Any]:
         info = cluster_info(str(req["address"]), int(req["cluster_id"]))
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.process_time()
         timeout = int(req.get("timeout_ms", 3000))
         if req["op"] == "link":
             rc, per = await self.dd.link_clusters([info], timeout=timeout)
@@ -232,6 +233,7 @@ class _Node:
             "status": rc.name,
             "per": [s.name for s in per],
             "seconds": time.monotonic() - start,
+            "cpu_s": time.process_time() - cpu,  # this process's, every thread
         }
 
     # ------------------------------------------------------------ transfers
