@@ -20,6 +20,7 @@ from ._core.errors import LLMStatusCode, make_error, param_invalid
 from ._core.layerwise import CacheTask
 from ._core.notify import Notification, Notifications
 from ._core.runner import check_timeout
+from ._core.transfers import BlocksCall
 from ._core.types import (
     BlocksCacheKey,
     Cache,
@@ -323,10 +324,8 @@ class CacheManager:
         n, src_r, dst_r, tmo = _check_common(
             tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
         )
-        tag_v = check_tag("tag", tag)
-        await self._rt.transfers.push_blocks(
-            dst_cache_key, src, src_ids, dst_ids, n, src_r, dst_r, tag_v, tmo
-        )
+        call = BlocksCall(src_ids, dst_ids, n, src_r, dst_r, check_tag("tag", tag))
+        await self._rt.transfers.push_blocks(dst_cache_key, src, call, tmo)
 
     async def pull_blocks(
         self,
@@ -360,9 +359,8 @@ class CacheManager:
         n, src_r, dst_r, tmo = _check_common(
             tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
         )
-        await self._rt.transfers.pull_blocks(
-            src_cache_key, dst, src_ids, dst_ids, n, src_r, dst_r, tmo
-        )
+        call = BlocksCall(src_ids, dst_ids, n, src_r, dst_r)
+        await self._rt.transfers.pull_blocks(src_cache_key, dst, call, tmo)
 
     async def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
         """Copy blocks inside one blocks cache: ``{src block: [dst block, ...]}``, every tensor.

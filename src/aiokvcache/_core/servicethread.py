@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from .._loopside import poll
+
 __all__ = ["ServiceThread", "until"]
 
 log = logging.getLogger("aiokvcache")
@@ -27,25 +29,14 @@ service_log = logging.getLogger("aiokvcache.service")
 T = TypeVar("T")
 
 # Native releases and endpoint closes are polled (never waited for in an
-# executor thread a hostile peer could tie up), from this interval up to
-# _POLL_MAX_S.
-_POLL_MIN_S = 0.0005
-_POLL_MAX_S = 0.02
+# executor thread a hostile peer could tie up): _loopside.poll.
 
 
 async def until(done: Callable[[], bool], timeout: float | None = None) -> bool:
-    """Poll ``done()`` on the running loop until it is true (True) or
-    ``timeout`` seconds pass (False): backing off from _POLL_MIN_S to
-    _POLL_MAX_S, so a short wait is short and a long one costs little."""
+    """Poll ``done()`` on the running (service) loop until it is true (True)
+    or ``timeout`` seconds pass (False), backing off from 0.5 to 20 ms."""
     loop = asyncio.get_running_loop()
-    end = None if timeout is None else loop.time() + timeout
-    pause = _POLL_MIN_S
-    while not done():
-        if end is not None and loop.time() >= end:
-            return False
-        await asyncio.sleep(pause)
-        pause = min(pause * 2, _POLL_MAX_S)
-    return True
+    return await poll(done, timeout, asyncio.sleep, loop.time)
 
 
 def _on_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

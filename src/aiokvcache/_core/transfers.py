@@ -28,7 +28,7 @@ from .slots import SlotTransfer, copy_inline, slot_plan
 from .state import Link, LocalCache, RemoteCache, State
 from .types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, check_cache_key
 
-__all__ = ["Transfers"]
+__all__ = ["BlocksCall", "Transfers"]
 
 T = TypeVar("T")
 
@@ -104,6 +104,27 @@ def _pull_blocks_plan(
     return planner.slot_blocks_plan(off, length, dst_ids, block, blocks_local=True)
 
 
+@dataclass(slots=True)
+class BlocksCall:
+    """What one ``push_blocks`` / ``pull_blocks`` moves, its types checked:
+    local and remote block ids (``src_ids`` are the sender's), tensors per
+    layer, layer ranges, the notification tag (push only)."""
+
+    src_ids: npt.NDArray[np.int64]
+    dst_ids: npt.NDArray[np.int64]
+    n: int
+    src_r: range | None
+    dst_r: range | None
+    tag: str | bytes | None = None
+
+    def plan_key(self) -> tuple[Any, ...]:
+        """What identifies the call's checks and tables (with its two caches)."""
+        return (
+            self.n, self.src_r, self.dst_r, self.tag,
+            self.src_ids.tobytes(), self.dst_ids.tobytes(),
+        )  # fmt: skip
+
+
 #: Most push_blocks job sets kept (see Transfers._push_blocks_into).
 _BLOCKS_PLANS = 256
 
@@ -118,24 +139,15 @@ class _BlocksJobs:
     labels: list[str]
 
     @classmethod
-    def make(
-        cls,
-        src: LocalCache,
-        remote: RemoteCache,
-        src_ids: npt.NDArray[np.int64],
-        dst_ids: npt.NDArray[np.int64],
-        n: int,
-        src_r: range | None,
-        dst_r: range | None,
-        tag: str | bytes | None,
-    ) -> _BlocksJobs:
+    def make(cls, src: LocalCache, remote: RemoteCache, c: BlocksCall) -> _BlocksJobs:
         """The block lists checked against both caches, the tables planned."""
+        src_ids, dst_ids, n, tag = c.src_ids, c.dst_ids, c.n, c.tag
         planner.check_in_range("src_blocks", src_ids, planner.num_blocks(src.desc), "src_cache")
         nb = planner.num_blocks(remote.desc)
         planner.check_in_range("dst_blocks", dst_ids, nb, "the remote cache")
         planner.check_unique("dst_blocks", dst_ids, nb)
         pairs = planner.layer_pairs(
-            n, src.desc, remote.desc, src_r, dst_r, "src_cache", "the remote cache"
+            n, src.desc, remote.desc, c.src_r, c.dst_r, "src_cache", "the remote cache"
         )
         size = planner.check_block_sizes(src.desc, remote.desc, "src_cache", "the remote cache")
         plan = planner.blocks_plan(src_ids, dst_ids, size)
@@ -397,50 +409,29 @@ class Transfers:
     # ------------------------------------------------------------ blocks
 
     async def push_blocks(
-        self,
-        key: BlocksCacheKey,
-        src: LocalCache,
-        src_ids: npt.NDArray[np.int64],
-        dst_ids: npt.NDArray[np.int64],
-        n: int,
-        src_r: range | None,
-        dst_r: range | None,
-        tag: str | bytes | None,
-        tmo: float | None,
+        self, key: BlocksCacheKey, src: LocalCache, c: BlocksCall, tmo: float | None
     ) -> None:
         """``push_blocks`` after its argument checks: the block lists checked
         against both caches (the source's with the remote's, once the remote
         is known), then pushed."""
         if not src.cache.is_blocks_cache:
             raise param_invalid("src_cache is not a blocks cache: use push_cache")
-        if dst_ids.size == 0:
+        if c.dst_ids.size == 0:
             raise param_invalid("dst_blocks can not be empty")
-        if src_ids.size != dst_ids.size:
+        if c.src_ids.size != c.dst_ids.size:
             raise param_invalid(
-                f"src_blocks has {src_ids.size} blocks but dst_blocks has {dst_ids.size}"
+                f"src_blocks has {c.src_ids.size} blocks but dst_blocks has {c.dst_ids.size}"
             )
         self.require_remote_access("push_blocks")
         link = self.state.link_for(key.cluster_id)
 
         async def run(remote: RemoteCache, left: float | None) -> None:
-            await self._push_blocks_into(
-                remote, link, src, src_ids, dst_ids, n, src_r, dst_r, tag, left
-            )
+            await self._push_blocks_into(remote, link, src, c, left)
 
         await self.by_blocks_key(link, key, tmo, "push_blocks", run)
 
     async def _push_blocks_into(
-        self,
-        remote: RemoteCache,
-        link: Link,
-        src: LocalCache,
-        src_ids: npt.NDArray[np.int64],
-        dst_ids: npt.NDArray[np.int64],
-        n: int,
-        src_r: range | None,
-        dst_r: range | None,
-        tag: str | bytes | None,
-        tmo: float | None,
+        self, remote: RemoteCache, link: Link, src: LocalCache, c: BlocksCall, tmo: float | None
     ) -> None:
         """``push_blocks`` into ``remote``: the block lists checked against it, then run.
 
@@ -449,11 +440,11 @@ class Transfers:
         32 layer calls of one request share their block lists, and only the
         first pays for them.
         """
-        ck = (id(src), id(remote), n, src_r, dst_r, tag, src_ids.tobytes(), dst_ids.tobytes())
+        ck = (id(src), id(remote), *c.plan_key())
         plans = self._blocks_plans
         made = plans.get(ck)
         if made is None or not (made.src.valid and made.remote.valid):
-            made = _BlocksJobs.make(src, remote, src_ids, dst_ids, n, src_r, dst_r, tag)
+            made = _BlocksJobs.make(src, remote, c)
             plans[ck] = made
             if len(plans) > _BLOCKS_PLANS:
                 plans.popitem(last=False)
@@ -479,30 +470,25 @@ class Transfers:
         self,
         key: CacheKey | CacheKeyByIdAndIndex | BlocksCacheKey,
         dst: LocalCache,
-        src_ids: npt.NDArray[np.int64],
-        dst_ids: npt.NDArray[np.int64],
-        n: int,
-        src_r: range | None,
-        dst_r: range | None,
+        c: BlocksCall,
         tmo: float | None,
     ) -> None:
         """``pull_blocks`` after its argument checks: the block lists checked
         against the destination cache, then against the remote one it looks up."""
-        _check_pull_blocks(key, dst, src_ids, dst_ids)
+        _check_pull_blocks(key, dst, c.src_ids, c.dst_ids)
         link = self.state.link_for(key.cluster_id)
         if isinstance(key, BlocksCacheKey):
 
             async def run(remote: RemoteCache, left: float | None) -> None:
-                await self._pull_blocks_from(
-                    remote, None, link, dst, src_ids, dst_ids, n, src_r, dst_r, left
-                )
+                await self._pull_blocks_from(remote, None, link, dst, c, left)
 
             await self.by_blocks_key(link, key, tmo, "pull_blocks", run)
             return
         start = self.side.time()
         remote, sb = await self.remote_slot(link, key, tmo, "pull_blocks")
-        left = time_left(tmo, start, self.side.time)
-        await self._pull_blocks_from(remote, sb, link, dst, src_ids, dst_ids, n, src_r, dst_r, left)
+        await self._pull_blocks_from(
+            remote, sb, link, dst, c, time_left(tmo, start, self.side.time)
+        )
 
     async def _pull_blocks_from(
         self,
@@ -510,18 +496,15 @@ class Transfers:
         sb: int | None,
         link: Link,
         dst: LocalCache,
-        src_ids: npt.NDArray[np.int64],
-        dst_ids: npt.NDArray[np.int64],
-        n: int,
-        src_r: range | None,
-        dst_r: range | None,
+        c: BlocksCall,
         tmo: float | None,
     ) -> None:
         """``pull_blocks`` from ``remote`` (blocks, or batch slot ``sb``): checked, then run."""
+        n = c.n
         pairs = planner.layer_pairs(
-            n, remote.desc, dst.desc, src_r, dst_r, "the remote cache", "dst_cache"
+            n, remote.desc, dst.desc, c.src_r, c.dst_r, "the remote cache", "dst_cache"
         )
-        plan = _pull_blocks_plan(remote, sb, dst, src_ids, dst_ids)
+        plan = _pull_blocks_plan(remote, sb, dst, c.src_ids, c.dst_ids)
         per_job_ms = self.state.options.sync_kv_timeout_ms
         jobs = []
         guards = _guards(remote, len(pairs))

@@ -31,9 +31,18 @@ from __future__ import annotations
 import sniffio
 
 from ._asyncio import AsyncioSide
-from ._base import Deadline, LoopSide, ServiceGone, TaskHandle, Waiter
+from ._base import Deadline, LoopSide, ServiceGone, TaskHandle, Waiter, poll
 
-__all__ = ["AsyncioSide", "Deadline", "LoopSide", "ServiceGone", "TaskHandle", "Waiter", "current"]
+__all__ = [
+    "AsyncioSide",
+    "Deadline",
+    "LoopSide",
+    "ServiceGone",
+    "TaskHandle",
+    "Waiter",
+    "current",
+    "poll",
+]
 
 
 def current() -> LoopSide:

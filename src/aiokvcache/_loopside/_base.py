@@ -10,12 +10,12 @@ from typing import Any, Protocol, TypeVar
 
 import sniffio
 
-__all__ = ["Deadline", "LoopSide", "ServiceGone", "TaskHandle", "Waiter"]
+__all__ = ["Deadline", "LoopSide", "ServiceGone", "TaskHandle", "Waiter", "poll"]
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
-#: Polling intervals of :meth:`LoopSide.poll_until` (see servicethread.until).
+#: Polling intervals of :func:`poll` (the owner loop's and the service loop's).
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.02
 
@@ -182,12 +182,24 @@ class LoopSide:
 
     async def poll_until(self, done: Callable[[], bool], timeout: float | None = None) -> bool:
         """Poll ``done()`` until it is true (True) or ``timeout`` seconds pass
-        (False), backing off from 0.5 to 20 ms."""
-        end = None if timeout is None else self.time() + timeout
-        pause = _POLL_MIN_S
-        while not done():
-            if end is not None and self.time() >= end:
-                return False
-            await self.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX_S)
-        return True
+        (False), backing off from 0.5 to 20 ms (:func:`poll`)."""
+        return await poll(done, timeout, self.sleep, self.time)
+
+
+async def poll(
+    done: Callable[[], bool],
+    timeout: float | None,
+    sleep: Callable[[float], Awaitable[None]],
+    now: Callable[[], float],
+) -> bool:
+    """Poll ``done()`` until it is true (True) or ``timeout`` seconds pass
+    (False), backing off from _POLL_MIN_S to _POLL_MAX_S, so a short wait is
+    short and a long one costs little. ``sleep`` and ``now``: the loop's."""
+    end = None if timeout is None else now() + timeout
+    pause = _POLL_MIN_S
+    while not done():
+        if end is not None and now() >= end:
+            return False
+        await sleep(pause)
+        pause = min(pause * 2, _POLL_MAX_S)
+    return True

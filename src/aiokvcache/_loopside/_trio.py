@@ -257,13 +257,7 @@ class TrioSide(LoopSide):
         # the main task at any checkpoint, shields or not, is held until the
         # release (bounded by the engine's graces) and raised right after.
         assert isinstance(fut, TrioWaiter)
-        interrupted: KeyboardInterrupt | None = None
-        with trio.CancelScope(shield=True):
-            while not fut.done():
-                try:
-                    await fut.wait()
-                except KeyboardInterrupt as exc:
-                    interrupted = exc
+        interrupted = await _wait_holding_ki(fut.wait, fut.done)
         if interrupted is not None:
             raise interrupted
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -320,13 +314,7 @@ class TrioSide(LoopSide):
         trio.lowlevel.spawn_system_task(
             work, name="aiokvcache.shielded", context=contextvars.copy_context()
         )
-        interrupted: KeyboardInterrupt | None = None
-        with trio.CancelScope(shield=True):
-            while not done.is_set():
-                try:
-                    await done.wait()
-                except KeyboardInterrupt as exc:
-                    interrupted = exc
+        interrupted = await _wait_holding_ki(done.wait, done.is_set)
         ok, value = outcome[0]
         if not ok:
             raise value
@@ -371,6 +359,22 @@ class TrioSide(LoopSide):
 
             for i, aw in enumerate(aws):
                 nursery.start_soon(one, i, aw)
+
+
+async def _wait_holding_ki(
+    wait: Callable[[], Awaitable[None]], done: Callable[[], bool]
+) -> KeyboardInterrupt | None:
+    """``wait()`` until ``done()``, shielded from cancellation, through any
+    Ctrl-C (trio delivers it to the main task at checkpoints, shields or
+    not): the interrupt that came meanwhile, for the caller to raise after."""
+    interrupted: KeyboardInterrupt | None = None
+    with trio.CancelScope(shield=True):
+        while not done():
+            try:
+                await wait()
+            except KeyboardInterrupt as exc:
+                interrupted = exc
+    return interrupted
 
 
 def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
