@@ -59,13 +59,14 @@ std::vector<uint64_t> job_ids_from(const py::handle& ids) {
   }
 }
 
-// (kind, id, status, ucs_status, bytes, payload) rows for the bridge.
+// (kind, id, status, ucs_status, bytes, payload, posted_ns, done_ns) rows for
+// the bridge.
 py::list completions_list(const std::vector<akv::Completion>& items) {
   py::list out(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     const akv::Completion& c = items[i];
     out[i] = py::make_tuple(static_cast<int>(c.kind), c.id, static_cast<int>(c.status), c.ucs_status, c.bytes,
-                            py::bytes(c.payload));
+                            py::bytes(c.payload), c.posted_ns, c.done_ns);
   }
   return out;
 }

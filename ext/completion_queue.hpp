@@ -5,6 +5,7 @@
 #pragma once
 
 #include <sys/eventfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -40,7 +41,19 @@ struct Completion {
   int32_t ucs_status;  // the UCX status behind a failure, 0 otherwise
   uint64_t bytes;
   std::string payload;
+  // kJob: when the job's last operation was posted and when it was reported
+  // (CLOCK_MONOTONIC ns, Python's time.monotonic_ns()); 0 when it never got
+  // that far. What aiokvcache.metrics reads a transfer's phases from.
+  uint64_t posted_ns = 0;
+  uint64_t done_ns = 0;
 };
+
+// CLOCK_MONOTONIC in ns: the clock Python's time.monotonic_ns() reads.
+inline uint64_t monotonic_ns() {
+  timespec ts;
+  ::clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
 
 class CompletionQueue {
  public:

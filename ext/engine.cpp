@@ -310,7 +310,8 @@ void Engine::release_leftovers() {
     stats_.jobs_failed.fetch_add(1);
     stats_.live_jobs.fetch_sub(1);
     push_job_completion(
-        Completion{EntryKind::kJob, j->id, Status::kENGINE_CLOSED, j->ucs_status, j->bytes_done, {}});
+        Completion{EntryKind::kJob, j->id, Status::kENGINE_CLOSED, j->ucs_status, j->bytes_done, {},
+                               j->posted_ns, monotonic_ns()});
   }
   for (auto& kv : rkeys_) {
     RemoteKey* rk = kv.second.get();

@@ -130,6 +130,7 @@ struct Job {
   uint64_t lane_ops = 0;
   uint64_t inflight_bytes = 0;
   uint64_t bytes_done = 0;
+  uint64_t posted_ns = 0;  // when the posting phase ended (monotonic_ns)
   bool posted_any = false;  // a UCX operation was posted (a put then needs a flush)
   bool copied_any = false;  // bytes were memcpy'd into mapped shared memory
   // Set with cancel: copy lanes skip this job's queued chunks (any thread).

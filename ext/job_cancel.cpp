@@ -92,7 +92,8 @@ void Engine::abandon(Job* j) {
   for (RemoteKey* rk : j->keys) rk->pinned = true;
   stats_.jobs_failed.fetch_add(1);
   stats_.live_jobs.fetch_sub(1);
-  push_job_completion(Completion{EntryKind::kJob, j->id, j->status, j->ucs_status, j->bytes_done, {}});
+  push_job_completion(Completion{EntryKind::kJob, j->id, j->status, j->ucs_status, j->bytes_done, {},
+                               j->posted_ns, monotonic_ns()});
   auto it = jobs_.find(j->id);
   graveyard_.push_back(std::move(it->second));
   jobs_.erase(it);

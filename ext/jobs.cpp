@@ -499,6 +499,7 @@ void Engine::advance(Job* j) {
       j->in_active = false;
     }
     j->phase = Phase::kFlushing;
+    j->posted_ns = monotonic_ns();
     // A put has landed only when the peer has it: flush, even after a cancel,
     // so nothing this job posted can still arrive once it is reported.
     // Jobs that reach this point in the same step share one endpoint flush
@@ -580,7 +581,8 @@ void Engine::finish(Job* j) {
   } else {
     stats_.jobs_failed.fetch_add(1);
   }
-  Completion c{EntryKind::kJob, j->id, j->status, j->ucs_status, j->bytes_done, {}};
+  Completion c{EntryKind::kJob, j->id, j->status, j->ucs_status, j->bytes_done, {}, j->posted_ns,
+               monotonic_ns()};
   jobs_.erase(j->id);  // frees j
   // The counter drops before the entry is visible, so a reader who has seen
   // every completion also sees zero live jobs.

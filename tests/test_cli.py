@@ -124,6 +124,33 @@ def test_bench_json_has_every_sample() -> None:
     assert s["overlap"] == pytest.approx(max(0.0, min(1.0, (t + c - w) / min(t, c))))
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_bench_metrics_break_every_push_down_and_write_a_scrape(
+    transport: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("prometheus_client")
+    out = tmp_path / "scrape.txt"
+    proc = cli(
+        "bench", *SMALL, f"--transport={transport}", "--json", "--metrics", f"--metrics-out={out}"
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)  # still one JSON object
+    row = data["metrics"]["push_cache"]
+    calls = 3 * 2 * 4  # (cold + 2 rounds) x (alone, pipelined) x 4 layers
+    assert (row["calls"], row["failed"]) == (calls, 0)
+    assert row["bytes"] == calls * 2 * 256 * 8 * 128 * 2  # K and V of one layer each
+    for phase in ("call", "submitted", "posted", "done", "seen"):
+        assert row[phase]["n"] == calls and 0 <= row[phase]["p50_us"] <= row[phase]["p99_us"]
+    scrape = out.read_text()
+    for phase in ("submitted", "posted", "done", "seen"):
+        line = f'aiokvcache_transfer_phase_seconds_count{{op="push_cache",phase="{phase}"}}'
+        assert f"{line} {calls}.0" in scrape
+    assert 'aiokvcache_transfer_bytes_total{op="push_cache",peer="2"}' in scrape
+    table = cli("bench", *SMALL, f"--transport={transport}", "--metrics")
+    assert table.returncode == 0, table.stderr
+    assert "where a push's time went" in table.stdout and "push_cache" in table.stdout
+
+
 def test_bench_plot_renders_a_timeline(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "timeline.png"
@@ -147,7 +174,12 @@ def test_unavailable_transport_is_one_clean_error() -> None:
 
 @pytest.mark.parametrize(
     ("arg", "flag"),
-    [("--layers=0", "--layers"), ("--blocks=7", "--blocks"), ("--dtype=nope", "--dtype")],
+    [
+        ("--layers=0", "--layers"),
+        ("--blocks=7", "--blocks"),
+        ("--dtype=nope", "--dtype"),
+        ("--metrics-out=x.txt", "--metrics-out"),
+    ],
 )
 def test_bench_rejects_bad_arguments(arg: str, flag: str) -> None:
     proc = cli("bench", arg, timeout=30)

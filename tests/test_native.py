@@ -200,7 +200,7 @@ class Pair:
         rows = np.array([[self.src.ctypes.data, self.addr, self.size, self.rkey]], np.uint64)
         return int(self.a.submit(native.OP_PUT, self.ep, rows))
 
-    def completions(self, drained: list[tuple[int, int, int, int, int, bytes]]) -> dict[int, int]:
+    def completions(self, drained: list[tuple[int, ...]]) -> dict[int, int]:
         return {jid: st for kind, jid, st, *_ in drained if kind == native.KIND_JOB}
 
 

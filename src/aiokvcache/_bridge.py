@@ -27,11 +27,12 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from time import monotonic_ns
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _loopside, _ucxlog
+from . import _loopside, _telemetry, _ucxlog
 from ._loader import native
 from ._loopside import LoopSide, Waiter
 
@@ -63,6 +64,10 @@ class JobResult(NamedTuple):
     status: int
     ucs_status: int
     nbytes: int
+    #: When the engine posted the job's last operation and when it reported
+    #: the job (CLOCK_MONOTONIC ns, as time.monotonic_ns(); 0: never posted).
+    posted_ns: int = 0
+    done_ns: int = 0
 
     @property
     def ok(self) -> bool:
@@ -94,6 +99,9 @@ class JobGroup:
     make: Callable[[], Waiter[None]]
     index: dict[int, int] = field(default_factory=dict)
     bad: int = 0  # jobs that ended without success
+    #: When this loop read the group's last completion (monotonic ns), while
+    #: metrics are on (aiokvcache.metrics); else 0.
+    seen_ns: int = 0
     _released: Waiter[None] | None = None
 
     @property
@@ -131,8 +139,6 @@ class GroupFailed(Exception):
         super().__init__("job group failed" + (" (timed out)" if timed_out else ""))
         self.group = group
         self.timed_out = timed_out
-
-
 
 
 def _check_job(i: int, op: int, segs: Any, payload: bytes) -> None:
@@ -221,11 +227,11 @@ class Bridge:
                 return
             self._dispatch(entries)
 
-    def _dispatch(self, entries: list[tuple[int, int, int, int, int, bytes]]) -> None:
-        for kind, ident, status, ucs, nbytes, payload in entries:
+    def _dispatch(self, entries: list[tuple[int, int, int, int, int, bytes, int, int]]) -> None:
+        for kind, ident, status, ucs, nbytes, payload, posted, done in entries:
             try:
                 if kind == KIND_JOB:
-                    self._job_done(JobResult(ident, status, ucs, nbytes))
+                    self._job_done(JobResult(ident, status, ucs, nbytes, posted, done))
                 elif kind == KIND_NOTIFY:
                     if self.on_notify is not None:
                         self.on_notify(ident, payload)
@@ -248,6 +254,8 @@ class Bridge:
             if not group.first.done():
                 group.first.set_result(None)
         if group.pending == 0:
+            if _telemetry.active:
+                group.seen_ns = monotonic_ns()
             if not group.first.done():
                 group.first.set_result(None)
             released = group._released

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from . import (
     LLMStatusCode,
     Placement,
     __version__,
+    metrics,
 )
 from ._child import JsonPeer
 from .errors import make_error
@@ -230,6 +232,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     o.add_argument(
+        "--metrics",
+        action="store_true",
+        help="record every push (aiokvcache.metrics) and print where its time went: "
+        "submitted, posted, done, seen (p50/p99 per phase)",
+    )
+    o.add_argument(
+        "--metrics-out",
+        metavar="FILE",
+        help="with --metrics: write a Prometheus scrape of the run (text format) to FILE "
+        "(needs prometheus_client: pip install 'aiokvcache[metrics]')",
+    )
+    o.add_argument(
         "--plot",
         metavar="FILE.png",
         help="draw one pipelined pass: compute spans, each layer's push from submit to "
@@ -258,6 +272,13 @@ def check_arguments(args: argparse.Namespace) -> str | None:
             import matplotlib  # noqa: F401
         except ImportError:
             return "--plot needs matplotlib: pip install 'aiokvcache[plot]'"
+    if args.metrics_out:
+        if not args.metrics:
+            return "--metrics-out needs --metrics"
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            return "--metrics-out needs prometheus_client: pip install 'aiokvcache[metrics]'"
     return None
 
 
@@ -600,8 +621,10 @@ def _report(
     rounds: list[list[PassResult]],
     total: int,
     verified: bool,
+    phases: dict[str, Any] | None = None,
 ) -> None:
-    """The summary (a table or JSON) and the plot asked for."""
+    """The summary (a table or JSON), the plot asked for, and with --metrics
+    the phase table."""
     summary = summarize(rounds, total)
     if args.plot:
         piped = [p for r in rounds[1:] for p in r if p.kind == "pipelined"]
@@ -615,6 +638,7 @@ def _report(
                     "summary": summary,
                     "verified": verified,
                     "rounds": [[p.to_json() for p in r] for r in rounds],
+                    **({"metrics": phases} if phases is not None else {}),
                 },
                 indent=2,
             )
@@ -624,6 +648,11 @@ def _report(
         print(_table(summary, verified))
         if args.plot:
             print(f"\n  timeline of the median pipelined pass: {args.plot}")
+        if phases is not None:
+            print()
+            print(_phase_text(phases))
+            if args.metrics_out:
+                print(f"\n  Prometheus scrape of the run: {args.metrics_out}")
 
 
 async def _bench(args: argparse.Namespace) -> int:
@@ -631,6 +660,8 @@ async def _bench(args: argparse.Namespace) -> int:
     cond = conditions(args, shape)
     if not args.json:
         print(header(cond), flush=True)
+    records: list[metrics.TransferRecord] = []
+    registry = _metrics_on(args, records)
     async with LLMDataDist(LLMRole.PROMPT, PROMPT_ID) as dd:
         # This side first: a transport that cannot start fails here, with
         # its status, before any decode process exists.
@@ -645,5 +676,87 @@ async def _bench(args: argparse.Namespace) -> int:
             rounds = await _rounds(args, shape, peer, _layer_pusher(cm, shape, src, peer))
             mine = digest(src, slice(None) if shape.block_tokens else 0)
             verified = (await asyncio.to_thread(peer.call, "digest"))["sha"] == mine
-    _report(args, cond, rounds, shape.layer_bytes * shape.layers, verified)
+    phases = _metrics_off(args, records, registry)
+    _report(args, cond, rounds, shape.layer_bytes * shape.layers, verified, phases)
     return 0 if verified else 1
+
+
+# ------------------------------------------------------------- --metrics
+
+
+def _metrics_on(args: argparse.Namespace, records: list[metrics.TransferRecord]) -> Any:
+    """With --metrics: every call recorded into ``records`` (and, with
+    --metrics-out, into a registry of its own: the scrape written at the end)."""
+    if not args.metrics:
+        return None
+    registry = None
+    if args.metrics_out:
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
+    metrics.enable(registry, prometheus=registry is not None, tracing=False)
+    metrics.add_sink(records.append)
+    return registry
+
+
+def _metrics_off(
+    args: argparse.Namespace, records: list[metrics.TransferRecord], registry: Any
+) -> dict[str, Any] | None:
+    """With --metrics: recording stopped, the scrape written; the phase table."""
+    if not args.metrics:
+        return None
+    metrics.remove_sink(records.append)
+    metrics.disable()
+    if registry is not None:
+        from prometheus_client import generate_latest
+
+        Path(args.metrics_out).write_bytes(generate_latest(registry))
+    return phase_table(records)
+
+
+def phase_table(records: list[metrics.TransferRecord]) -> dict[str, Any]:
+    """Per op: calls, failures, bytes, and p50/p99 µs of the call and each phase."""
+    out: dict[str, Any] = {}
+    for op in sorted({r.op for r in records}):
+        recs = [r for r in records if r.op == op]
+        ok = [r for r in recs if r.status == "ok"]
+        row: dict[str, Any] = {
+            "calls": len(recs),
+            "failed": len(recs) - len(ok),
+            "bytes": sum(r.nbytes for r in ok),
+            "segments_per_call": round(sum(r.segments for r in ok) / max(1, len(ok)), 1),
+        }
+        spans = {"call": [r.seconds for r in ok]}
+        for name in metrics.PHASES:
+            spans[name] = [r.phases()[name] for r in ok if name in r.phases()]
+        for name, values in spans.items():
+            values.sort()
+            row[name] = {
+                "n": len(values),
+                "p50_us": round(_pick(values, 0.5) * 1e6, 1),
+                "p99_us": round(_pick(values, 0.99) * 1e6, 1),
+            }
+        out[op] = row
+    return out
+
+
+def _pick(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def _phase_text(table: dict[str, Any]) -> str:
+    lines = [
+        "  where a push's time went (aiokvcache.metrics; µs, p50 / p99 over the run's calls)",
+        "    submitted: checked, planned, handed to the engine · posted: the progress thread "
+        "posted its last operation",
+        "    done: its bytes landed at the peer (flushed) · seen: the loop read the completion",
+        "",
+        f"  {'op':<22}{'calls':>7}{'call':>18}"
+        + "".join(f"{name:>18}" for name in metrics.PHASES),
+    ]
+    for op, row in table.items():
+        cells = [f"{row[k]['p50_us']:.0f} / {row[k]['p99_us']:.0f}" for k in ("call", *metrics.PHASES)]
+        lines.append(f"  {op:<22}{row['calls']:>7}" + "".join(f"{c:>18}" for c in cells))
+        if row["failed"]:
+            lines.append(f"  {'':<22}{row['failed']:>7} failed")
+    return "\n".join(lines)

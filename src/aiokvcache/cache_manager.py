@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from . import _telemetry as _t
 from ._core import layerwise, planner
 from ._core.errors import LLMStatusCode, make_error, param_invalid
 from ._core.layerwise import CacheTask
@@ -37,6 +38,7 @@ from ._core.types import (
     check_layer_range,
     check_tag,
 )
+from ._telemetry import measure as _measure
 
 if TYPE_CHECKING:
     from ._core.runtime import Runtime
@@ -230,9 +232,10 @@ class CacheManager:
         tag_v = check_tag("tag", tag)
         if isinstance(dst_cache_key, CacheKey):
             check_cache_key("dst_cache_key", dst_cache_key)
-        await self._rt.transfers.push_slot(
+        coro = self._rt.transfers.push_slot(
             dst_cache_key, src, sb, n, src_r, dst_r, size_v, tag_v, tmo
         )
+        await (_measure("push_cache", dst_cache_key.cluster_id, coro) if _t.active else coro)
 
     async def pull_cache(
         self,
@@ -262,7 +265,8 @@ class CacheManager:
         )
         if isinstance(cache_key, CacheKey):
             check_cache_key("cache_key", cache_key)
-        await self._rt.transfers.pull_slot(cache_key, dst, db, n, src_r, dst_r, size_v, tmo)
+        coro = self._rt.transfers.pull_slot(cache_key, dst, db, n, src_r, dst_r, size_v, tmo)
+        await (_measure("pull_cache", cache_key.cluster_id, coro) if _t.active else coro)
 
     async def copy_cache(
         self,
@@ -325,7 +329,8 @@ class CacheManager:
             tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
         )
         call = BlocksCall(src_ids, dst_ids, n, src_r, dst_r, check_tag("tag", tag))
-        await self._rt.transfers.push_blocks(dst_cache_key, src, call, tmo)
+        coro = self._rt.transfers.push_blocks(dst_cache_key, src, call, tmo)
+        await (_measure("push_blocks", dst_cache_key.cluster_id, coro) if _t.active else coro)
 
     async def pull_blocks(
         self,
@@ -360,7 +365,8 @@ class CacheManager:
             tensor_num_per_layer, src_layer_range, dst_layer_range, timeout
         )
         call = BlocksCall(src_ids, dst_ids, n, src_r, dst_r)
-        await self._rt.transfers.pull_blocks(src_cache_key, dst, call, tmo)
+        coro = self._rt.transfers.pull_blocks(src_cache_key, dst, call, tmo)
+        await (_measure("pull_blocks", src_cache_key.cluster_id, coro) if _t.active else coro)
 
     async def copy_blocks(self, cache: Cache, copy_block_info: dict[int, list[int]]) -> None:
         """Copy blocks inside one blocks cache: ``{src block: [dst block, ...]}``, every tensor.
@@ -493,7 +499,8 @@ class CacheManager:
             raise TypeError("tag must be str or bytes, got NoneType")
         tag_v = check_tag("tag", tag)
         assert tag_v is not None
-        await self._rt.transfers.notify(cid, tag_v, check_timeout(timeout))
+        coro = self._rt.transfers.notify(cid, tag_v, check_timeout(timeout))
+        await (_measure("notify", cid, coro) if _t.active else coro)
 
     def discard_tag(self, tag: str | bytes) -> None:
         """Drop what is recorded for ``tag``."""

@@ -231,7 +231,7 @@ async def _engine(args: argparse.Namespace) -> None:
                 want = int(req["count"])
                 deadline = time.monotonic() + 10
                 while len(notes) < want and time.monotonic() < deadline:
-                    for kind, _id, _st, _ucs, _n, payload in eng.drain():
+                    for kind, _id, _st, _ucs, _n, payload, *_ in eng.drain():
                         if kind == native.KIND_NOTIFY:
                             # The bytes must be there when the notification is.
                             at, length, sha = payload.decode().split(":")

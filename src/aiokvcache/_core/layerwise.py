@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Generator, Sequence
+from collections.abc import Coroutine, Generator, Sequence
 from typing import Any
 
+from .. import _telemetry
 from .._bridge import OP_PUT
 from .._loopside import TaskHandle
 from . import planner as blocks
@@ -181,7 +182,14 @@ async def transfer_cache_async(
     tmo = time_left(tmo, start, side.time)
     task = CacheTask(len(configs))
     runner = _Pipeline(cm, prep, src, targets, sync, task, tmo)
-    task._attach(cm.spawn(runner.run, "aiokvcache.transfer_cache_async"))
+    run = runner.run
+    if _telemetry.active:  # the whole task, every layer to every destination, as one call
+        peer = configs[0].dst_cluster_id if len(configs) == 1 else -1
+
+        def run() -> Coroutine[Any, Any, None]:
+            return _telemetry.measure("transfer_cache_async", peer, runner.run())
+
+    task._attach(cm.spawn(run, "aiokvcache.transfer_cache_async"))
     return task
 
 

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from .. import _telemetry
 from .._loader import native
 from . import control
 from .errors import LLMException, LLMStatusCode, make_error
@@ -125,11 +126,18 @@ class Linker:
         refused = self._claim(info, cid)
         if refused is not None:
             return refused
+        began = time.monotonic()
+        status = LLMStatusCode.LLM_FAILED
         try:
-            return await self._attempts(cid, list(info.remote_ip_info), deadline)
+            status = await self._attempts(cid, list(info.remote_ip_info), deadline)
+            return status
         finally:
             with st.lock:
                 st.linking.discard(cid)
+            observe = _telemetry.link_observer
+            if observe is not None:
+                name = status.name.removeprefix("LLM_").lower()
+                observe(cid, name, time.monotonic() - began)
 
     def _claim(self, info: LLMClusterInfo, cid: int) -> LLMStatusCode | None:
         """Mark ``cid`` as being linked by us; or why we do not link it."""

@@ -14,6 +14,7 @@ import numbers
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from .. import _telemetry
 from .._bridge import Bridge, BridgeError, GroupFailed, JobGroup, JobResult, Jobs
 from .._loader import native
 from .errors import InternalError, LLMException, LLMStatusCode, make_error
@@ -98,6 +99,8 @@ def engine_finalized() -> LLMException:
 
 
 def _submit(bridge: Bridge, jobs: Jobs, timeout: float | None, checked: bool = False) -> JobGroup:
+    if _telemetry.active:  # stamped as the jobs go: the progress thread may post at once
+        _telemetry.submitted(jobs)
     try:
         return bridge.submit_group(jobs, timeout=timeout, checked=checked)
     except native.EngineClosedError as exc:
@@ -111,6 +114,9 @@ async def _wait(bridge: Bridge, group: JobGroup, labels: Sequence[str] | None) -
         raise failure(exc.group, labels, timed_out=exc.timed_out) from None
     except BridgeError as exc:
         raise InternalError(str(exc)) from exc
+    finally:
+        if _telemetry.active:
+            _telemetry.ended(group.results, group.seen_ns)
 
 
 async def run_jobs(

@@ -15,7 +15,7 @@ import socket
 import struct
 from typing import Any
 
-from .. import _loopside, _ucxlog
+from .. import _loopside, _telemetry, _ucxlog
 from .._bridge import Bridge
 from .._loader import native
 from .._loopside import LoopSide, ServiceGone
@@ -143,6 +143,7 @@ class Runtime:
         self.bridge.on_notify = self.receiver.on_notify
         self.bridge.on_endpoint_error = self._on_endpoint_error
         self._closed = False
+        _telemetry.runtimes.add(self)
 
     @property
     def engine(self) -> native.Engine:
@@ -250,6 +251,7 @@ class Runtime:
             return
         self.check_can_close()
         self._closed = True
+        _telemetry.runtimes.discard(self)
         await self.side.shielded(self._close())
 
     def check_can_close(self) -> None:

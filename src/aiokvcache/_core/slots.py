@@ -9,11 +9,13 @@ same-host plan on the caller's thread.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from time import monotonic_ns
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from .. import _telemetry
 from .._bridge import OP_PUT
 from .._loader import native
 from . import planner
@@ -169,6 +171,7 @@ def copy_inline(state: State, op: int, link: Link, plan: Plan, remote: RemoteCac
         plan.inline = False
         return False
     outcome: int = native.INLINE_NO
+    began = monotonic_ns() if _telemetry.active else 0
 
     def copy() -> list[int]:
         nonlocal outcome
@@ -196,6 +199,8 @@ def copy_inline(state: State, op: int, link: Link, plan: Plan, remote: RemoteCac
             f"the remote cache {remote.cache_id} was deallocated",
         )
     done = outcome == native.INLINE_COPIED
+    if done and began:
+        _telemetry.copied(began, plan.nbytes, sum(len(rows) for rows, _ in plan.layers))
     if plan.inline is None:
         plan.inline = done
     return done

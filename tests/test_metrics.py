@@ -1,0 +1,234 @@
+"""aiokvcache.metrics: per-call records, phases stamped by the engine and the
+loop, the Prometheus collector (scraped over HTTP), OpenTelemetry spans, and
+nothing recorded while off (on asyncio and trio, over shm and TCP)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+
+from aiokvcache import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMException,
+    Placement,
+    TransferWithCacheKeyConfig,
+    _telemetry,
+    metrics,
+)
+from aiokvcache.testing import Pair, blocks_desc, fill
+
+pytestmark = pytest.mark.anyio
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+
+@pytest.fixture
+def registry() -> Iterator[Any]:
+    """A fresh registry with the collector, metrics on for the test only."""
+    reg = prometheus_client.CollectorRegistry()
+    metrics.reset()
+    metrics.enable(reg, tracing=False)
+    try:
+        yield reg
+    finally:
+        metrics.disable()
+        metrics.reset()
+        reg.unregister(metrics._get_collector())
+
+
+def _value(reg: Any, name: str, **labels: str) -> float | None:
+    return reg.get_sample_value(name, labels)
+
+
+SLOT = CacheDesc(
+    num_tensors=4, shape=(2, 64, 32), data_type=DataType.DT_FLOAT16, placement=Placement.HOST
+)
+
+
+async def test_records_phases_bytes_and_peer(kv_pair: Pair, registry: Any) -> None:
+    pr = kv_pair
+    desc = blocks_desc(layers=3)
+    pr.d.allocate_blocks_cache(desc, BlocksCacheKey(2))
+    src = pr.p.allocate_blocks_cache(desc)
+    fill(src, 1)
+    before = time.monotonic_ns()
+    await pr.p.push_blocks(BlocksCacheKey(2), src, [0, 1, 5], [2, 3, 4])
+    rec = metrics.recent(1)[0]
+    assert (rec.op, rec.peer, rec.status, rec.jobs) == ("push_blocks", 2, "ok", 3)
+    # The stamps are in order, each from the engine's or the loop's clock.
+    stamps = [rec.began_ns, rec.submitted_ns, rec.posted_ns, rec.done_ns, rec.seen_ns, rec.ended_ns]
+    assert before <= stamps[0] and all(0 < a <= b for a, b in itertools.pairwise(stamps))
+    assert list(rec.phases()) == list(metrics.PHASES)
+    assert rec.segments >= 3
+    assert (
+        _value(registry, "aiokvcache_transfers_total", op="push_blocks", peer="2", status="ok") == 1
+    )
+    assert (
+        _value(registry, "aiokvcache_transfer_bytes_total", op="push_blocks", peer="2")
+        == rec.nbytes
+    )
+    for phase in metrics.PHASES:
+        n = _value(
+            registry, "aiokvcache_transfer_phase_seconds_count", op="push_blocks", phase=phase
+        )
+        assert n == 1, phase
+    assert _value(registry, "aiokvcache_engine_jobs_submitted_total", cluster_id="1")
+
+
+async def test_bytes_count_what_moved(kv_pair: Pair, registry: Any) -> None:
+    pr = kv_pair
+    desc = blocks_desc(layers=2, blocks=8)
+    dst = pr.d.allocate_blocks_cache(desc, BlocksCacheKey(2))
+    src = pr.p.allocate_blocks_cache(desc)
+    fill(src, 2)
+    await pr.p.push_blocks(BlocksCacheKey(2), src, [0, 1], [0, 1])
+    per_block = dst.tensors[0].nbytes // desc.shape[0]
+    assert metrics.recent(1)[0].nbytes == 2 * desc.num_tensors * per_block
+    await pr.p.pull_blocks(BlocksCacheKey(2), src, [0], [7])
+    rec = metrics.recent(1)[0]
+    assert (rec.op, rec.nbytes) == ("pull_blocks", desc.num_tensors * per_block)
+
+
+async def test_a_failed_call_is_recorded_with_its_status(kv_pair: Pair, registry: Any) -> None:
+    pr = kv_pair
+    src = pr.p.allocate_cache(SLOT)
+    with pytest.raises(LLMException):
+        await pr.p.push_cache(CacheKeyByIdAndIndex(2, 424242, 0), src)
+    rec = metrics.recent(1)[0]
+    assert (rec.op, rec.status) == ("push_cache", "kv_cache_not_exist")
+    assert rec.ended_ns >= rec.began_ns and not rec.posted_ns
+    labels = {"op": "push_cache", "status": "kv_cache_not_exist"}
+    assert _value(registry, "aiokvcache_transfer_seconds_count", **labels) == 1
+
+
+async def test_a_cancelled_call_is_recorded_as_cancelled(kv_pair: Pair, registry: Any) -> None:
+    pr = kv_pair
+    desc = CacheDesc(
+        num_tensors=2, shape=(1, 8 << 20), data_type=DataType.DT_UINT8, placement=Placement.HOST
+    )
+    dst = pr.d.allocate_cache(desc)
+    src = pr.p.allocate_cache(desc)
+    with anyio.move_on_after(0.0005):
+        for _ in range(50):
+            await pr.p.push_cache(CacheKeyByIdAndIndex(2, dst.cache_id, 0), src)
+    rec = metrics.recent(1)[0]
+    assert rec.status in ("cancelled", "ok")
+    assert _value(registry, "aiokvcache_engine_live_jobs", cluster_id="1") == 0
+
+
+async def test_layerwise_is_one_record(kv_pair: Pair, registry: Any) -> None:
+    pr = kv_pair
+    desc = CacheDesc(
+        num_tensors=6, shape=(1, 4096), data_type=DataType.DT_UINT8, placement=Placement.HOST
+    )
+    dst = pr.d.allocate_cache(desc)
+    src = pr.p.allocate_cache(desc)
+    fill(src, 3)
+
+    class Ready:
+        def synchronize_layer(self, layer: int, timeout_in_millis: int | None) -> bool:
+            return True
+
+    cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, dst.cache_id, 0))
+    task = await pr.p.transfer_cache_async(src, Ready(), [cfg])
+    await task.synchronize()
+    recs = [r for r in metrics.recent() if r.op == "transfer_cache_async"]
+    assert len(recs) == 1 and recs[0].peer == 2 and recs[0].status == "ok"
+    assert (recs[0].jobs, recs[0].nbytes) == (3, 6 * 4096)
+
+
+async def test_off_records_nothing_and_stamps_nothing(kv_pair: Pair) -> None:
+    pr = kv_pair
+    metrics.reset()
+    assert not _telemetry.active
+    desc = blocks_desc(layers=2)
+    pr.d.allocate_blocks_cache(desc, BlocksCacheKey(2))
+    src = pr.p.allocate_blocks_cache(desc)
+    groups: list[Any] = []
+    orig = pr.prompt._rt.bridge._job_done  # type: ignore[attr-defined]
+
+    def spy(res: Any) -> None:
+        groups.append(pr.prompt._rt.bridge._groups.get(res.job_id))  # type: ignore[attr-defined]
+        orig(res)
+
+    pr.prompt._rt.bridge._job_done = spy  # type: ignore[attr-defined]
+    await pr.p.push_blocks(BlocksCacheKey(2), src, [0], [1])
+    assert metrics.recent() == []
+    assert groups and all(g is None or g.seen_ns == 0 for g in groups)
+
+
+async def test_link_setup_is_recorded(registry: Any) -> None:
+    from aiokvcache import testing
+
+    async with testing.pair("tcp"):
+        pass
+    assert _value(registry, "aiokvcache_link_setup_seconds_count", status="success") == 1
+
+
+async def test_a_prometheus_scrape_over_http_shows_the_histograms(registry: Any) -> None:
+    from aiokvcache import testing
+
+    async with testing.pair("tcp") as pr:
+        dst = pr.d.allocate_cache(SLOT)
+        src = pr.p.allocate_cache(SLOT)
+        for _ in range(5):
+            await pr.p.push_cache(CacheKeyByIdAndIndex(2, dst.cache_id, 0), src)
+    server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        port = server.server_address[1]
+        url = f"http://127.0.0.1:{port}/metrics"
+
+        def scrape() -> bytes:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                return bytes(resp.read())
+
+        body = await anyio.to_thread.run_sync(scrape)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    text = body.decode()
+    assert (
+        'aiokvcache_transfer_phase_seconds_bucket{le="1e-06",op="push_cache",phase="done"}' in text
+    )
+    assert 'aiokvcache_transfer_seconds_count{op="push_cache",status="ok"} 5.0' in text
+    assert 'aiokvcache_transfers_total{op="push_cache",peer="2",status="ok"} 5.0' in text
+
+
+async def test_spans_one_per_call_children_of_the_callers_span() -> None:
+    sdk = pytest.importorskip("opentelemetry.sdk.trace")
+    export = pytest.importorskip("opentelemetry.sdk.trace.export")
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(export.SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    from aiokvcache import testing
+
+    metrics._tracer = provider.get_tracer("aiokvcache")
+    metrics.add_sink(metrics._span)
+    try:
+        async with testing.pair("tcp") as pr:
+            dst = pr.d.allocate_cache(SLOT)
+            src = pr.p.allocate_cache(SLOT)
+            with tracer.start_as_current_span("request"):
+                await pr.p.push_cache(CacheKeyByIdAndIndex(2, dst.cache_id, 0), src)
+    finally:
+        metrics.remove_sink(metrics._span)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    push = spans["aiokvcache.push_cache"]
+    assert push.parent is not None and push.parent.span_id == spans["request"].context.span_id
+    assert [e.name for e in push.events] == list(metrics.PHASES)
+    assert push.attributes["aiokvcache.peer"] == 2
+    assert push.attributes["aiokvcache.bytes"] == 4 * 64 * 32 * 2  # slot 0 of 4 tensors
+    assert push.start_time <= push.events[0].timestamp <= push.end_time
