@@ -165,7 +165,16 @@ def main() -> int:
     ap.add_argument(
         "--backend", choices=["asyncio", "trio"], default="asyncio", help="the async library"
     )
+    ap.add_argument(
+        "--metrics",
+        action="store_true",
+        help="with aiokvcache.metrics on (every call recorded): what recording costs",
+    )
     args = ap.parse_args()
+    if args.metrics:
+        from aiokvcache import metrics
+
+        metrics.enable(prometheus=False, tracing=False)
     loop = Loop(args.backend)
     transports = ["shm", "tcp"] if args.transport == "both" else [args.transport]
     children = Children()
@@ -190,7 +199,8 @@ def main() -> int:
     finally:
         children.close_all()
     print(
-        f"push_cache on {args.backend}, {LAYERS} layers x (K,V), one call per layer; "
+        f"push_cache on {args.backend}, {LAYERS} layers x (K,V), one call per layer, "
+        f"metrics {'on' if args.metrics else 'off'}; "
         f"{args.seconds:g} s per measurement; {os.cpu_count()} cores"
     )
     print(

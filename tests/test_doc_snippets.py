@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shlex
 import subprocess
@@ -18,6 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from support import etcd
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -48,9 +52,19 @@ def test_the_pages_have_blocks() -> None:
 def test_python_block_runs(name: str, code: str, tmp_path: Path) -> None:
     script = tmp_path / "block.py"
     script.write_text(code)
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path
-    )
+    with contextlib.ExitStack() as stack:
+        env = dict(os.environ)
+        if "ETCD_ENDPOINT" in code:  # the discovery examples get a real etcd
+            (tmp_path / "etcd").mkdir()
+            env["ETCD_ENDPOINT"] = stack.enter_context(etcd.etcd_server(tmp_path / "etcd"))
+        proc = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            cwd=tmp_path,
+            env=env,
+        )
     assert proc.returncode == 0, f"{name}:\n{proc.stdout}\n{proc.stderr}"
     assert "Traceback" not in proc.stderr
 

@@ -751,11 +751,12 @@ def _phase_text(table: dict[str, Any]) -> str:
         "posted its last operation",
         "    done: its bytes landed at the peer (flushed) · seen: the loop read the completion",
         "",
-        f"  {'op':<22}{'calls':>7}{'call':>18}"
-        + "".join(f"{name:>18}" for name in metrics.PHASES),
+        f"  {'op':<22}{'calls':>7}{'call':>18}" + "".join(f"{name:>18}" for name in metrics.PHASES),
     ]
     for op, row in table.items():
-        cells = [f"{row[k]['p50_us']:.0f} / {row[k]['p99_us']:.0f}" for k in ("call", *metrics.PHASES)]
+        cells = [
+            f"{row[k]['p50_us']:.0f} / {row[k]['p99_us']:.0f}" for k in ("call", *metrics.PHASES)
+        ]
         lines.append(f"  {op:<22}{row['calls']:>7}" + "".join(f"{c:>18}" for c in cells))
         if row["failed"]:
             lines.append(f"  {'':<22}{row['failed']:>7} failed")

@@ -139,6 +139,13 @@ class LLMDataDist:
                     self._cluster_id,
                     self.listen_address,
                 )
+        if opts.etcd_endpoint is not None:
+            # After listening: the entry carries the bound control address.
+            try:
+                await self._rt.register(int(self._role))
+            except BaseException:
+                await self.finalize()
+                raise
 
     async def finalize(self) -> None:
         """Stop everything: fail in-flight transfers with ENGINE_FINALIZED,
@@ -187,6 +194,7 @@ class LLMDataDist:
         await rt.relisten(spec)
         self._role = new_role
         rt.set_role(int(new_role))
+        await rt.update_registration(int(new_role))
 
     def _check_ready(self) -> None:
         if self._finalized:

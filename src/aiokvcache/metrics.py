@@ -131,52 +131,95 @@ class _Hist:
 
 
 class _Aggregate:
-    """What the collector and :func:`snapshot` read: the sink :func:`enable` adds."""
+    """What the collector and :func:`snapshot` read: the sink :func:`enable` adds.
+
+    A call only appends its record (two deque appends: the hot path stays
+    short); records are folded into the histograms and counters in batches,
+    when 4096 are pending or someone reads (a scrape, :func:`snapshot`).
+    """
+
+    FOLD_AT = 4096
 
     def __init__(self, keep: int = 1024) -> None:
         self.lock = threading.Lock()
         self.recent: collections.deque[TransferRecord] = collections.deque(maxlen=keep)
+        self.pending: collections.deque[TransferRecord] = collections.deque()
         self.calls: dict[tuple[str, int, str], int] = {}
         self.bytes: dict[tuple[str, int], int] = {}
         self.segments: dict[str, int] = {}
         self.seconds: dict[tuple[str, str], _Hist] = {}
         self.phases: dict[tuple[str, str], _Hist] = {}
+        self.phase_hists: dict[str, list[_Hist]] = {}  # op -> its phases' (PHASES order)
         self.links: dict[str, _Hist] = {}
 
     def reset(self) -> None:
         with self.lock:
-            for table in (self.recent, self.calls, self.bytes, self.segments):
+            for table in (self.recent, self.pending, self.calls, self.bytes, self.segments):
                 table.clear()
-            for hists in (self.seconds, self.phases, self.links):
+            for hists in (self.seconds, self.phases, self.phase_hists, self.links):
                 hists.clear()
 
     def __call__(self, rec: TransferRecord) -> None:
-        phases = rec.phases()
-        with self.lock:
-            self.recent.append(rec)
-            key = (rec.op, rec.peer, rec.status)
-            self.calls[key] = self.calls.get(key, 0) + 1
-            bk = (rec.op, rec.peer)
-            self.bytes[bk] = self.bytes.get(bk, 0) + rec.nbytes
-            self.segments[rec.op] = self.segments.get(rec.op, 0) + rec.segments
-            hk = (rec.op, rec.status)
-            h = self.seconds.get(hk)
+        self.recent.append(rec)
+        pending = self.pending
+        pending.append(rec)
+        if len(pending) >= self.FOLD_AT:
+            with self.lock:
+                self.fold()
+
+    def fold(self) -> None:
+        """Fold the pending records in (under ``lock``): the histograms'
+        buckets found with one bisect each, the phases without a dict."""
+        pending = self.pending
+        calls, nbytes, segments = self.calls, self.bytes, self.segments
+        seconds, per_op = self.seconds, self.phase_hists
+        find = bisect.bisect_left
+        bounds = BUCKETS
+        while pending:
+            try:
+                rec = pending.popleft()
+            except IndexError:  # another thread took the last one
+                break
+            op = rec.op
+            key = (op, rec.peer, rec.status)
+            calls[key] = calls.get(key, 0) + 1
+            bk = (op, rec.peer)
+            nbytes[bk] = nbytes.get(bk, 0) + rec.nbytes
+            segments[op] = segments.get(op, 0) + rec.segments
+            hk = (op, rec.status)
+            h = seconds.get(hk)
             if h is None:
-                h = self.seconds[hk] = _Hist()
-            h.observe(rec.seconds)
-            for name, v in phases.items():
-                pk = (rec.op, name)
-                h = self.phases.get(pk)
-                if h is None:
-                    h = self.phases[pk] = _Hist()
-                h.observe(v)
+                h = seconds[hk] = _Hist()
+            v = (rec.ended_ns - rec.began_ns) * 1e-9
+            h.counts[find(bounds, v)] += 1
+            h.sum += v
+            hists = per_op.get(op)
+            if hists is None:
+                hists = per_op[op] = [self._hist(self.phases, (op, n)) for n in PHASES]
+            prev = rec.began_ns
+            for h, at in zip(
+                hists, (rec.submitted_ns, rec.posted_ns, rec.done_ns, rec.seen_ns), strict=True
+            ):
+                if not at:
+                    break
+                if at > prev:
+                    v = (at - prev) * 1e-9
+                    prev = at
+                else:
+                    v = 0.0
+                h.counts[find(bounds, v)] += 1
+                h.sum += v
+
+    @staticmethod
+    def _hist(table: dict[Any, _Hist], key: Any) -> _Hist:
+        h = table.get(key)
+        if h is None:
+            h = table[key] = _Hist()
+        return h
 
     def link(self, peer: int, status: str, seconds: float) -> None:
         with self.lock:
-            h = self.links.get(status)
-            if h is None:
-                h = self.links[status] = _Hist()
-            h.observe(seconds)
+            self._hist(self.links, status).observe(seconds)
 
 
 _agg = _Aggregate()
@@ -232,8 +275,7 @@ def reset() -> None:
 
 def recent(n: int | None = None) -> list[TransferRecord]:
     """The last ``n`` (default all kept: 1024) records, oldest first."""
-    with _agg.lock:
-        items = list(_agg.recent)
+    items = list(_agg.recent)
     return items if n is None else items[-n:]
 
 
@@ -242,6 +284,7 @@ def snapshot() -> dict[str, Any]:
     whole call and each phase the count, sum and bucket-bound p50/p99 (s)."""
     out: dict[str, Any] = {}
     with _agg.lock:
+        _agg.fold()
         for (op, peer, status), n in _agg.calls.items():
             d = out.setdefault(op, {"calls": {}, "bytes": {}, "seconds": {}, "phases": {}})
             d["calls"][(peer, status)] = n
@@ -309,6 +352,7 @@ class _Collector:
             labels=["op"],
         )
         with _agg.lock:
+            _agg.fold()
             for (op, status), h in _agg.seconds.items():
                 seconds.add_metric([op, status], h.cumulative(), h.sum)
             for (op, name), h in _agg.phases.items():

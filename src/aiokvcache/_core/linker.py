@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from .. import _telemetry
 from .._loader import native
 from . import control
+from .discovery import Registry
 from .errors import LLMException, LLMStatusCode, make_error
 from .links import FORCE_UNLINKED, Links
 from .probe import Prober
@@ -52,6 +53,8 @@ class Linker:
         self._handler = handler
         self._server: control.ControlServer | None = None
         self._listen_spec: tuple[str, int] | None = None  # as asked, host not resolved
+        #: Where clusters given without remote_ip_info are looked up (etcd), or None.
+        self.registry: Registry | None = None
 
     # ------------------------------------------------------------ listener
 
@@ -123,13 +126,19 @@ class Linker:
             # Our side had not noticed yet (a cut cable, a frozen host).
             self._links.break_link(existing, "no answer to a liveness check")
             self._thread.spawn(existing.conn.close("no answer to a liveness check"))
-        refused = self._claim(info, cid)
+        addresses = list(info.remote_ip_info)
+        if not addresses and self.registry is not None:
+            addresses, why = await self.registry.resolve(cid)
+            if not addresses:
+                log.warning("aiokvcache: link to cluster %d: %s", cid, why)
+                return LLMStatusCode.LLM_LINK_FAILED
+        refused = self._claim(addresses, cid)
         if refused is not None:
             return refused
         began = time.monotonic()
         status = LLMStatusCode.LLM_FAILED
         try:
-            status = await self._attempts(cid, list(info.remote_ip_info), deadline)
+            status = await self._attempts(cid, addresses, deadline)
             return status
         finally:
             with st.lock:
@@ -139,7 +148,7 @@ class Linker:
                 name = status.name.removeprefix("LLM_").lower()
                 observe(cid, name, time.monotonic() - began)
 
-    def _claim(self, info: LLMClusterInfo, cid: int) -> LLMStatusCode | None:
+    def _claim(self, addresses: list[tuple[str, int]], cid: int) -> LLMStatusCode | None:
         """Mark ``cid`` as being linked by us; or why we do not link it."""
         st = self._state
         with st.lock:
@@ -148,7 +157,7 @@ class Linker:
                 return LLMStatusCode.LLM_ALREADY_LINK
             if cid in st.linking:
                 return LLMStatusCode.LLM_PROCESSING_LINK
-            if not info.remote_ip_info:
+            if not addresses:
                 log.warning("aiokvcache: link to cluster %d: no remote_ip_info", cid)
                 return LLMStatusCode.LLM_PARAM_INVALID
             st.linking.add(cid)

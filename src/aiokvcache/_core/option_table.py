@@ -37,6 +37,9 @@ KEY_HANDSHAKE_TIMEOUT = "aiokvcache.handshakeTimeout"
 KEY_MAX_CONNECTIONS = "aiokvcache.maxConnections"
 KEY_PEER_TIMEOUT = "aiokvcache.peerTimeout"
 KEY_NET_DEVICES = "aiokvcache.netDevices"
+KEY_ETCD_ENDPOINT = "aiokvcache.etcdEndpoint"
+KEY_ETCD_PREFIX = "aiokvcache.etcdPrefix"
+KEY_ETCD_LEASE_TTL = "aiokvcache.etcdLeaseTtl"
 KEY_RDMA_TRAFFIC_CLASS = "llm.RdmaTrafficClass"
 KEY_RDMA_SERVICE_LEVEL = "llm.RdmaServiceLevel"
 # Emitted by LLMConfig.device_id for code ported from LLM-DataDist.
@@ -220,6 +223,24 @@ def _parse_net_devices(text: str) -> str:
     names = text.split(",")
     if text != "all" and not all(_NET_DEVICE.fullmatch(n) for n in names):
         raise BadValue(f"must be 'all' or a comma list of interface names, got {text!r}")
+    return text
+
+
+def _parse_etcd_endpoint(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadValue(f"must be host:port (etcd's client URL, e.g. 127.0.0.1:2379), got {text!r}")
+    return text
+
+
+_ETCD_PREFIX = re.compile(r"/([A-Za-z0-9._-]+/)*")
+
+
+def _parse_etcd_prefix(text: str) -> str:
+    if not _ETCD_PREFIX.fullmatch(text):
+        raise BadValue(
+            f"must be a key prefix that starts and ends with '/' (e.g. /aiokvcache/), got {text!r}"
+        )
     return text
 
 
@@ -681,6 +702,49 @@ OPTIONS: tuple[Option, ...] = (
         "`all` or a comma list of interfaces",
         ours=True,
         ucx="NET_DEVICES",
+    ),
+    _text(
+        KEY_ETCD_ENDPOINT,
+        "etcd_endpoint",
+        ("etcd_endpoint",),
+        lambda t: _parse_etcd_endpoint(t),
+        None,
+        None,
+        "An etcd server (``host:port``) to register in and find peers through (the ``etcd`` "
+        "extra): this instance's role and control address go under :attr:`etcd_prefix` on a "
+        "lease of :attr:`etcd_lease_ttl` seconds, ``link_clusters`` resolves a cluster given "
+        "without ``remote_ip_info`` there, and a link to an instance whose entry went (its "
+        "lease ended) is broken. Unset (default): no etcd.",
+        "unset",
+        "`host:port`",
+        ours=True,
+    ),
+    _text(
+        KEY_ETCD_PREFIX,
+        "etcd_prefix",
+        ("etcd_prefix",),
+        lambda t: _parse_etcd_prefix(t),
+        "/aiokvcache/",
+        "/aiokvcache/",
+        "The etcd key prefix instances register under (``<prefix>clusters/<cluster id>``): "
+        "instances that should find each other share it.",
+        "`/aiokvcache/`",
+        "`/`, or `/name/.../`",
+        ours=True,
+    ),
+    _uint(
+        KEY_ETCD_LEASE_TTL,
+        "etcd_lease_ttl",
+        "etcd_lease_ttl_s",
+        1,
+        3600,
+        3,
+        "Seconds an instance's etcd entry outlives its last keep-alive, ``[1, 3600]``, default "
+        "3 (etcd rounds very short leases up to its own minimum, about 2 s): how soon peers "
+        "break their links to an instance that was killed, froze, or lost etcd.",
+        "3 s",
+        "1 to 3600",
+        ours=True,
     ),
 )
 OPTION_BY_KEY = {opt.key: opt for opt in OPTIONS}

@@ -224,6 +224,14 @@ class Runtime:
         """The role this instance tells peers from now on."""
         self.service.set_role(role)
 
+    async def register(self, role: int) -> None:
+        """Register in etcd (``aiokvcache.etcdEndpoint``, on the service thread)."""
+        await self.on_service(self.service.register(role))
+
+    async def update_registration(self, role: int) -> None:
+        """Tell etcd the new role and control address (after switch_role)."""
+        await self.on_service(self.service.update_registration(role))
+
     async def link_clusters(
         self, infos: list[LLMClusterInfo], timeout_ms: int
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:

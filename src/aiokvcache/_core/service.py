@@ -24,6 +24,7 @@ import concurrent.futures
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from .discovery import Registry
 from .errors import LLMStatusCode
 from .handler import PeerHandler
 from .linker import Linker
@@ -57,6 +58,7 @@ class PeerService:
     """
 
     def __init__(self, state: State) -> None:
+        self._state = state
         self.thread = ServiceThread(f"aiokvcache-service-{state.cluster_id}")
         self.links = Links(state, self.thread)
         self.prober = Prober(state, self.thread)
@@ -64,6 +66,8 @@ class PeerService:
         self.handler = PeerHandler(state, self.links, self.prober, self.retirement)
         self.linker = Linker(state, self.thread, self.links, self.prober, self.handler)
         self.lookups = Lookups(state, self.thread, self.prober)
+        #: This instance's etcd entry and watch (aiokvcache.etcdEndpoint), or None.
+        self.registry: Registry | None = None
 
     # ------------------------------------------------------------- thread
 
@@ -77,7 +81,10 @@ class PeerService:
         self.thread.stop()
 
     async def close(self) -> None:
-        """Close the server and every connection; cancel background work (service loop)."""
+        """Leave etcd, close the server and every connection; cancel background
+        work (service loop)."""
+        if self.registry is not None:
+            await self.registry.close()
         await self.linker.close_server()
         await self.links.close_all()
         await self.thread.cancel_spawned()
@@ -100,6 +107,28 @@ class PeerService:
     def set_role(self, role: int) -> None:
         """Announce ``role`` in later handshakes."""
         self.linker.set_role(role)
+
+    async def register(self, role: int) -> None:
+        """Register in etcd (``aiokvcache.etcdEndpoint``) with ``role`` and the
+        control address, if any; resolve clusters there from now on (service loop)."""
+        st = self._state
+        opts = st.options
+        assert opts.etcd_endpoint is not None
+        registry = Registry(
+            st,
+            self.thread,
+            self.links,
+            opts.etcd_endpoint,
+            opts.etcd_prefix,
+            opts.etcd_lease_ttl_s,
+        )
+        await registry.start(role, self.listen_address)
+        self.registry = self.linker.registry = registry
+
+    async def update_registration(self, role: int) -> None:
+        """The role or the control address changed (switch_role): tell etcd."""
+        if self.registry is not None:
+            await self.registry.update(role, self.listen_address)
 
     async def link_all(
         self, infos: Sequence[LLMClusterInfo], timeout_ms: int

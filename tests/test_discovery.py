@@ -1,0 +1,205 @@
+"""Discovery through etcd (aiokvcache.etcdEndpoint): instances that know only
+the etcd endpoint and each other's cluster ids link and push; a finalized
+instance leaves at once; one killed or frozen is dropped within its lease,
+sooner than the peer-silence heartbeat (on asyncio and trio, against a real
+etcd: tests/support/etcd.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from aiokvcache import (
+    CacheDesc,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from aiokvcache.testing import PeerProcess, options
+from support import etcd
+
+pytestmark = pytest.mark.anyio
+
+pytest.importorskip("aetcd")
+
+S = LLMStatusCode
+TTL = 2
+DESC = CacheDesc(2, (1, 4096), DataType.DT_UINT8, placement=Placement.HOST)
+
+
+@pytest.fixture(scope="module")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with etcd.etcd_server(tmp_path_factory.mktemp("etcd")) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A key prefix of this test's own: tests do not see each other's instances."""
+    return f"/akvtest/{uuid.uuid4().hex}/"
+
+
+def etcd_options(endpoint: str, prefix: str, **extra: Any) -> dict[str, Any]:
+    return {"etcd_endpoint": endpoint, "etcd_prefix": prefix, "etcd_lease_ttl": TTL, **extra}
+
+
+def by_id(cluster_id: int) -> LLMClusterInfo:
+    """A cluster named by its id alone: its address is etcd's business."""
+    info = LLMClusterInfo()
+    info.remote_cluster_id = cluster_id
+    return info
+
+
+async def entry(endpoint: str, key: str) -> dict[str, Any] | None:
+    return await anyio.to_thread.run_sync(etcd.get, endpoint, key)
+
+
+async def until(pred: Any, timeout: float) -> float:
+    """Seconds until ``pred()`` held (polled); fails after ``timeout``."""
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout:
+            pytest.fail(f"not within {timeout} s")
+        await anyio.sleep(0.02)
+    return time.monotonic() - start
+
+
+async def test_two_instances_find_each_other_by_id_link_and_push(
+    etcd_endpoint: str, prefix: str, transport: str
+) -> None:
+    opts = etcd_options(etcd_endpoint, prefix)
+    decoder = LLMDataDist(LLMRole.DECODER, 2)
+    prompt = LLMDataDist(LLMRole.PROMPT, 1)
+    try:
+        await decoder.init(options(transport, listen=True, **opts))
+        await prompt.init(options(transport, **opts))
+        reg = await entry(etcd_endpoint, f"{prefix}clusters/2")
+        assert reg is not None and reg["cluster_id"] == 2 and reg["role"] == int(LLMRole.DECODER)
+        assert f"{reg['address'][0]}:{reg['address'][1]}" == decoder.listen_address
+        assert (await entry(etcd_endpoint, f"{prefix}clusters/1"))["address"] is None
+        rc, per = await prompt.link_clusters([by_id(2)], timeout=5000)
+        assert (rc, per) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        dst = decoder.cache_manager.allocate_cache(DESC)
+        src = prompt.cache_manager.allocate_cache(DESC)
+        for t in src.tensors:
+            np.asarray(t)[:] = np.arange(4096, dtype=np.uint8)
+        await prompt.cache_manager.push_cache(CacheKeyByIdAndIndex(2, dst.cache_id, 0), src)
+        assert all(
+            np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(src.tensors, dst.tensors, strict=True)
+        )
+        # finalize leaves etcd at once (the lease revoked), and the other's link goes.
+        await decoder.finalize()
+        assert await entry(etcd_endpoint, f"{prefix}clusters/2") is None
+        await until(lambda: 2 not in prompt._links or prompt._links[2].broken, 5)
+    finally:
+        await prompt.finalize()
+        await decoder.finalize()
+    assert await entry(etcd_endpoint, f"{prefix}clusters/1") is None
+
+
+async def test_a_cluster_etcd_does_not_know_fails_to_link(
+    etcd_endpoint: str, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with LLMDataDist(LLMRole.PROMPT, 1) as prompt:
+        await prompt.init(options("tcp", **etcd_options(etcd_endpoint, prefix)))
+        with caplog.at_level(logging.WARNING, "aiokvcache"):
+            _rc, per = await prompt.link_clusters([by_id(7)], timeout=2000)
+        assert per == [S.LLM_LINK_FAILED]
+        assert "cluster 7 is not registered in etcd" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["kill", "freeze"])
+async def test_a_dead_or_frozen_peer_is_dropped_within_its_lease(
+    etcd_endpoint: str, prefix: str, how: str
+) -> None:
+    """Killed, its sockets close; frozen, nothing closes and it sends nothing,
+    and the heartbeat here would wait 60 s: its lease ending breaks the link."""
+    opts = etcd_options(etcd_endpoint, prefix, peer_timeout=60_000)
+    peer = PeerProcess("decoder", "tcp", options=opts)
+    async with peer, LLMDataDist(LLMRole.PROMPT, 1) as prompt:
+        await prompt.init(options("tcp", **opts))
+        _rc, per = await prompt.link_clusters([by_id(peer.cluster_id)], timeout=5000)
+        assert per == [S.LLM_SUCCESS]
+
+        def broken() -> bool:
+            link = prompt._links.get(peer.cluster_id)
+            return link is None or link.broken
+
+        try:
+            if how == "kill":
+                await peer.kill()
+            else:
+                peer.freeze()
+            took = await until(broken, TTL + 4)
+            # Killed, its entry goes when the lease runs out (its sockets
+            # closed at once); frozen, that is what broke the link.
+            key = f"{prefix}clusters/{peer.cluster_id}"
+            start = time.monotonic()
+            while await entry(etcd_endpoint, key) is not None:
+                assert time.monotonic() - start < TTL + 4, "the lease did not end"
+                await anyio.sleep(0.1)
+        finally:
+            peer.thaw()
+        assert took < TTL + 4  # not the 60 s heartbeat
+        src = prompt.cache_manager.allocate_cache(DESC)
+        with pytest.raises(LLMException) as err:
+            await prompt.cache_manager.push_cache(CacheKeyByIdAndIndex(2, 1, 0), src)
+        assert err.value.status_code in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK)
+        if how == "freeze":
+            await peer.kill()  # it would register again, thawed
+
+
+async def test_bad_etcd_options_are_refused_naming_the_key() -> None:
+    cfg = LLMConfig()
+    with pytest.raises((ValueError, LLMException), match=r"etcd_endpoint|host:port"):
+        cfg.etcd_endpoint = "no-port"
+    for key, value in (
+        ("aiokvcache.etcdEndpoint", "localhost"),
+        ("aiokvcache.etcdPrefix", "no-slash"),
+        ("aiokvcache.etcdLeaseTtl", "0"),
+    ):
+        dd = LLMDataDist(LLMRole.PROMPT, 1)
+        with pytest.raises(LLMException, match=key) as err:
+            await dd.init({**options("tcp"), key: value})
+        assert err.value.status_code == S.LLM_PARAM_INVALID
+
+
+async def test_an_unreachable_etcd_fails_init_and_leaves_nothing(tmp_path: Path) -> None:
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there
+    dd = LLMDataDist(LLMRole.DECODER, 2)
+    start = time.monotonic()
+    with pytest.raises(LLMException) as err:
+        await dd.init(options("tcp", listen=True, etcd_endpoint=f"127.0.0.1:{port}"))
+    assert err.value.status_code == S.LLM_LINK_FAILED
+    assert f"127.0.0.1:{port}" in err.value.message
+    assert time.monotonic() - start < 15
+    with pytest.raises(LLMException) as again:
+        await dd.init(options("tcp"))
+    assert again.value.status_code == S.LLM_ENGINE_FINALIZED
+
+
+async def test_without_the_extra_init_says_which_to_install(
+    monkeypatch: pytest.MonkeyPatch, etcd_endpoint: str
+) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "aetcd", None)  # import aetcd fails
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    with pytest.raises(LLMException, match=r"aiokvcache\[etcd\]") as err:
+        await dd.init(options("tcp", etcd_endpoint=etcd_endpoint))
+    assert err.value.status_code == S.LLM_FEATURE_NOT_ENABLED
