@@ -41,7 +41,6 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-
 def _coroutine_tests(ns: Any) -> Iterator[Any]:
     for name, obj in vars(ns).items():
         if name.startswith("test") and inspect.iscoroutinefunction(obj):
@@ -150,3 +149,38 @@ async def pair(transport: str) -> AsyncIterator[Pair]:
     each transport; finalized after the test, with no native job left live."""
     async with testing.pair(transport) as pr:
         yield pr
+
+
+@pytest.fixture
+def registry() -> Iterator[Any]:
+    """A fresh Prometheus registry with aiokvcache's collector, metrics on
+    for the test only (skipped without prometheus_client)."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from aiokvcache import metrics
+
+    reg = prometheus_client.CollectorRegistry()
+    metrics.reset()
+    metrics.enable(reg, tracing=False)
+    try:
+        yield reg
+    finally:
+        metrics.disable()
+        metrics.reset()
+        reg.unregister(metrics._get_collector())
+
+
+@pytest.fixture(scope="module")
+def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``host:port`` of a real etcd (:func:`support.etcd.etcd_server`)."""
+    from support import etcd
+
+    with etcd.etcd_server(tmp_path_factory.mktemp("etcd")) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def prefix() -> str:
+    """An etcd key prefix of this test's own: tests do not see each other's instances."""
+    import uuid
+
+    return f"/akvtest/{uuid.uuid4().hex}/"

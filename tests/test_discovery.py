@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,6 @@ from aiokvcache import (
     CacheDesc,
     CacheKeyByIdAndIndex,
     DataType,
-    LLMClusterInfo,
     LLMConfig,
     LLMDataDist,
     LLMException,
@@ -37,31 +34,8 @@ pytestmark = pytest.mark.anyio
 pytest.importorskip("aetcd")
 
 S = LLMStatusCode
-TTL = 2
+TTL = etcd.TEST_TTL
 DESC = CacheDesc(2, (1, 4096), DataType.DT_UINT8, placement=Placement.HOST)
-
-
-@pytest.fixture(scope="module")
-def etcd_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with etcd.etcd_server(tmp_path_factory.mktemp("etcd")) as endpoint:
-        yield endpoint
-
-
-@pytest.fixture
-def prefix() -> str:
-    """A key prefix of this test's own: tests do not see each other's instances."""
-    return f"/akvtest/{uuid.uuid4().hex}/"
-
-
-def etcd_options(endpoint: str, prefix: str, **extra: Any) -> dict[str, Any]:
-    return {"etcd_endpoint": endpoint, "etcd_prefix": prefix, "etcd_lease_ttl": TTL, **extra}
-
-
-def by_id(cluster_id: int) -> LLMClusterInfo:
-    """A cluster named by its id alone: its address is etcd's business."""
-    info = LLMClusterInfo()
-    info.remote_cluster_id = cluster_id
-    return info
 
 
 async def entry(endpoint: str, key: str) -> dict[str, Any] | None:
@@ -81,7 +55,7 @@ async def until(pred: Any, timeout: float) -> float:
 async def test_two_instances_find_each_other_by_id_link_and_push(
     etcd_endpoint: str, prefix: str, transport: str
 ) -> None:
-    opts = etcd_options(etcd_endpoint, prefix)
+    opts = etcd.instance_options(etcd_endpoint, prefix)
     decoder = LLMDataDist(LLMRole.DECODER, 2)
     prompt = LLMDataDist(LLMRole.PROMPT, 1)
     try:
@@ -91,7 +65,7 @@ async def test_two_instances_find_each_other_by_id_link_and_push(
         assert reg is not None and reg["cluster_id"] == 2 and reg["role"] == int(LLMRole.DECODER)
         assert f"{reg['address'][0]}:{reg['address'][1]}" == decoder.listen_address
         assert (await entry(etcd_endpoint, f"{prefix}clusters/1"))["address"] is None
-        rc, per = await prompt.link_clusters([by_id(2)], timeout=5000)
+        rc, per = await prompt.link_clusters([etcd.by_id(2)], timeout=5000)
         assert (rc, per) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
         dst = decoder.cache_manager.allocate_cache(DESC)
         src = prompt.cache_manager.allocate_cache(DESC)
@@ -116,9 +90,9 @@ async def test_a_cluster_etcd_does_not_know_fails_to_link(
     etcd_endpoint: str, prefix: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with LLMDataDist(LLMRole.PROMPT, 1) as prompt:
-        await prompt.init(options("tcp", **etcd_options(etcd_endpoint, prefix)))
+        await prompt.init(options("tcp", **etcd.instance_options(etcd_endpoint, prefix)))
         with caplog.at_level(logging.WARNING, "aiokvcache"):
-            _rc, per = await prompt.link_clusters([by_id(7)], timeout=2000)
+            _rc, per = await prompt.link_clusters([etcd.by_id(7)], timeout=2000)
         assert per == [S.LLM_LINK_FAILED]
         assert "cluster 7 is not registered in etcd" in caplog.text
 
@@ -129,11 +103,11 @@ async def test_a_dead_or_frozen_peer_is_dropped_within_its_lease(
 ) -> None:
     """Killed, its sockets close; frozen, nothing closes and it sends nothing,
     and the heartbeat here would wait 60 s: its lease ending breaks the link."""
-    opts = etcd_options(etcd_endpoint, prefix, peer_timeout=60_000)
+    opts = etcd.instance_options(etcd_endpoint, prefix, peer_timeout=60_000)
     peer = PeerProcess("decoder", "tcp", options=opts)
     async with peer, LLMDataDist(LLMRole.PROMPT, 1) as prompt:
         await prompt.init(options("tcp", **opts))
-        _rc, per = await prompt.link_clusters([by_id(peer.cluster_id)], timeout=5000)
+        _rc, per = await prompt.link_clusters([etcd.by_id(peer.cluster_id)], timeout=5000)
         assert per == [S.LLM_SUCCESS]
 
         def broken() -> bool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import time
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -29,20 +28,6 @@ from aiokvcache.testing import Pair, blocks_desc, fill
 pytestmark = pytest.mark.anyio
 
 prometheus_client = pytest.importorskip("prometheus_client")
-
-
-@pytest.fixture
-def registry() -> Iterator[Any]:
-    """A fresh registry with the collector, metrics on for the test only."""
-    reg = prometheus_client.CollectorRegistry()
-    metrics.reset()
-    metrics.enable(reg, tracing=False)
-    try:
-        yield reg
-    finally:
-        metrics.disable()
-        metrics.reset()
-        reg.unregister(metrics._get_collector())
 
 
 def _value(reg: Any, name: str, **labels: str) -> float | None:

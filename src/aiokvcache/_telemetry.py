@@ -44,6 +44,7 @@ __all__ = [
     "ended",
     "measure",
     "remove_sink",
+    "restart",
     "submitted",
 ]
 
@@ -79,7 +80,9 @@ class TransferRecord:
 
     op: str
     peer: int  # the peer's cluster id (-1: several or none)
-    status: str = "ok"  # "ok", "cancelled", or the LLM status without LLM_, lower case
+    #: "ok", "cancelled", the LLM status without LLM_ in lower case
+    #: ("timeout", "link_failed", ...), or "error" (any other exception).
+    status: str = "ok"
     nbytes: int = 0  # bytes the jobs moved
     segments: int = 0  # segments (descriptors) the jobs carried
     jobs: int = 0
@@ -146,12 +149,26 @@ def _emit(rec: TransferRecord) -> None:
             log.exception("aiokvcache: metrics sink %r failed", sink)
 
 
-async def measure(op: str, peer: int, coro: Coroutine[Any, Any, T]) -> T:
-    """Await ``coro`` (one public call) as one :class:`TransferRecord`."""
+async def measure(
+    op: str,
+    peer: int,
+    coro: Coroutine[Any, Any, T],
+    outcome: Callable[[], BaseException | None] | None = None,
+) -> T:
+    """Await ``coro`` (one public call) as one :class:`TransferRecord`.
+
+    ``outcome``: for a call that reports its failure without raising (a
+    ``transfer_cache_async`` task keeps its error for ``synchronize()``),
+    read after ``coro`` returned: the error it ended with, or None.
+    """
     rec = TransferRecord(op, peer, began_ns=monotonic_ns())
     token = _call.set(rec)
     try:
-        return await coro
+        result = await coro
+        failed = outcome() if outcome is not None else None
+        if failed is not None:
+            rec.status = _status(failed)
+        return result
     except BaseException as exc:
         rec.status = _status(exc)
         raise
@@ -159,6 +176,17 @@ async def measure(op: str, peer: int, coro: Coroutine[Any, Any, T]) -> T:
         _call.reset(token)
         rec.ended_ns = monotonic_ns()
         _emit(rec)
+
+
+def restart() -> None:
+    """The current call starts over (``push_blocks`` by key asking the peer
+    again after its recorded cache went): what the first attempt did is not
+    what the call moved."""
+    rec = _call.get()
+    if rec is None:
+        return
+    rec.nbytes = rec.segments = rec.jobs = 0
+    rec.submitted_ns = rec.posted_ns = rec.done_ns = rec.seen_ns = 0
 
 
 def submitted(jobs: Sequence[tuple[Any, ...]]) -> None:

@@ -94,3 +94,21 @@ def get(endpoint: str, key: str) -> dict[str, object] | None:
         return None
     value: dict[str, object] = json.loads(base64.b64decode(kvs[0]["value"]))
     return value
+
+
+#: The lease the discovery tests give instances (seconds).
+TEST_TTL = 2
+
+
+def instance_options(endpoint: str, prefix: str, **extra: object) -> dict[str, object]:
+    """LLMConfig attributes for an instance registered at ``endpoint`` under ``prefix``."""
+    return {"etcd_endpoint": endpoint, "etcd_prefix": prefix, "etcd_lease_ttl": TEST_TTL, **extra}
+
+
+def by_id(cluster_id: int) -> object:
+    """A cluster named by its id alone: its address is etcd's business."""
+    from aiokvcache import LLMClusterInfo
+
+    info = LLMClusterInfo()
+    info.remote_cluster_id = cluster_id
+    return info

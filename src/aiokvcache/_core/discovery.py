@@ -34,7 +34,7 @@ from .links import Links
 from .servicethread import ServiceThread
 from .state import State
 
-__all__ = ["Registry", "parse_endpoint"]
+__all__ = ["Registry", "cluster_id_of", "parse_endpoint"]
 
 log = logging.getLogger("aiokvcache")
 
@@ -63,6 +63,42 @@ def _local_address_towards(host: str, port: int) -> str:
             return str(s.getsockname()[0])
         except OSError:
             return "127.0.0.1"
+
+
+#: An entry larger than this is not ours (ours are about 120 bytes).
+_MAX_ENTRY = 4096
+
+
+def _address_of(value: bytes) -> tuple[str, int] | None:
+    """The control address in an etcd entry, or None: whoever can write
+    under the prefix may have written anything there, so nothing in it is
+    trusted beyond (a host string, a port in 1..65535)."""
+    if len(value) > _MAX_ENTRY:
+        return None
+    try:
+        entry = json.loads(value)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(entry, dict):
+        return None
+    address = entry.get("address")
+    if not (isinstance(address, list) and len(address) == 2):
+        return None
+    host, port = address
+    if not (isinstance(host, str) and 0 < len(host) <= 255):
+        return None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        return None
+    return host, port
+
+
+def cluster_id_of(tail: str) -> int | None:
+    """The cluster id a key names (its last part, canonical ASCII decimal in
+    [0, 2**64)), or None: ``02``, ``²`` or ``٢`` name no cluster."""
+    if not (tail.isascii() and tail.isdecimal()) or str(int(tail)) != tail:
+        return None
+    value = int(tail)
+    return value if value < 2**64 else None
 
 
 class Registry:
@@ -173,12 +209,9 @@ class Registry:
             return [], f"etcd lookup failed: {type(exc).__name__}: {exc}"
         if got is None:
             return [], f"cluster {cluster_id} is not registered in etcd"
-        try:
-            entry = json.loads(got.value)
-            host, port = entry["address"]
-            address = (str(host), int(port))
-        except (ValueError, TypeError, KeyError):
-            return [], f"cluster {cluster_id}'s etcd entry has no control address"
+        address = _address_of(got.value)
+        if address is None:
+            return [], f"cluster {cluster_id}'s etcd entry has no valid control address"
         self._seen.add(cluster_id)
         return [address], ""
 
@@ -214,7 +247,10 @@ class Registry:
         while True:
             try:
                 async for event in self._watch:
-                    self._on_event(event)
+                    try:
+                        self._on_event(event)
+                    except Exception:  # one bad event must not end the watch
+                        log.exception("aiokvcache: etcd watch event not handled")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -222,13 +258,23 @@ class Registry:
             if self._closed:
                 return
             await asyncio.sleep(_REWATCH_PAUSE_S)
+            old, self._watch = self._watch, None
             with contextlib.suppress(Exception):
+                await asyncio.wait_for(old.cancel(), _RPC_TIMEOUT_S)
+            try:
                 self._watch = await self._client.watch_prefix(self._dir.encode())
                 await self._resync()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("aiokvcache: etcd watch could not start again (%s)", exc)
+                self._watch = _Ended()  # try again after the pause
 
     def _cluster_of(self, key: bytes) -> int | None:
-        tail = key.decode(errors="replace").removeprefix(self._dir)
-        return int(tail) if tail.isdigit() else None
+        tail = key.decode(errors="replace")
+        if not tail.startswith(self._dir):
+            return None
+        return cluster_id_of(tail[len(self._dir) :])
 
     def _on_event(self, event: Any) -> None:
         cid = self._cluster_of(event.kv.key)
@@ -287,3 +333,16 @@ class Registry:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self._client.close(), _RPC_TIMEOUT_S)
         self._client = None
+
+
+class _Ended:
+    """A watch that has ended (its successor could not be started yet)."""
+
+    def __aiter__(self) -> _Ended:
+        return self
+
+    async def __anext__(self) -> Any:
+        raise StopAsyncIteration
+
+    async def cancel(self) -> None:
+        return None

@@ -187,7 +187,10 @@ async def transfer_cache_async(
         peer = configs[0].dst_cluster_id if len(configs) == 1 else -1
 
         def run() -> Coroutine[Any, Any, None]:
-            return _telemetry.measure("transfer_cache_async", peer, runner.run())
+            # The task keeps its error for synchronize(): read it as the status.
+            return _telemetry.measure(
+                "transfer_cache_async", peer, runner.run(), lambda: task._error
+            )
 
     task._attach(cm.spawn(run, "aiokvcache.transfer_cache_async"))
     return task

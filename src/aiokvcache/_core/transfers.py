@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from .. import _telemetry
 from .._bridge import OP_GET, OP_PUT
 from .._loopside import LoopSide, ServiceGone, TaskHandle
 from . import notify, planner
@@ -308,6 +309,8 @@ class Transfers:
                 with self.state.lock:
                     if link.blocks_keys.get(key.model_id) is remote:
                         del link.blocks_keys[key.model_id]
+                if _telemetry.active:
+                    _telemetry.restart()
         remote = await self.remote_blocks(link, key, time_left(tmo, start, self.side.time), what)
         await run(remote, time_left(tmo, start, self.side.time))
 
