@@ -104,9 +104,28 @@ def test_the_cycle_finder_finds_cycles() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
+#: Cross-cutting modules at the bottom: UCX's log capture, the per-call timing
+#: hooks. The standard library and the native module only, so any layer may
+#: call them.
+LEAVES = ("_ucxlog", "_telemetry")
+
+
+def test_the_leaves_import_only_the_native_module() -> None:
+    graph = import_graph()
+    native = {"aiokvcache._loader", "aiokvcache._native"}
+    bad = [f"{m} imports {sorted(graph[m] - native)}" for m in graph if _short(m) in LEAVES]
+    assert not [b for b in bad if not b.endswith("[]")], f"a leaf imports the package: {bad}"
+
+
+def _short(mod: str) -> str:
+    return mod.removeprefix("aiokvcache").lstrip(".")
+
+
 def _layer(mod: str) -> int:
-    short = mod.removeprefix("aiokvcache").lstrip(".")
-    if short in ("_native", "_loader", "_ucxlog"):
+    short = _short(mod)
+    # _ucxlog and _telemetry are leaves every layer may use: they import
+    # nothing but the native module (test_the_leaves_import_only_the_native_module).
+    if short in LEAVES or short in ("_native", "_loader"):
         return 0
     if short == "_bridge" or short == "_loopside" or short.startswith("_loopside."):
         return 1
@@ -140,6 +159,7 @@ PUBLIC = (
     "aiokvcache.options",
     "aiokvcache.layerwise",
     "aiokvcache.info",
+    "aiokvcache.metrics",
     "aiokvcache.testing",
     "aiokvcache.bench",
 )

@@ -455,12 +455,12 @@ def test_every_engine_options_field_comes_from_one_option_with_its_default() -> 
 def test_tuning_tables_are_generated_from_the_option_table() -> None:
     from pathlib import Path
 
-    from aiokvcache._core.option_table import regenerate
+    from aiokvcache._core.option_docs import regenerate
 
     path = Path(__file__).resolve().parents[1] / "docs" / "tuning.md"
     text = path.read_text(encoding="utf-8")
     assert text.count("<!-- generated: ") == 2
     assert regenerate(text) == text, (
         "docs/tuning.md's tables differ from the option table: run "
-        "python -m aiokvcache._core.option_table docs/tuning.md"
+        "python -m aiokvcache._core.option_docs docs/tuning.md"
     )

@@ -319,71 +319,79 @@ class _Collector:
         return []  # collected on scrape only
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import (
-            CounterMetricFamily,
-            GaugeMetricFamily,
-            HistogramMetricFamily,
-        )
+        yield from _transfer_families()
+        yield from _engine_families()
 
-        seconds = HistogramMetricFamily(
-            "aiokvcache_transfer_seconds",
-            "Transfer calls, start to return, by op and status",
-            labels=["op", "status"],
-        )
-        phases = HistogramMetricFamily(
-            "aiokvcache_transfer_phase_seconds",
-            "Time in each phase of a transfer call (submitted, posted, done, seen)",
-            labels=["op", "phase"],
-        )
-        links = HistogramMetricFamily(
-            "aiokvcache_link_setup_seconds",
-            "Link set-up (handshake, UCX wire-up, data-path probe), by status",
-            labels=["status"],
-        )
-        calls = CounterMetricFamily(
-            "aiokvcache_transfers", "Transfer calls", labels=["op", "peer", "status"]
-        )
-        nbytes = CounterMetricFamily(
-            "aiokvcache_transfer_bytes", "Bytes moved by transfer calls", labels=["op", "peer"]
-        )
-        segs = CounterMetricFamily(
-            "aiokvcache_transfer_segments",
-            "Segments (descriptors) transfer calls carried",
-            labels=["op"],
-        )
-        with _agg.lock:
-            _agg.fold()
-            for (op, status), h in _agg.seconds.items():
-                seconds.add_metric([op, status], h.cumulative(), h.sum)
-            for (op, name), h in _agg.phases.items():
-                phases.add_metric([op, name], h.cumulative(), h.sum)
-            for status, h in _agg.links.items():
-                links.add_metric([status], h.cumulative(), h.sum)
-            for (op, peer, status), n in _agg.calls.items():
-                calls.add_metric([op, str(peer), status], n)
-            for (op, peer), n in _agg.bytes.items():
-                nbytes.add_metric([op, str(peer)], n)
-            for op, n in _agg.segments.items():
-                segs.add_metric([op], n)
-        yield from (seconds, phases, links, calls, nbytes, segs)
-        engines: dict[str, Any] = {}
-        for rt in list(_telemetry.runtimes):
-            try:
-                stats = rt.stats()
-            except Exception:  # finalized meanwhile
-                continue
-            cid = str(rt.state.cluster_id)
-            for name, value in stats.items():
-                fam = engines.get(name)
-                if fam is None:
-                    kind = CounterMetricFamily if name in _MONOTONIC else GaugeMetricFamily
-                    fam = engines[name] = kind(
-                        f"aiokvcache_engine_{name}",
-                        f"CacheManager.stats()['{name}']",
-                        labels=["cluster_id"],
-                    )
-                fam.add_metric([cid], value)
-        yield from engines.values()
+
+def _transfer_families() -> list[Any]:
+    """The per-call series, folded from the aggregate."""
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    seconds = HistogramMetricFamily(
+        "aiokvcache_transfer_seconds",
+        "Transfer calls, start to return, by op and status",
+        labels=["op", "status"],
+    )
+    phases = HistogramMetricFamily(
+        "aiokvcache_transfer_phase_seconds",
+        "Time in each phase of a transfer call (submitted, posted, done, seen)",
+        labels=["op", "phase"],
+    )
+    links = HistogramMetricFamily(
+        "aiokvcache_link_setup_seconds",
+        "Link set-up (handshake, UCX wire-up, data-path probe), by status",
+        labels=["status"],
+    )
+    calls = CounterMetricFamily(
+        "aiokvcache_transfers", "Transfer calls", labels=["op", "peer", "status"]
+    )
+    nbytes = CounterMetricFamily(
+        "aiokvcache_transfer_bytes", "Bytes moved by transfer calls", labels=["op", "peer"]
+    )
+    segs = CounterMetricFamily(
+        "aiokvcache_transfer_segments",
+        "Segments (descriptors) transfer calls carried",
+        labels=["op"],
+    )
+    with _agg.lock:
+        _agg.fold()
+        for (op, status), h in _agg.seconds.items():
+            seconds.add_metric([op, status], h.cumulative(), h.sum)
+        for (op, name), h in _agg.phases.items():
+            phases.add_metric([op, name], h.cumulative(), h.sum)
+        for status, h in _agg.links.items():
+            links.add_metric([status], h.cumulative(), h.sum)
+        for (op, peer, status), n in _agg.calls.items():
+            calls.add_metric([op, str(peer), status], n)
+        for (op, peer), n in _agg.bytes.items():
+            nbytes.add_metric([op, str(peer)], n)
+        for op, n in _agg.segments.items():
+            segs.add_metric([op], n)
+    return [seconds, phases, links, calls, nbytes, segs]
+
+
+def _engine_families() -> Iterator[Any]:
+    """``CacheManager.stats()`` of every live instance, labelled by cluster id."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    engines: dict[str, Any] = {}
+    for rt in list(_telemetry.runtimes):
+        try:
+            stats = rt.stats()
+        except Exception:  # finalized meanwhile
+            continue
+        cid = str(rt.state.cluster_id)
+        for name, value in stats.items():
+            fam = engines.get(name)
+            if fam is None:
+                kind = CounterMetricFamily if name in _MONOTONIC else GaugeMetricFamily
+                fam = engines[name] = kind(
+                    f"aiokvcache_engine_{name}",
+                    f"CacheManager.stats()['{name}']",
+                    labels=["cluster_id"],
+                )
+            fam.add_metric([cid], value)
+    yield from engines.values()
 
 
 # ---------------------------------------------------------- OpenTelemetry

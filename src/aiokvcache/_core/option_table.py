@@ -4,7 +4,7 @@ the value parsers and the data-plane transports.
 
 :mod:`.options` builds :class:`~.options.LLMConfig` and
 :class:`~.options.EngineOptions` from it; ``docs/tuning.md``'s tables are
-generated from it (``python -m aiokvcache._core.option_table``).
+generated from it (:mod:`.option_docs`).
 """
 
 from __future__ import annotations
@@ -756,58 +756,8 @@ def default(prop: str) -> Any:
     return OPTION_BY_PROP[prop].default
 
 
-def tuning_table() -> str:
-    """The engine options table of ``docs/tuning.md``, in Markdown."""
-    rows = [
-        "| key | `LLMConfig` property | default | range |",
-        "|---|---|---|---|",
-    ]
-    for opt in sorted(OPTIONS, key=lambda o: not o.ours):
-        if opt.effect:
-            rows.append(f"| `{opt.key}` | `{opt.prop}` | {opt.default_text} | {opt.range_text} |")
-    return "\n".join(rows) + "\n"
-
-
-def transports_table() -> str:
-    """The transports table of ``docs/tuning.md``, in Markdown."""
-    rows = [
-        "| transport | UCX transports | what it means | use it when |",
-        "|---|---|---|---|",
-    ]
-    for t in TRANSPORT_TABLE:
-        name = f"`{t.name}` (default)" if t.name == "auto" else f"`{t.name}`"
-        tls = "UCX's own choice" if t.ucx_tls is None else f"`{t.ucx_tls}`"
-        rows.append(f"| {name} | {tls} | {t.means} | {t.use_when} |")
-    return "\n".join(rows) + "\n"
-
-
 def setter_value(name: str, parse: Any, text: str) -> Any:
     try:
         return parse(text)
     except BadValue as exc:
         raise ValueError(f"{name} {exc}") from None
-
-
-_GENERATED = re.compile(
-    r"(<!-- generated: (\w+) \(python -m aiokvcache\._core\.option_table\) -->\n)"
-    r"(.*?)(<!-- end generated -->)",
-    re.S,
-)
-
-
-def regenerate(markdown: str) -> str:
-    """``markdown`` with each generated block (``transports``, ``options``)
-    rewritten from the tables above."""
-    tables = {"transports": transports_table, "options": tuning_table}
-    return _GENERATED.sub(lambda m: m[1] + tables[m[2]]() + m[4], markdown)
-
-
-if __name__ == "__main__":
-    # python -m aiokvcache._core.option_table docs/tuning.md: regenerate its tables.
-    import sys
-
-    for path in sys.argv[1:]:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(regenerate(text))
