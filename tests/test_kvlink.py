@@ -96,6 +96,25 @@ def test_pull_claims_reads_then_frees(sides: tuple[Side, Side]) -> None:
     assert m["bytes"] == [3 * LAYERS * BLOCK_BYTES] and len(m["seconds"]) == 1, m
 
 
+def test_the_load_metrics_are_what_the_pull_moved(sides: tuple[Side, Side]) -> None:
+    # Scattered prefill blocks into consecutive decode blocks: a span breaks
+    # wherever either side does, so three spans a tensor (not one, as the
+    # local runs alone would say). The figures are the pull call's record.
+    p, d = sides
+    remote, local = [1, 5, 9], [7, 8, 9]
+    fill(p, remote, 5)
+    key = p.agent.grant_key("p-req", remote, UNTIL)
+    d.agent.pull("d-req", p.peer, "p-req", remote, local, key=key, until_ms=UNTIL)
+    wait_for(lambda: "d-req" in d.poll().finished_recving)
+    assert not d.got.failed_recving and same(p, remote, d, local)
+    m = d.agent.take_metrics()
+    assert m["descriptors"] == [3 * LAYERS], m
+    assert m["bytes"] == [3 * LAYERS * BLOCK_BYTES], m
+    assert m["calls"]["pull_blocks"] == {"ok": 1}, m
+    assert set(m["phases"]["pull_blocks"]) == {"submitted", "posted", "done", "seen"}
+    assert m["phases"]["pull_blocks"]["done"] > 0, m
+
+
 def test_pull_of_part_of_a_request(sides: tuple[Side, Side]) -> None:
     p, d = sides
     fill(p, [4, 5, 6], 4)
@@ -151,6 +170,17 @@ def test_push_layer_by_layer(sides: tuple[Side, Side], order: str) -> None:
     assert d.agent.stats["layers_received"] >= LAYERS
     assert d.agent.stats["pushes_received"] == 1 and p.agent.stats["pushes_sent"] == 1
     wait_for(lambda: "p-req" in p.poll().finished_sending)
+    # D's figures for the load are what P's push calls' records say they
+    # moved. Registered first, P pushes each chunk as it is computed: blocks
+    # 0-1, then 1-2 (the partial block 1 again), two calls a layer; computed
+    # first, P pushes all three blocks of every layer in one call once D
+    # registers. D's blocks are all apart: one segment a block and tensor.
+    pm, dm = p.agent.take_metrics(), d.agent.take_metrics()
+    per_layer, calls = (4, 2 * LAYERS) if order == "decode-first" else (3, 1)
+    assert pm["calls"]["push_blocks"] == {"ok": calls}, pm
+    assert dm["bytes"] == [per_layer * LAYERS * BLOCK_BYTES], dm
+    assert dm["descriptors"] == [per_layer * LAYERS], dm
+    assert "push_blocks" not in dm["calls"], dm  # D made no push
 
 
 def test_push_released_before_any_step_frees_at_once(sides: tuple[Side, Side]) -> None:

@@ -300,3 +300,16 @@ async def test_a_grant_from_another_cluster_is_ignored() -> None:
     agent.deliver(EVIL, "grant", ["r", nonce])
     await until(lambda: bool(agent.take_results().failed_recving), timeout=5)
     assert agent.stats["pulls"] == 0
+
+
+def test_pushed_counts_from_a_peer_are_trusted_only_as_counts() -> None:
+    # P's push records ride on "pushed" to feed D's metrics; anything but a
+    # count in [0, 2**63) (or an older P that sends none) reads as -1, and D
+    # falls back to its own blocks' figures.
+    from aiokvcache.integrations._wire import Pushed, decode
+
+    assert decode(Pushed("x", 4096, 12).encode()) == Pushed("x", 4096, 12)
+    assert decode('["aiokv","pushed","x"]') == Pushed("x", -1, -1)
+    for bad in ('true', '-1', '1.5', '"7"', '[1]', str(2**63), '{"a":1}'):
+        m = decode(f'["aiokv","pushed","x",{bad},{bad}]')
+        assert (m.nbytes, m.segments) == (-1, -1), bad

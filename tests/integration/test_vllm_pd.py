@@ -213,6 +213,40 @@ def test_vllm_metrics_show_the_transfers(
     assert any(k.startswith("vllm:aiokvcache_num_descriptors_bucket") for k in m)
     failed = [k for k in m if k.startswith("vllm:aiokvcache_num_failed_transfers_total")]
     assert any('reason="timeout"' in k for k in failed), failed
+    # The loads' own transfer calls, from aiokvcache's per-call records.
+    calls = [
+        v
+        for k, v in m.items()
+        if k.startswith("vllm:aiokvcache_calls_total")
+        and 'op="pull_blocks"' in k
+        and 'status="ok"' in k
+    ]
+    assert calls and calls[0] >= 3, sorted(k for k in m if "aiokvcache_call" in k)
+    done = [
+        v
+        for k, v in m.items()
+        if k.startswith("vllm:aiokvcache_call_phase_seconds_total")
+        and 'op="pull_blocks"' in k
+        and 'phase="done"' in k
+    ]
+    assert done and done[0] > 0, sorted(k for k in m if "aiokvcache_call" in k)
+
+
+def test_connector_stats_carry_the_calls_phases() -> None:
+    """AioKVStats, as vLLM moves it from workers to its loggers: the transfer
+    calls and their phase sums add up across workers and show in the log line."""
+    from aiokvcache.integrations.vllm import AioKVStats
+
+    a, b = AioKVStats(), AioKVStats()
+    a.data["calls"] = {"pull_blocks": {"ok": 2}}
+    a.data["phases"] = {"pull_blocks": {"submitted": 0.002, "done": 0.010}}
+    b.data["calls"] = {"pull_blocks": {"ok": 2, "timeout": 1}, "notify": {"ok": 1}}
+    b.data["phases"] = {"pull_blocks": {"submitted": 0.001, "done": 0.005}}
+    assert b.is_empty() is False
+    out = a.aggregate(b).reduce()
+    assert a.data["calls"]["pull_blocks"] == {"ok": 4, "timeout": 1}
+    assert out["pull_blocks calls"] == 5 and out["notify calls"] == 1
+    assert out["Avg pull_blocks done (ms)"] == pytest.approx(3.0)
 
 
 #: 12 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes: 48 KiB of KV per token,

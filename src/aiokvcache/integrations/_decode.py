@@ -14,6 +14,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from .. import BlocksCacheKey, LLMException
+from ._calls import Tally, counting, current
 from ._handoff import blocks_digest
 from ._kvtypes import (
     RUNS_PER_PART,
@@ -22,7 +23,6 @@ from ._kvtypes import (
     TransferFailed,
     block_digest,
     block_runs,
-    spans,
 )
 from ._links import Links
 from ._results import Results
@@ -77,9 +77,9 @@ class Receiver:
 
     # ------------------------------------------------------------ loads
 
-    def start(self, req_id: str, local_ids: Sequence[int], coro: Coroutine[Any, Any, int]) -> None:
-        """Run load ``coro`` of ``req_id`` into ``local_ids`` (it returns the
-        spans it moved); report it when it ends."""
+    def start(self, req_id: str, local_ids: Sequence[int], coro: Coroutine[Any, Any, None]) -> None:
+        """Run load ``coro`` of ``req_id`` into ``local_ids``; report it when it
+        ends, with what its transfer calls moved."""
         ids = list(local_ids)
         task = self._spawn(self._recv(req_id, ids, coro))
         self._recvs[req_id] = task
@@ -97,7 +97,7 @@ class Receiver:
         task: asyncio.Task[None],
         req_id: str,
         local_ids: list[int],
-        coro: Coroutine[Any, Any, int],
+        coro: Coroutine[Any, Any, None],
     ) -> None:
         if self._recvs.get(req_id) is task:
             del self._recvs[req_id]
@@ -110,11 +110,13 @@ class Receiver:
             self._fail(req_id, local_ids, "aborted", "the engine aborted the request")
 
     async def _recv(
-        self, req_id: str, local_ids: list[int], coro: Coroutine[Any, Any, int]
+        self, req_id: str, local_ids: list[int], coro: Coroutine[Any, Any, None]
     ) -> None:
         t0 = time.perf_counter()
+        tally = Tally(self._results.called)
         try:
-            moved = await coro
+            with counting(tally):  # a pull's calls count here; a push's come in Pushed
+                await coro
         except TransferFailed as exc:
             self._fail(req_id, local_ids, exc.reason, str(exc))
             return
@@ -126,11 +128,7 @@ class Receiver:
         self.load_seconds.append(took)
         if self.digests is not None:
             self.digests[req_id] = block_digest(self.layout, local_ids)
-        lay = self.layout
-        tensors = lay.num_layers * lay.tensors_per_layer
-        self._results.loaded(
-            req_id, took, len(local_ids) * lay.block_bytes * tensors, moved * tensors
-        )
+        self._results.loaded(req_id, took, tally.nbytes, tally.segments)
 
     def _fail(self, req_id: str, local_ids: list[int], reason: str, why: str) -> None:
         if reason != "aborted":
@@ -149,8 +147,8 @@ class Receiver:
         local_ids: list[int],
         digest: str | None,
         grant: tuple[str, int],
-    ) -> int:
-        """Claim, read, tell P done; returns the contiguous spans read."""
+    ) -> None:
+        """Claim, read, tell P done."""
         if digest is not None and digest != self.layout.digest():
             raise TransferFailed("the prefill instance's KV layout differs from ours", "layout")
         last = first + len(local_ids)
@@ -185,7 +183,6 @@ class Receiver:
             self._waits.pop(("grant", nonce), None)
             if claimed:  # quiescent by now: P may free them (at its last claim's done)
                 self._spawn(self._links.send(peer.cluster_id, Done(rid, nonce)))
-        return spans(remote_all[first:last], local_ids)
 
     async def _read(
         self,
@@ -216,8 +213,8 @@ class Receiver:
 
     # ------------------------------------------------------------ push
 
-    async def expect_push(self, peer: Peer, xid: str, local_ids: list[int], first: int) -> int:
-        """Register, wait for ``pushed``; returns the contiguous spans written.
+    async def expect_push(self, peer: Peer, xid: str, local_ids: list[int], first: int) -> None:
+        """Register, wait for ``pushed``.
 
         P's pushes are bounded by the deadline the registration carries (what
         is left of D's ``timeout`` less a margin for the message's way and P's
@@ -235,9 +232,10 @@ class Receiver:
                 # Shielded: an abort must leave it for P's answer to the cancel.
                 answer = await asyncio.shield(fut)
             finished = True
-            if answer != "pushed":
+            if not isinstance(answer, Pushed):
                 raise TransferFailed(f"the prefill instance failed: {answer}", "prefill")
             self._stats["pushes_received"] += 1
+            self._count_pushed(answer, local_ids)
         except TimeoutError:
             raise TransferFailed(f"not pushed within {self.timeout:g} s", "timeout") from None
         finally:
@@ -247,7 +245,22 @@ class Receiver:
             self._waits.pop(("pushed", xid), None)
             if aborted:
                 raise asyncio.CancelledError
-        return len(block_runs(local_ids))
+
+    def _count_pushed(self, m: Pushed, local_ids: list[int]) -> None:
+        """The load's bytes and segments: what P's push calls' records say they
+        moved (a P that does not send them: this side's blocks, one segment per
+        contiguous run and tensor)."""
+        tally = current()
+        if tally is None:
+            return
+        if m.nbytes >= 0 and m.segments >= 0:
+            tally.nbytes += m.nbytes
+            tally.segments += m.segments
+            return
+        lay = self.layout
+        tensors = lay.num_layers * lay.tensors_per_layer
+        tally.nbytes += len(local_ids) * lay.block_bytes * tensors
+        tally.segments += len(block_runs(local_ids)) * tensors
 
     async def _register(
         self, peer: Peer, xid: str, local_ids: list[int], first: int, deadline: float
@@ -311,7 +324,7 @@ class Receiver:
         self._answer(src, ("grant", m.nonce), m.why)
 
     def on_pushed(self, src: int, m: Pushed) -> None:
-        self._answer(src, ("pushed", m.xid), "pushed")
+        self._answer(src, ("pushed", m.xid), m)
 
     def on_pushfail(self, src: int, m: PushFail) -> None:
         self._answer(src, ("pushed", m.xid), m.why)

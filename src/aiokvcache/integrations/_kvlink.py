@@ -81,6 +81,7 @@ from .. import (
     LLMRole,
     Placement,
 )
+from . import _calls as calls
 from ._decode import Receiver
 from ._handoff import blocks_digest
 from ._kvtypes import GRACE_S, KVLayout, Peer, block_digest
@@ -238,6 +239,13 @@ class TransferAgent:
             loop = asyncio.new_event_loop()
             self._loop = loop
             asyncio.set_event_loop(loop)
+            calls.attach()  # the loads' and pushes' figures come from their records
+            try:
+                serve(loop)
+            finally:
+                calls.detach()
+
+        def serve(loop: asyncio.AbstractEventLoop) -> None:
             try:
                 box["address"] = loop.run_until_complete(self._init())
             except BaseException as exc:  # reported to start()'s caller
@@ -325,9 +333,13 @@ class TransferAgent:
     def take_metrics(self) -> dict[str, Any]:
         """What happened since the last call. D: one entry per successful load
         in ``seconds`` (hand-over to last byte), ``bytes`` and ``descriptors``
-        (block runs times tensors), and ``failures`` by reason
-        (:data:`._results.FAILURE_REASONS`); P: ``leases_expired`` (held blocks nobody
-        read in time)."""
+        (segments: contiguous runs times tensors) as its transfer calls'
+        records have them (a push's, from P's records, sent with ``pushed``),
+        and ``failures`` by reason (:data:`._results.FAILURE_REASONS`); P:
+        ``leases_expired`` (held blocks nobody read in time). Both: ``calls``
+        (op -> status -> transfer calls the loads and pushes made) and
+        ``phases`` (op -> phase -> seconds summed over them; the phases of
+        :mod:`aiokvcache.metrics`)."""
         return self._results.take_metrics()
 
     # ------------------------------------------------------------ P, pull

@@ -16,7 +16,6 @@ __all__ = [
     "TransferFailed",
     "block_digest",
     "block_runs",
-    "spans",
 ]
 
 #: Extra time a grant (pull) or D's wait (push) lasts beyond ``timeout``.
@@ -89,16 +88,6 @@ def block_runs(ids: Sequence[int]) -> list[list[int]]:
         else:
             runs.append([int(b), 1])
     return runs
-
-
-def spans(src: Sequence[int], dst: Sequence[int]) -> int:
-    """How many contiguous spans moving ``src[i]`` to ``dst[i]`` takes (a span
-    breaks wherever either side does)."""
-    n = 0
-    for i in range(len(src)):
-        if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
-            n += 1
-    return n
 
 
 def block_digest(layout: KVLayout, block_ids: Sequence[int]) -> str:

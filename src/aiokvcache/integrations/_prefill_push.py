@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import BlocksCacheKey
+from ._calls import Tally, counting
 from ._handoff import ProtocolError, Registration
 from ._kvtypes import RUNS_PER_PART, KVLayout, TransferFailed
 from ._links import Links
@@ -56,6 +57,7 @@ class _PushState:
     remote: bool = False  # created by a peer's registration, not by the engine
     quiescing: bool = False  # its pushes are being cancelled
     reported: bool = False  # reported sent (once)
+    tally: Tally | None = None  # what its push calls moved (their records)
 
 
 class PushSender:
@@ -305,17 +307,20 @@ class PushSender:
             )
         if j0 < i1:
             left = None if st.deadline is None else max(0.001, st.deadline - time.monotonic())
-            await cm.push_blocks(
-                BlocksCacheKey(st.reg_cluster),
-                self._links.cache,
-                st.blocks[j0:i1],
-                st.reg_ids[j0 - st.first : i1 - st.first],
-                src_layer_range=layers,
-                dst_layer_range=layers,
-                tensor_num_per_layer=self.layout.tensors_per_layer,
-                tag=Layer(st.xid).encode(),
-                timeout=left,
-            )
+            if st.tally is None:
+                st.tally = Tally(self._results.called)
+            with counting(st.tally):
+                await cm.push_blocks(
+                    BlocksCacheKey(st.reg_cluster),
+                    self._links.cache,
+                    st.blocks[j0:i1],
+                    st.reg_ids[j0 - st.first : i1 - st.first],
+                    src_layer_range=layers,
+                    dst_layer_range=layers,
+                    tensor_num_per_layer=self.layout.tensors_per_layer,
+                    tag=Layer(st.xid).encode(),
+                    timeout=left,
+                )
 
     def _check_pushed(self, st: _PushState) -> None:
         """Report ``pushed`` once every layer's pushes up to the prompt's end
@@ -327,7 +332,9 @@ class PushSender:
         st.ended = True
         assert st.reg_cluster is not None
         self._stats["pushes_sent"] += 1
-        self._spawn(self._links.send(st.reg_cluster, Pushed(st.xid)))
+        moved = st.tally or Tally(self._results.called)
+        pushed = Pushed(st.xid, moved.nbytes, moved.segments)
+        self._spawn(self._links.send(st.reg_cluster, pushed))
         self._maybe_report(st)
 
     def _end(self, st: _PushState, why: str) -> None:

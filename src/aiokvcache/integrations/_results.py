@@ -8,6 +8,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..metrics import PHASES, TransferRecord
+
 __all__ = ["FAILURE_REASONS", "Results", "TransferResults"]
 
 #: Load failures by reason (the keys of :meth:`Results.take_metrics`).
@@ -33,6 +35,10 @@ class _Metrics:
     descriptors: list[int] = field(default_factory=list)
     failures: collections.Counter[str] = field(default_factory=collections.Counter)
     leases_expired: int = 0
+    #: op -> status -> transfer calls (from aiokvcache's records, see ._calls)
+    calls: dict[str, collections.Counter[str]] = field(default_factory=dict)
+    #: op -> phase -> seconds summed over those calls
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 class Results:
@@ -61,7 +67,23 @@ class Results:
             "descriptors": m.descriptors,
             "failures": dict(m.failures),
             "leases_expired": m.leases_expired,
+            "calls": {op: dict(c) for op, c in m.calls.items()},
+            "phases": m.phases,
         }
+
+    def called(self, rec: TransferRecord) -> None:
+        """P and D: one transfer call of a load or push ended (its record)."""
+        phases = rec.phases()
+        with self._lock:
+            m = self._metrics
+            by_status = m.calls.get(rec.op)
+            if by_status is None:
+                by_status = m.calls[rec.op] = collections.Counter()
+                m.phases[rec.op] = dict.fromkeys(PHASES, 0.0)
+            by_status[rec.status] += 1
+            sums = m.phases[rec.op]
+            for name, seconds in phases.items():
+                sums[name] += seconds
 
     def sent(self, rid: str) -> None:
         """P: request ``rid``'s blocks may go back to the engine."""
@@ -69,7 +91,8 @@ class Results:
             self._results.finished_sending.add(rid)
 
     def loaded(self, rid: str, seconds: float, nbytes: int, descriptors: int) -> None:
-        """D: request ``rid`` loaded in ``seconds``."""
+        """D: request ``rid`` loaded in ``seconds``; ``nbytes`` and ``descriptors``
+        (segments) are what its transfer calls' records say they moved."""
         with self._lock:
             self._results.finished_recving.add(rid)
             m = self._metrics

@@ -23,7 +23,17 @@ def _empty_stats() -> dict[str, Any]:
         "num_descriptors": [],
         "failures": dict.fromkeys(FAILURE_REASONS, 0),
         "num_kv_expired_reqs": 0,
+        "calls": {},  # op -> status -> transfer calls
+        "phases": {},  # op -> phase -> seconds summed over those calls
     }
+
+
+def _merge(into: dict[str, dict[str, Any]], other: Any) -> None:
+    """Add ``other``'s two-level counts (op -> name -> number) into ``into``."""
+    for op, by_name in (other or {}).items():
+        mine = into.setdefault(str(op), {})
+        for name, n in by_name.items():
+            mine[str(name)] = mine.get(str(name), 0) + n
 
 
 @dataclass
@@ -33,7 +43,10 @@ class AioKVStats(KVConnectorStats):  # type: ignore[misc,unused-ignore]
     ``data``: one entry per successful load in ``transfer_duration`` (seconds,
     the engine's hand-over to the last byte), ``bytes_transferred`` and
     ``num_descriptors``; ``failures`` (reason -> count) and
-    ``num_kv_expired_reqs`` (the prefill side's leases that ran out unread).
+    ``num_kv_expired_reqs`` (the prefill side's leases that ran out unread);
+    ``calls`` (op -> status -> count) and ``phases`` (op -> phase -> seconds
+    summed) of the transfer calls the loads and pushes made, from the records
+    :mod:`aiokvcache.metrics` exports (bytes and descriptors come from them too).
     """
 
     def __post_init__(self) -> None:
@@ -50,12 +63,17 @@ class AioKVStats(KVConnectorStats):  # type: ignore[misc,unused-ignore]
         for reason, n in o.get("failures", {}).items():
             self.data["failures"][reason] = self.data["failures"].get(reason, 0) + int(n)
         self.data["num_kv_expired_reqs"] += int(o.get("num_kv_expired_reqs", 0))
+        _merge(self.data.setdefault("calls", {}), o.get("calls"))
+        _merge(self.data.setdefault("phases", {}), o.get("phases"))
         return self
 
     def is_empty(self) -> bool:
         d = self.data
         return not (
-            d["transfer_duration"] or any(d["failures"].values()) or d["num_kv_expired_reqs"]
+            d["transfer_duration"]
+            or any(d["failures"].values())
+            or d["num_kv_expired_reqs"]
+            or d.get("calls")
         )
 
     def reduce(self) -> dict[str, int | float]:
@@ -76,6 +94,12 @@ class AioKVStats(KVConnectorStats):  # type: ignore[misc,unused-ignore]
         for reason, count in d["failures"].items():
             if count:
                 out[f"Failed ({reason})"] = count
+        for op, by_status in sorted(d.get("calls", {}).items()):
+            calls = sum(by_status.values())
+            out[f"{op} calls"] = calls
+            for phase, seconds in d.get("phases", {}).get(op, {}).items():
+                if calls:
+                    out[f"Avg {op} {phase} (ms)"] = round(seconds / calls * 1e3, 3)
         return out
 
 
@@ -140,6 +164,21 @@ class AioKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,unused-igno
             )
         )
 
+        calls = self._counter_cls(
+            name="vllm:aiokvcache_calls",
+            documentation="aiokvcache transfer calls the connector's loads and pushes "
+            "made, by op and status (aiokvcache.metrics' records).",
+            labelnames=[*labelnames, "op", "status"],
+        )
+        phases = self._counter_cls(
+            name="vllm:aiokvcache_call_phase_seconds",
+            documentation="Seconds those calls spent in each phase (submitted, posted, "
+            "done, seen), summed: divide by vllm:aiokvcache_calls for the mean.",
+            labelnames=[*labelnames, "op", "phase"],
+        )
+        self._calls = {i: (calls, v) for i, v in per_engine_labelvalues.items()}
+        self._phases = {i: (phases, v) for i, v in per_engine_labelvalues.items()}
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data
         for value in d.get("transfer_duration", ()):
@@ -154,3 +193,13 @@ class AioKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,unused-igno
                 failed[reason].inc(count)
         if d.get("num_kv_expired_reqs"):
             self._expired[engine_idx].inc(d["num_kv_expired_reqs"])
+        calls, values = self._calls[engine_idx]
+        for op, by_status in d.get("calls", {}).items():
+            for status, n in by_status.items():
+                if n:
+                    calls.labels(*values, op, status).inc(n)
+        phases, values = self._phases[engine_idx]
+        for op, by_phase in d.get("phases", {}).items():
+            for phase, seconds in by_phase.items():
+                if seconds > 0:
+                    phases.labels(*values, op, phase).inc(seconds)

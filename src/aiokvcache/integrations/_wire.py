@@ -60,6 +60,12 @@ def _str(args: list[Any], i: int, default: str) -> str:
     return str(args[i]) if len(args) > i else default
 
 
+def _count(args: list[Any], i: int) -> int:
+    """Field ``i`` as a count in ``[0, 2**63)``, or -1 (missing, or anything else)."""
+    v = args[i] if len(args) > i else None
+    return v if type(v) is int and 0 <= v < 2**63 else -1
+
+
 @dataclass(frozen=True)
 class _Message:
     OP: ClassVar[Op]
@@ -191,15 +197,19 @@ class Layer(_Message):
 
 @dataclass(frozen=True)
 class Pushed(_Message):
-    """Every layer of push transfer ``xid`` landed."""
+    """Every layer of push transfer ``xid`` landed: ``nbytes`` and ``segments``
+    are what P's push calls moved, from their records (-1: not sent, or not a
+    count; they feed the decode side's metrics only)."""
 
     OP = Op.PUSHED
     ARITY = 1
     xid: str
+    nbytes: int = -1
+    segments: int = -1
 
     @classmethod
     def from_args(cls, a: list[Any]) -> Pushed:
-        return cls(str(a[0]))
+        return cls(str(a[0]), _count(a, 1), _count(a, 2))
 
 
 @dataclass(frozen=True)

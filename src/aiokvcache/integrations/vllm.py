@@ -422,6 +422,8 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         stats.data["num_descriptors"] = m["descriptors"]
         stats.data["failures"].update(m["failures"])
         stats.data["num_kv_expired_reqs"] = m["leases_expired"]
+        stats.data["calls"] = m["calls"]
+        stats.data["phases"] = m["phases"]
         return None if stats.is_empty() else stats
 
     @classmethod
