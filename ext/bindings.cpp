@@ -215,12 +215,13 @@ void bind_engine_setup(py::class_<PyEngine>& cls) {
       .def(py::init([](const std::string& transport, uint64_t max_inflight_bytes, uint64_t chunk_bytes,
                        const std::map<std::string, std::string>& ucx_options, bool direct_copy,
                        uint64_t max_unconfirmed_bytes, unsigned copy_lanes, uint64_t progress_spin_us,
-                       uint64_t keepalive_ms) {
+                       uint64_t keepalive_ms, bool prewarm) {
              akv::EngineConfig cfg;
              cfg.transport = transport;
              cfg.max_inflight_bytes = max_inflight_bytes;
              cfg.chunk_bytes = chunk_bytes;
              cfg.direct_copy = direct_copy;
+             cfg.prewarm = prewarm;
              cfg.max_unconfirmed_bytes = max_unconfirmed_bytes;
              cfg.copy_lanes = copy_lanes;
              if (progress_spin_us > 100000) throw akv::InvalidArgument("progress_spin_us must be <= 100000");
@@ -235,12 +236,14 @@ void bind_engine_setup(py::class_<PyEngine>& cls) {
            py::arg("chunk_bytes") = 1ull << 20,
            py::arg("ucx_options") = std::map<std::string, std::string>{}, py::arg("direct_copy") = true,
            py::arg("max_unconfirmed_bytes") = 2ull << 20, py::arg("copy_lanes") = 0u,
-           py::arg("progress_spin_us") = 100u, py::arg("keepalive_ms") = 0u)
+           py::arg("progress_spin_us") = 100u, py::arg("keepalive_ms") = 0u, py::arg("prewarm") = false)
       .def_property_readonly("copy_lanes", [](const PyEngine& e) { return e.copy_lanes(); })
       .def_property_readonly("progress_spin_us", [](const PyEngine& e) { return e.progress_spin_us(); })
       .def_property_readonly("event_fd", &Engine::event_fd)
       .def_property_readonly("worker_address", [](const PyEngine& e) { return py::bytes(e.worker_address()); })
       .def_property_readonly("closed", &Engine::closed)
+      .def_property_readonly("prewarm_ns", &Engine::prewarm_ns)
+      .def_property_readonly("prewarmed", &Engine::prewarmed)
       .def_property_readonly("closing", &Engine::closing)
       .def("info", &Engine::info, py::call_guard<py::gil_scoped_release>())
       .def("ucx_config", &Engine::ucx_config);

@@ -41,6 +41,7 @@ Engine::Engine(EngineConfig cfg) : cfg_(std::move(cfg)) {
   init_context(read_config());
   init_worker();
   init_wakeup();
+  if (cfg_.prewarm) prewarm();
   // Copies through peers' mappings survive a peer that shrinks its segment.
   install_fault_guard();
   start_threads();

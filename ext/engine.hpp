@@ -42,6 +42,9 @@ struct EngineConfig {
   // was released unproven (docs/design.md, "Late writes"). 0: no bound.
   uint64_t max_unconfirmed_bytes = 2ull << 20;
   bool direct_copy = true;  // memcpy into same-host peers' mapped memory
+  // Select UCX's protocols at start, over an endpoint to a helper worker
+  // (prewarm.cpp), instead of in the first link.
+  bool prewarm = false;
   // How long the progress thread keeps polling after its last work before
   // it sleeps: a caller that awaits each small transfer then finds it
   // awake. Idle, it sleeps at once.
@@ -266,6 +269,9 @@ class Engine {
   // joined and the worker is destroyed, so nothing moves a byte any more.
   // (closing() is true first, when close() begins: no command is taken then.)
   bool closed() const { return closed_.load(); }
+  // The warm-up at start: how long it took, and whether it ran to the end.
+  uint64_t prewarm_ns() const { return prewarm_ns_; }
+  bool prewarmed() const { return prewarmed_; }
   bool closing() const { return commands_.closed(); }
 
  private:
@@ -285,6 +291,7 @@ class Engine {
   void init_context(UcxConfig config);
   void init_worker();
   void init_wakeup();
+  void prewarm() noexcept;
   void start_threads();
   void shutdown_all();
   void release_leftovers();
@@ -384,6 +391,8 @@ class Engine {
   // in its own order.
   UcxContext context_;
   UcxWorker worker_;
+  uint64_t prewarm_ns_ = 0;
+  bool prewarmed_ = false;
   std::string worker_address_;
   std::string config_text_;
   int worker_efd_ = -1;  // the worker's own

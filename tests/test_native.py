@@ -413,3 +413,39 @@ def test_worker_address_checks(engine: Any) -> None:
             engine.connect(bytes([(real[0] & 0xF0) | version]) + real[1:])
     with pytest.raises(native.InvalidArgumentError, match="truncated"):
         engine.connect(real[:3])
+
+
+# ------------------------------------------------------------ warm-up
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_the_warm_up_runs_every_operation_and_leaves_nothing(transport: str) -> None:
+    # prewarm.cpp: an endpoint to a helper worker, a put, a get and a
+    # notification over it, then closed; the engine's own books never see it.
+    warm = native.Engine(transport, prewarm=True)
+    cold = native.Engine(transport)
+    try:
+        assert warm.prewarmed and warm.prewarm_ns > 0
+        assert not cold.prewarmed and cold.prewarm_ns == 0
+        assert warm.stats() == cold.stats()
+    finally:
+        warm.close()
+        cold.close()
+
+
+def test_the_prewarm_option_reaches_the_engine() -> None:
+    import asyncio
+
+    import aiokvcache as kv
+
+    async def engine_of(options: dict[str, str]) -> Any:
+        dd = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
+        await dd.init({"aiokvcache.transport": "tcp", **options})
+        try:
+            assert dd._rt is not None
+            return dd._rt.engine.prewarmed
+        finally:
+            await dd.finalize()
+
+    assert asyncio.run(engine_of({})) is True  # the default
+    assert asyncio.run(engine_of({"aiokvcache.prewarm": "0"})) is False

@@ -67,6 +67,7 @@ class Engine:
         copy_lanes: int = 0,
         progress_spin_us: int = 100,
         keepalive_ms: int = 0,
+        prewarm: bool = False,
     ) -> None: ...
     @property
     def copy_lanes(self) -> int: ...
@@ -79,6 +80,12 @@ class Engine:
     @property
     def closed(self) -> bool:
         """True once close() has finished: threads joined, worker destroyed."""
+    @property
+    def prewarm_ns(self) -> int:
+        """How long the warm-up at start took (0: not asked for)."""
+    @property
+    def prewarmed(self) -> bool:
+        """The warm-up at start ran every operation to the end (prewarm.cpp)."""
     @property
     def closing(self) -> bool:
         """True once close() has begun (no call that needs the progress thread is taken)."""

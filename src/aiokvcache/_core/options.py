@@ -181,6 +181,7 @@ class LLMConfig:
     # checks that every row has its property).
     transport = _option_property("transport")
     direct_copy = _option_property("direct_copy")
+    prewarm = _option_property("prewarm")
     copy_lanes = _option_property("copy_lanes")
     progress_spin_us = _option_property("progress_spin_us")
     max_inflight_bytes = _option_property("max_inflight_bytes")
@@ -358,6 +359,7 @@ class EngineOptions:
     copy_lanes: int = default("copy_lanes")
     progress_spin_us: int = default("progress_spin_us")
     direct_copy: bool = default("direct_copy")
+    prewarm: bool = default("prewarm")
     handshake_timeout_ms: int = default("handshake_timeout")
     max_connections: int = default("max_connections")
     peer_timeout_ms: int = default("peer_timeout")

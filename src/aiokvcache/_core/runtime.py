@@ -108,6 +108,7 @@ class Runtime:
                 # Liveness off the GIL: see Links._heartbeat.
                 keepalive_ms=opts.peer_timeout_ms // 4,
                 direct_copy=opts.direct_copy,
+                prewarm=opts.prewarm,
                 ucx_options=_ucx_options(opts),
             )
         except (native.NativeError, ValueError) as exc:

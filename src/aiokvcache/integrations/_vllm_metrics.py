@@ -164,6 +164,12 @@ class AioKVPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc,unused-igno
             )
         )
 
+        self._add_call_series(labelnames, per_engine_labelvalues)
+
+    def _add_call_series(
+        self, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+    ) -> None:
+        """The transfer calls the loads and pushes made, and their phase sums."""
         calls = self._counter_cls(
             name="vllm:aiokvcache_calls",
             documentation="aiokvcache transfer calls the connector's loads and pushes "
