@@ -11,6 +11,9 @@
 // resources, so a first real peer on this host (and any with the same
 // devices) finds its configurations made. Best effort: whatever fails or
 // takes too long leaves the engine exactly as it would be without it.
+#include <dirent.h>
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cstring>
 #include <new>
@@ -43,10 +46,15 @@ class Warmup {
   // helper and the endpoint: then nothing here may go (the object leaks).
   bool abandoned() const { return abandoned_; }
 
-  ~Warmup() {
+  // Our endpoint closed (if a step failed before): after this, if not
+  // abandoned, the object may go.
+  void finish() {
     if (ep_ != nullptr) close_ep();
+  }
+
+  // Only once finish() ran and left nothing pending.
+  ~Warmup() {
     if (rkey_ != nullptr) ucp_rkey_destroy(rkey_);
-    rkey_buf_.clear();
     memh_ = UcxMemHandle();
     helper_.reset();  // after our endpoint to it went
   }
@@ -121,6 +129,7 @@ class Warmup {
   }
 
   bool close_ep() {
+    if (abandoned_) return false;  // a pending request still uses the key and endpoint
     if (rkey_ != nullptr) {
       ucp_rkey_destroy(rkey_);
       rkey_ = nullptr;
@@ -175,14 +184,41 @@ class Warmup {
 
 }  // namespace
 
+namespace {
+
+// Descriptors the process may still open. Over tcp the helper opens its own
+// listening sockets and connections; one that fails to (EMFILE) leaves UCX
+// 1.22's async handlers registered on closed descriptors when the helper is
+// destroyed, and a later worker whose descriptor reuses the number fails.
+// With too little room the warm-up is not tried.
+constexpr long kPrewarmFdRoom = 256;
+
+bool fd_room() {
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return false;
+  if (lim.rlim_cur == RLIM_INFINITY) return true;
+  long open = 0;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (::readdir(d) != nullptr) open++;
+    ::closedir(d);
+  } else {
+    return false;
+  }
+  return static_cast<long>(lim.rlim_cur) - open >= kPrewarmFdRoom;
+}
+
+}  // namespace
+
 // Before the threads start: this thread alone uses the worker.
 void Engine::prewarm() noexcept {
   auto t0 = Clock::now();
   bool ok = false;
+  if (!fd_room()) return;
   auto* w = new (std::nothrow) Warmup(context_.get(), worker_.get(), cfg_.transport == "rdma");
   if (w != nullptr) {
     try {
       ok = w->run();
+      w->finish();
     } catch (...) {
       ok = false;
     }

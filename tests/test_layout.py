@@ -10,6 +10,7 @@ sources, not by importing them.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,11 +111,35 @@ def test_the_cycle_finder_finds_cycles() -> None:
 LEAVES = ("_ucxlog", "_telemetry")
 
 
+def _top_level_imports(path: Path) -> set[str]:
+    """The first name of every module a file imports (absolute imports only)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
 def test_the_leaves_import_only_the_native_module() -> None:
     graph = import_graph()
     native = {"aiokvcache._loader", "aiokvcache._native"}
-    bad = [f"{m} imports {sorted(graph[m] - native)}" for m in graph if _short(m) in LEAVES]
-    assert not [b for b in bad if not b.endswith("[]")], f"a leaf imports the package: {bad}"
+    missing = [leaf for leaf in LEAVES if f"aiokvcache.{leaf}" not in graph]
+    assert not missing, f"a leaf the rule names is gone: {missing}"
+    bad = []
+    for leaf in LEAVES:
+        mod = f"aiokvcache.{leaf}"
+        if graph[mod] - native:
+            bad.append(f"{mod} imports {sorted(graph[mod] - native)}")
+        foreign = {
+            n
+            for n in _top_level_imports(PKG / f"{leaf}.py")
+            if n not in sys.stdlib_module_names and n != "aiokvcache"
+        }
+        if foreign:
+            bad.append(f"{mod} imports {sorted(foreign)} (not the standard library)")
+    assert not bad, f"a leaf imports more than the standard library and the native module: {bad}"
 
 
 def _short(mod: str) -> str:

@@ -82,7 +82,8 @@ class Engine:
         """True once close() has finished: threads joined, worker destroyed."""
     @property
     def prewarm_ns(self) -> int:
-        """How long the warm-up at start took (0: not asked for)."""
+        """How long the warm-up at start took (0: not asked for, or skipped:
+        fewer than 256 descriptors left under RLIMIT_NOFILE)."""
     @property
     def prewarmed(self) -> bool:
         """The warm-up at start ran every operation to the end (prewarm.cpp)."""

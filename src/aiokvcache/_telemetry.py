@@ -59,6 +59,9 @@ PHASES: tuple[str, ...] = ("submitted", "posted", "done", "seen")
 active: bool = False
 
 _sinks: list[Callable[[TransferRecord], None]] = []
+#: Sinks the library registers for itself (the vLLM connector's): they turn
+#: recording on but are not what :func:`aiokvcache.metrics.enabled` reports.
+_internal: list[Callable[[TransferRecord], None]] = []
 
 #: Called with (peer cluster id, status, seconds) after each link set-up
 #: this process started, while metrics are on.
@@ -113,13 +116,16 @@ class TransferRecord:
         return out
 
 
-def add_sink(sink: Callable[[TransferRecord], None]) -> None:
+def add_sink(sink: Callable[[TransferRecord], None], internal: bool = False) -> None:
     """Call ``sink(record)`` at the end of every transfer call from now on
-    (on the caller's loop, in the caller's context: keep it short)."""
+    (on the caller's loop, in the caller's context: keep it short).
+    ``internal``: the library's own, left out of :func:`visible`."""
     global active
     with _lock:
         if sink not in _sinks:
             _sinks.append(sink)
+            if internal:
+                _internal.append(sink)
         active = True
 
 
@@ -129,7 +135,15 @@ def remove_sink(sink: Callable[[TransferRecord], None]) -> None:
     with _lock:
         if sink in _sinks:
             _sinks.remove(sink)
+        if sink in _internal:
+            _internal.remove(sink)
         active = bool(_sinks)
+
+
+def visible() -> bool:
+    """A sink other than the library's own is on (``metrics.enabled()``)."""
+    with _lock:
+        return len(_sinks) > len(_internal)
 
 
 def _status(exc: BaseException) -> str:

@@ -229,8 +229,9 @@ _tracer: Any = None
 
 
 def enabled() -> bool:
-    """True while any record sink is on (this module's or yours)."""
-    return _telemetry.active
+    """True while any record sink is on (this module's or yours; not the
+    vLLM connector's own, which records for its figures alone)."""
+    return _telemetry.visible()
 
 
 def _link_observer(peer: int, status: str, seconds: float) -> None:

@@ -17,7 +17,7 @@ import contextvars
 import threading
 from collections.abc import Callable, Iterator
 
-from .. import metrics
+from .. import _telemetry, metrics
 
 __all__ = ["Tally", "attach", "counting", "detach"]
 
@@ -75,7 +75,7 @@ def attach() -> None:
     with _lock:
         _agents += 1
         if _agents == 1:
-            metrics.add_sink(_on_record)
+            _telemetry.add_sink(_on_record, internal=True)  # not metrics.enabled()
 
 
 def detach() -> None:
@@ -84,4 +84,4 @@ def detach() -> None:
     with _lock:
         _agents = max(0, _agents - 1)
         if _agents == 0:
-            metrics.remove_sink(_on_record)
+            _telemetry.remove_sink(_on_record)
