@@ -128,6 +128,8 @@ class Hosts:
 async def one_n(n: int, args: argparse.Namespace) -> Result:
     hosts = Hosts(args.netns, n + 1)
     common = [args.transport, "--sync-kv-timeout=60000"]
+    if args.no_prewarm:
+        common.append('--options={"prewarm": false}')
     decode = hosts.peer(0, "decoder", *common)
     prefills = [hosts.peer(i + 1, "prefill", *common, f"--cluster-id={10 + i}") for i in range(n)]
     try:
@@ -278,6 +280,11 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds of pushes per N")
     ap.add_argument("--runs", type=int, default=1, help="runs of every N (ranges over them)")
     ap.add_argument("--transport", choices=["tcp", "shm", "auto"], default="tcp")
+    ap.add_argument(
+        "--no-prewarm",
+        action="store_true",
+        help="aiokvcache.prewarm off: UCX selects its protocols in the first link, not at init",
+    )
     ap.add_argument("--mode", choices=["blocks", "slot"], default="blocks")
     ap.add_argument("--netns", action="store_true", help="one network namespace per process")
     ap.add_argument("--json", action="store_true", help="also print the results as JSON")

@@ -6,6 +6,7 @@ the defect it names is fixed."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -172,3 +173,50 @@ def test_the_leaf_check_rejects_a_third_party_import(
     assert "aiokvcache._telemetry" in test_layout.import_graph()
     with pytest.raises(AssertionError):
         test_layout.test_the_leaves_import_only_the_native_module()
+
+
+# ---------------------------------------------------------------------------
+# The polling schedules (_loopside.poll): the default backs off from 0.5 ms by
+# doubling; FINE (a link's probes) starts at 50 us and grows by half, so a
+# short wait is overshot by at most half its length. Both stop at 20 ms.
+# ---------------------------------------------------------------------------
+
+
+def _pauses(schedule: tuple[float, float] | None, polls: int) -> list[float]:
+    import asyncio
+
+    from aiokvcache._loopside import poll
+
+    pauses: list[float] = []
+    clock = [0.0]
+
+    async def sleep(s: float) -> None:
+        pauses.append(s)
+        clock[0] += s
+
+    left = iter(range(polls))
+
+    def done() -> bool:
+        return next(left, None) is None
+
+    args = () if schedule is None else (schedule,)
+    assert asyncio.run(poll(done, None, sleep, lambda: clock[0], *args))
+    return pauses
+
+
+def test_the_fine_poll_schedule_overshoots_a_short_wait_by_at_most_half() -> None:
+    from aiokvcache._loopside import FINE
+
+    fine = _pauses(FINE, 40)
+    assert fine[0] == pytest.approx(50e-6)
+    assert all(b <= a * 1.5 + 1e-12 for a, b in itertools.pairwise(fine))
+    assert max(fine) == pytest.approx(0.02)
+    # Each pause (what a wait can be overshot by) is at most the time already
+    # waited past the first two, and tends to half of it.
+    waited = 0.0
+    for i, p in enumerate(fine):
+        if i >= 2 and p < 0.02:
+            assert p <= waited, (i, p, waited)
+        waited += p
+    default = _pauses(None, 10)
+    assert default[:3] == pytest.approx([0.0005, 0.001, 0.002])

@@ -104,7 +104,9 @@ class Prober:
         except (native.NativeError, LLMException) as exc:
             return f"the probe's {what} could not start ({exc})"
         try:
-            if not await until(lambda: st.leases_over((lease,)), timeout):
+            # Finely polled: a link's set-up waits on its two probes in turn
+            # (the default backoff's 0.5-4 ms steps were a third of it here).
+            if not await until(lambda: st.leases_over((lease,)), timeout, fine=True):
                 return f"the probe's {what} did not end in time"
         finally:
             if st.leases_over((lease,)):

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from .._loopside import poll
+from .._loopside import FINE, poll
 
 __all__ = ["ServiceThread", "until"]
 
@@ -32,10 +32,15 @@ T = TypeVar("T")
 # executor thread a hostile peer could tie up): _loopside.poll.
 
 
-async def until(done: Callable[[], bool], timeout: float | None = None) -> bool:
+async def until(
+    done: Callable[[], bool], timeout: float | None = None, fine: bool = False
+) -> bool:
     """Poll ``done()`` on the running (service) loop until it is true (True)
-    or ``timeout`` seconds pass (False), backing off from 0.5 to 20 ms."""
+    or ``timeout`` seconds pass (False), backing off from 0.5 to 20 ms
+    (``fine``: from 50 us, by half again: :data:`_loopside.FINE`)."""
     loop = asyncio.get_running_loop()
+    if fine:
+        return await poll(done, timeout, asyncio.sleep, loop.time, FINE)
     return await poll(done, timeout, asyncio.sleep, loop.time)
 
 

@@ -31,9 +31,10 @@ from __future__ import annotations
 import sniffio
 
 from ._asyncio import AsyncioSide
-from ._base import Deadline, LoopSide, ServiceGone, TaskHandle, Waiter, poll
+from ._base import FINE, Deadline, LoopSide, ServiceGone, TaskHandle, Waiter, poll
 
 __all__ = [
+    "FINE",
     "AsyncioSide",
     "Deadline",
     "LoopSide",
