@@ -21,6 +21,8 @@ constexpr unsigned kKeepaliveAmId = 8;
 // Empty progress polls, at least, before a thread with jobs in flight arms
 // the worker and sleeps (besides EngineConfig::spin since its last work).
 constexpr int kSpinPolls = 64;
+// ucp_worker_progress calls per step of the progress thread, at most.
+constexpr int kProgressBurst = 64;
 // UCX wakeups have known gaps: never sleep longer than this with work pending.
 constexpr int kSafetyWaitMs = 5;
 constexpr int kIdleWaitMs = 100;

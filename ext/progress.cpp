@@ -36,7 +36,11 @@ bool Engine::step() {
   if (!touched_.empty()) busy = true;
   process_touched();
   busy = post_all() || busy;
-  while (ucp_worker_progress(worker_.get()) != 0) busy = true;
+  // Bounded: under a steady stream of arrivals (many peers pushing into
+  // this one) progress never returns 0, and an unbounded loop here starved
+  // the rest of the step: keep-alives (peers declared this one silent and
+  // broke their links at 32 peers on 2 cores), deadlines, flushes.
+  for (int i = 0; i < kProgressBurst && ucp_worker_progress(worker_.get()) != 0; ++i) busy = true;
   reap_endpoints();
   if (!touched_.empty()) busy = true;
   process_touched();
