@@ -37,7 +37,7 @@ async def until(
 ) -> bool:
     """Poll ``done()`` on the running (service) loop until it is true (True)
     or ``timeout`` seconds pass (False), backing off from 0.5 to 20 ms
-    (``fine``: from 50 us, by half again: :data:`_loopside.FINE`)."""
+    (``fine``: :data:`_loopside.FINE`, about 1 ms steps for the first ~8 ms)."""
     loop = asyncio.get_running_loop()
     if fine:
         return await poll(done, timeout, asyncio.sleep, loop.time, FINE)

@@ -19,8 +19,10 @@ T_co = TypeVar("T_co", covariant=True)
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.02
 #: :func:`poll`'s finer schedule, for short waits that a caller waits on in
-#: turn (a link's probes): from 50 us, half again each time, so a wait is
-#: overshot by about half its length at most.
+#: turn (a link's probes): pauses from 50 us, half again each time. On
+#: asyncio's selector loop a pause under 1 ms sleeps about 1 ms (epoll's
+#: timeout is whole milliseconds), so in effect: a poll about every 1 ms for
+#: the first ~8 ms, then half again each time (the default: 1, 2, 4, 8... ms).
 FINE = (0.00005, 1.5)
 
 
