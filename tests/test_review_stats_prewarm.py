@@ -177,8 +177,9 @@ def test_the_leaf_check_rejects_a_third_party_import(
 
 # ---------------------------------------------------------------------------
 # The polling schedules (_loopside.poll): the default backs off from 0.5 ms by
-# doubling; FINE (a link's probes) starts at 50 us and grows by half, so a
-# short wait is overshot by at most half its length. Both stop at 20 ms.
+# doubling; FINE (a link's probes) asks for pauses from 50 us, growing by
+# half. Both stop at 20 ms. This checks the schedule poll asks for (a fake
+# sleep): on asyncio's selector loop a pause under 1 ms sleeps about 1 ms.
 # ---------------------------------------------------------------------------
 
 
@@ -204,7 +205,7 @@ def _pauses(schedule: tuple[float, float] | None, polls: int) -> list[float]:
     return pauses
 
 
-def test_the_fine_poll_schedule_overshoots_a_short_wait_by_at_most_half() -> None:
+def test_the_fine_poll_schedule_asks_for_pauses_growing_by_half() -> None:
     from aiokvcache._loopside import FINE
 
     fine = _pauses(FINE, 40)
