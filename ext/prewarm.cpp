@@ -17,8 +17,6 @@
 #include <chrono>
 #include <cstring>
 #include <new>
-#include <string>
-#include <vector>
 
 #include "engine_internal.hpp"
 
@@ -123,9 +121,9 @@ class Warmup {
     void* packed = nullptr;
     size_t size = 0;
     if (ucp_rkey_pack(ctx_, memh, &packed, &size) != UCS_OK) return false;
-    rkey_buf_.assign(static_cast<char*>(packed), size);
+    ucs_status_t st = ucp_ep_rkey_unpack(ep_, packed, &rkey_);
     ucp_rkey_buffer_release(packed);
-    return ucp_ep_rkey_unpack(ep_, rkey_buf_.data(), &rkey_) == UCS_OK;
+    return st == UCS_OK;
   }
 
   bool close_ep() {
@@ -175,16 +173,11 @@ class Warmup {
   UcxWorker helper_;
   ucp_ep_h ep_ = nullptr;
   UcxMemHandle memh_;
-  std::string rkey_buf_;
   ucp_rkey_h rkey_ = nullptr;
   ucp_request_param_t plain_{};
   alignas(64) char src_[16384] = {};
   alignas(64) char dst_[16384] = {};
 };
-
-}  // namespace
-
-namespace {
 
 // Descriptors the process may still open. Over tcp the helper opens its own
 // listening sockets and connections; one that fails to (EMFILE) leaves UCX

@@ -111,14 +111,16 @@ def test_the_cycle_finder_finds_cycles() -> None:
 LEAVES = ("_ucxlog", "_telemetry")
 
 
-def _top_level_imports(path: Path) -> set[str]:
-    """The first name of every module a file imports (absolute imports only)."""
+def _absolute_imports(path: Path) -> set[str]:
+    """Every name a file's absolute imports name: modules, and
+    ``module.name`` for each ``from module import name``."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
+            names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
     return names
 
 
@@ -132,11 +134,8 @@ def test_the_leaves_import_only_the_native_module() -> None:
         mod = f"aiokvcache.{leaf}"
         if graph[mod] - native:
             bad.append(f"{mod} imports {sorted(graph[mod] - native)}")
-        foreign = {
-            n
-            for n in _top_level_imports(PKG / f"{leaf}.py")
-            if n not in sys.stdlib_module_names and n != "aiokvcache"
-        }
+        tops = {n.split(".")[0] for n in _absolute_imports(PKG / f"{leaf}.py")}
+        foreign = {n for n in tops if n not in sys.stdlib_module_names and n != "aiokvcache"}
         if foreign:
             bad.append(f"{mod} imports {sorted(foreign)} (not the standard library)")
     assert not bad, f"a leaf imports more than the standard library and the native module: {bad}"
@@ -236,23 +235,14 @@ def test_the_cli_does_not_import_the_test_harness() -> None:
         assert not harness, f"{tool} imports {sorted(harness)}"
 
 
-def _example_imports(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-    return {n for n in names if n.split(".")[0] == "aiokvcache"}
-
-
 def test_the_examples_use_only_the_public_api() -> None:
     examples = PKG.parents[1] / "examples"
     known = set(import_graph())
     bad = []
     for path in sorted(examples.rglob("*.py")):
-        for name in _example_imports(path):
+        for name in _absolute_imports(path):
+            if name.split(".")[0] != "aiokvcache":
+                continue
             # `from aiokvcache import LLMRole` names an object, not a module.
             while name not in known and "." in name:
                 name = name.rpartition(".")[0]
