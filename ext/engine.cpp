@@ -161,6 +161,8 @@ void Engine::init_worker() {
 
 // What the progress thread sleeps on: the worker's wake-ups and commands.
 void Engine::init_wakeup() {
+  release_efd_ = UniqueFd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (release_efd_.get() < 0) throw Error("eventfd failed");
   ucs_status_t st = ucp_worker_get_efd(worker_.get(), &worker_efd_);
   if (st != UCS_OK) throw UcxFailure("ucp_worker_get_efd", st);
   epfd_ = UniqueFd(::epoll_create1(EPOLL_CLOEXEC));
@@ -230,6 +232,7 @@ void Engine::close() {
     live_ids_.clear();
   }
   live_cv_.notify_all();
+  signal_release(true);
   // Only now: requests that outlived shutdown pointed at these.
   jobs_.clear();
   graveyard_.clear();

@@ -182,6 +182,12 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   int event_fd() const { return cq_.fd(); }
+  // The release signal: an eventfd written once, after arm_release_signal(),
+  // when a job is next released (and at close), so that a loop other than
+  // the owner's (the peer service's) waits on a few jobs without polling.
+  // Open for as long as this object: a loop may still watch it after close.
+  int release_fd() const { return release_efd_.get(); }
+  void arm_release_signal() { release_armed_.store(true); }
   unsigned copy_lanes() const { return cfg_.copy_lanes; }  // as chosen (never 0)
   uint64_t progress_spin_us() const { return static_cast<uint64_t>(cfg_.spin.count()); }
   std::string worker_address() const { return worker_address_; }
@@ -339,6 +345,8 @@ class Engine {
   // The one way a job's completion reaches the queue: it also wakes
   // wait_released(), which must not return before the entry is drainable.
   void push_job_completion(Completion&& c);
+  // Writes the release signal if it is armed (or ``always``); any thread.
+  void signal_release(bool always = false);
   std::unique_ptr<Job> make_job(JobSpec&& spec);
   // Flushes (flushes.cpp).
   bool post_flushes();
@@ -462,6 +470,8 @@ class Engine {
   std::mutex live_mu_;
   std::condition_variable live_cv_;
   std::unordered_set<uint64_t> live_ids_;
+  UniqueFd release_efd_;  // see release_fd()
+  std::atomic<bool> release_armed_{false};
 
   std::atomic<uint64_t> next_job_{1};
   // inflight_bytes and unconfirmed_bytes copy inflight_bytes_ and

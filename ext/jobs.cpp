@@ -78,6 +78,7 @@ std::vector<uint64_t> Engine::submit_many(std::vector<JobSpec>&& specs) {
       for (uint64_t id : ids) live_ids_.erase(id);
     }
     live_cv_.notify_all();
+    signal_release();
     throw;
   }
   return ids;
@@ -598,6 +599,15 @@ void Engine::push_job_completion(Completion&& c) {
     live_ids_.erase(id);
   }
   live_cv_.notify_all();
+  signal_release();
+}
+
+void Engine::signal_release(bool always) {
+  if (release_armed_.exchange(false) || always) {
+    uint64_t one = 1;
+    ssize_t n = ::write(release_efd_.get(), &one, sizeof(one));
+    (void)n;  // full (2^64 - 2 unread) or closed: a waiter polls anyway
+  }
 }
 
 void Engine::op_done(RequestCtx* ctx, ucs_status_t st) {

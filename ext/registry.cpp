@@ -77,14 +77,24 @@ uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t
     }
     if (base + len < base) throw InvalidArgument("remote region wraps around the address space");
     auto rk = std::make_unique<RemoteKey>();
-    std::vector<Vma> before = read_maps();
     ucs_status_t st = ucp_ep_rkey_unpack(ep->handle, packed.data(), rk->handle.out());
     if (st != UCS_OK) throw UcxFailure("ucp_ep_rkey_unpack", st);
     // A key that maps (same-host shared memory) is checked whether or not
     // direct copy is on: UCX's own shm lanes copy through that mapping too.
+    // The check needs /proc/self/maps from just before the unpack, and
+    // reading it cost about 1 ms a key (a Python process maps some thousand
+    // ranges): most keys never map (tcp, rdma), so the key is unpacked once
+    // to learn whether it does, and only one that does is dropped (which
+    // unmaps its segment) and unpacked again between the two readings.
     void* mapped = nullptr;
     if (len > 0 && ucp_rkey_ptr(rk->handle.get(), base, &mapped) == UCS_OK) {
-      if (!mapping_covers(before, static_cast<uint8_t*>(mapped), len)) {
+      rk->handle.reset();
+      std::vector<Vma> before = read_maps();
+      st = ucp_ep_rkey_unpack(ep->handle, packed.data(), rk->handle.out());
+      if (st != UCS_OK) throw UcxFailure("ucp_ep_rkey_unpack", st);
+      mapped = nullptr;
+      if (ucp_rkey_ptr(rk->handle.get(), base, &mapped) != UCS_OK ||
+          !mapping_covers(before, static_cast<uint8_t*>(mapped), len)) {
         throw InvalidArgument("remote key does not cover the claimed region (base, length)");
       }
       // Then a transfer is one memcpy on the progress thread, whatever lane

@@ -76,6 +76,12 @@ class Engine:
     @property
     def event_fd(self) -> int: ...
     @property
+    def release_fd(self) -> int:
+        """An eventfd written once, after :meth:`arm_release_signal`, when a job
+        is next released (and at close); open as long as this object."""
+    def arm_release_signal(self) -> None:
+        """Ask for one write of :attr:`release_fd` at the next job release."""
+    @property
     def worker_address(self) -> bytes: ...
     @property
     def closed(self) -> bool:

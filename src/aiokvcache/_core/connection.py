@@ -157,6 +157,9 @@ class ControlConnection:
     #: and the one ours to the peer must carry (the peer gave it to us).
     local_note_key: bytes
     peer_note_key: bytes
+    #: The probe slot the peer gave in its handshake (a probe_info answer's
+    #: body, unchecked), until its first probe takes it; None: ask for one.
+    peer_probe: dict[str, Any] | None
 
     def __init__(
         self,
@@ -171,6 +174,7 @@ class ControlConnection:
         peer_host_id: bytes = b"",
         local_note_key: bytes = b"",
         peer_note_key: bytes = b"",
+        peer_probe: dict[str, Any] | None = None,
         tx: Seal | None = None,
         rx: Seal | None = None,
     ) -> None:
@@ -180,6 +184,7 @@ class ControlConnection:
         self.peer_worker_address = peer_worker_address
         self.local_note_key = local_note_key
         self.peer_note_key = peer_note_key
+        self.peer_probe = peer_probe
         self.peer_address = peer_address(writer)
         self.initiator = initiator
         self._reader = reader
@@ -229,6 +234,7 @@ class ControlConnection:
             peer_host_id=peer["host_id"],
             local_note_key=local_note_key,
             peer_note_key=peer["note_key"],
+            peer_probe=peer.get("probe"),
             tx=tx,
             rx=rx,
         )

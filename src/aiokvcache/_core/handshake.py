@@ -21,6 +21,7 @@ import asyncio
 import hashlib
 import hmac
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,11 @@ class LocalInfo:
     #: Identifies the machine (boot id): peers on the same host may use
     #: shared memory. Informational; empty when unknown.
     host_id: bytes = b""
+    #: A probe slot of ours and the key to our control region, for the
+    #: peer's first data-path probe (see ``identity_payload``): called once
+    #: per handshake, after the peer proved the token. None: the peer asks
+    #: for one with a probe_info request.
+    probe: Callable[[], dict[str, Any]] | None = None
 
 
 def _int64_ok(value: object) -> bool:
@@ -126,13 +132,19 @@ def _check_hello(kind: Kind, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def identity_payload(local: LocalInfo, note_key: bytes) -> dict[str, Any]:
-    """What a proven peer may learn: how to reach our transfer engine, and the
-    key its notifications to us must carry (one per connection)."""
-    return {
+    """What a proven peer may learn: how to reach our transfer engine, the
+    key its notifications to us must carry (one per connection) and, when
+    ``local.probe`` gives one, a probe slot of ours with the key to our
+    control region (what a probe_info request answers: carried here, the
+    peer's first probe waits for no round trip)."""
+    payload: dict[str, Any] = {
         "worker_address": bytes(local.worker_address),
         "host_id": bytes(local.host_id),
         "note_key": note_key,
     }
+    if local.probe is not None:
+        payload["probe"] = local.probe()
+    return payload
 
 
 def _check_identity(kind: Kind, payload: dict[str, Any]) -> dict[str, Any]:
@@ -143,11 +155,16 @@ def _check_identity(kind: Kind, payload: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(f"{kind.name}: host_id too long")
     if len(field(payload, "note_key", bytes, kind)) != NOTE_KEY_LEN:
         raise ProtocolError(f"{kind.name}: note_key must be {NOTE_KEY_LEN} bytes")
-    return {
+    identity: dict[str, Any] = {
         "worker_address": address,
         "host_id": payload["host_id"],
         "note_key": payload["note_key"],
     }
+    if "probe" in payload:
+        # Checked where it is used (wire.ProbeSlot.decode, as a probe_info
+        # answer): a bad one fails that probe, not the handshake.
+        identity["probe"] = field(payload, "probe", dict, kind)
+    return identity
 
 
 def transcript(client: dict[str, Any], server: dict[str, Any]) -> bytes:
@@ -169,11 +186,13 @@ def compute_mac(
     identity; empty without a token."""
     if token is None:
         return b""
-    extra = (
-        b""
-        if identity is None
-        else encode([identity["worker_address"], identity["host_id"], identity["note_key"]])
-    )
+    if identity is None:
+        extra = b""
+    else:
+        proven = [identity["worker_address"], identity["host_id"], identity["note_key"]]
+        if "probe" in identity:
+            proven.append(identity["probe"])
+        extra = encode(proven)
     return hmac.new(bytes(token), label + first + second + ids + extra, hashlib.sha256).digest()
 
 

@@ -308,14 +308,24 @@ class Linker:
         loop = asyncio.get_running_loop()
         try:
             left = max(deadline - loop.time(), 0.05)
-            problem = await self._prober.probe(link, left)
+            # The two halves at once: each side's probe runs on its own
+            # endpoint (made, and its wire-up answered, before its first
+            # job posts: Engine::connect), and neither needs the other's
+            # (one after the other they were half a link's wall time).
+            back, problem = await asyncio.gather(
+                ask(conn, ProbeBack(left), timeout=left + 1.0),
+                self._probe_after_ask(link, left),
+                return_exceptions=True,
+            )
+            if isinstance(problem, BaseException):
+                raise problem
             if problem:
                 raise make_error(
                     LLMStatusCode.LLM_LINK_FAILED,
                     f"data path from us to cluster {cid} does not work: {problem}",
                 )
-            left = max(deadline - loop.time(), 0.05)
-            back = await ask(conn, ProbeBack(left), timeout=left + 1.0)
+            if isinstance(back, BaseException):
+                raise back
             if back.problem:
                 raise make_error(
                     LLMStatusCode.LLM_LINK_FAILED,
@@ -333,6 +343,13 @@ class Linker:
             return exc.status_code, exc.message
         link.up = True
         return LLMStatusCode.LLM_SUCCESS, ""
+
+    async def _probe_after_ask(self, link: Link, timeout: float) -> str:
+        """Our probe, begun once the probe_back request beside it is on its
+        way (the connection's writer task runs in this pause): the peer's
+        half then starts while ours runs."""
+        await asyncio.sleep(0)
+        return await self._prober.probe(link, timeout)
 
     # ----------------------------------------------------------- unlinking
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+from typing import Any
 
 import numpy as np
 
@@ -18,7 +19,7 @@ from .._bridge import OP_GET, OP_PUT
 from .._loader import native
 from .ctlregion import PROBE_BYTES
 from .errors import LLMException
-from .servicethread import ServiceThread, until
+from .servicethread import ReleaseWatch, ServiceThread, until
 from .state import Lease, Link, State
 from .wire import ProbeInfo, ProbeSlot, ask
 
@@ -36,11 +37,20 @@ class Prober:
     def __init__(self, state: State, thread: ServiceThread) -> None:
         self._state = state
         self._thread = thread
+        self._releases = ReleaseWatch(state.engine)
+
+    def close(self) -> None:
+        """Stop watching the engine's releases (service loop, at finalize)."""
+        self._releases.close()
 
     def probe_info(self) -> ProbeSlot:
         """A probe slot of ours for the peer, and the key to our control region."""
         ctl = self._state.ctl
         return ProbeSlot(ctl.probe_slot(), PROBE_BYTES, ctl.base, ctl.size, ctl.rkey)
+
+    def probe_payload(self) -> dict[str, Any]:
+        """:meth:`probe_info` as the handshake carries it (``LocalInfo.probe``)."""
+        return self.probe_info().encode()
 
     def install_ctl(self, link: Link, slot: ProbeSlot) -> tuple[int, int]:
         """Unpack the peer's control-region key once per link (ValueError when
@@ -74,7 +84,14 @@ class Prober:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout  # the whole probe, every step
         try:
-            slot = await ask(link.conn, ProbeInfo(), timeout)
+            # The first probe of a link takes the slot the peer's handshake
+            # gave; any later one (a peer's repeated probe_back) asks for a
+            # slot of its own, so that no two share one.
+            given, link.conn.peer_probe = link.conn.peer_probe, None
+            if given is not None:
+                slot = ProbeSlot.decode(given)
+            else:
+                slot = await ask(link.conn, ProbeInfo(), timeout)
             peer_slot, rkey = self.install_ctl(link, slot)
         except (LLMException, ValueError, native.NativeError) as exc:
             return f"no probe buffer from the peer ({exc})"
@@ -104,10 +121,10 @@ class Prober:
         except (native.NativeError, LLMException) as exc:
             return f"the probe's {what} could not start ({exc})"
         try:
-            # Finely polled: a link's set-up waits on its two probes in turn,
-            # and the default backoff (seen at 1, 2, 4, 8 ms) added up to 4 ms
-            # to a probe of about 2 ms; FINE looks about every 1 ms.
-            if not await until(lambda: st.leases_over((lease,)), timeout, fine=True):
+            # Woken by the engine's release signal: a link's set-up waits on
+            # its put and its get in turn, and polls saw each about 1 ms late
+            # (the default backoff up to 4 ms).
+            if not await self._releases.until(lambda: st.leases_over((lease,)), timeout):
                 return f"the probe's {what} did not end in time"
         finally:
             if st.leases_over((lease,)):

@@ -21,6 +21,7 @@ owner's loop itself. Shared tables follow :mod:`.state`'s locking rule.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -62,6 +63,8 @@ class PeerService:
         self.thread = ServiceThread(f"aiokvcache-service-{state.cluster_id}")
         self.links = Links(state, self.thread)
         self.prober = Prober(state, self.thread)
+        # Our handshakes carry a probe slot (the peer's first probe asks nothing).
+        state.local = dataclasses.replace(state.local, probe=self.prober.probe_payload)
         self.retirement = Retirement(state, self.thread, self.links)
         self.handler = PeerHandler(state, self.links, self.prober, self.retirement)
         self.linker = Linker(state, self.thread, self.links, self.prober, self.handler)
@@ -88,6 +91,7 @@ class PeerService:
         await self.linker.close_server()
         await self.links.close_all()
         await self.thread.cancel_spawned()
+        self.prober.close()
 
     # -------------------------------------------------------------- links
 

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from .._loopside import FINE, poll
 
-__all__ = ["ServiceThread", "until"]
+__all__ = ["ReleaseWatch", "ServiceThread", "until"]
 
 log = logging.getLogger("aiokvcache")
 service_log = logging.getLogger("aiokvcache.service")
@@ -42,6 +44,87 @@ async def until(
     if fine:
         return await poll(done, timeout, asyncio.sleep, loop.time, FINE)
     return await poll(done, timeout, asyncio.sleep, loop.time)
+
+
+class ReleaseWatch:
+    """Wakes service-loop waiters when the engine releases a job: one reader
+    on the engine's release signal (``Engine.release_fd``) for all of them.
+
+    A waiter arms the signal, then checks its condition, then waits for the
+    signal (or a pause of the default schedule, as a backstop): a release
+    after the check writes the eventfd, whose reader runs only once the
+    waiter waits (one thread). A probe's put, seen about 1 ms late by
+    :data:`_loopside.FINE`'s polls on asyncio's selector loop, is now seen
+    as soon as the engine releases it.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters: set[asyncio.Future[None]] = set()
+        self._closed = False
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> bool:
+        if self._closed:
+            return False
+        if self._loop is None:
+            try:
+                loop.add_reader(self._engine.release_fd, self._on_signal)
+            except (OSError, ValueError, NotImplementedError):
+                self._closed = True  # no reader here: poll
+                return False
+            self._loop = loop
+        return self._loop is loop
+
+    def _on_signal(self) -> None:
+        try:
+            os.read(self._engine.release_fd, 8)
+        except OSError:
+            pass  # read empty already (BlockingIOError)
+        self._wake_all()
+
+    async def until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """:func:`until` for a condition that only a job's release makes true."""
+        loop = asyncio.get_running_loop()
+        if not self._watch(loop):
+            return await until(done, timeout, fine=True)
+        end = loop.time() + timeout
+        pause = 0.0005
+        while True:
+            self._engine.arm_release_signal()
+            if done():
+                return True
+            left = end - loop.time()
+            if left <= 0:
+                return False
+            fut = loop.create_future()
+            self._waiters.add(fut)
+            backstop = loop.call_later(min(pause, left), _wake, fut)
+            try:
+                await fut
+            finally:
+                backstop.cancel()
+                self._waiters.discard(fut)
+            pause = min(pause * 2, 0.02)
+
+    def close(self) -> None:
+        """Stop watching (service loop); later waits poll."""
+        self._closed = True
+        if self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._engine.release_fd)
+            self._loop = None
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        waiters, self._waiters = self._waiters, set()
+        for fut in waiters:
+            _wake(fut)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _on_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

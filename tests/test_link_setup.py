@@ -1,0 +1,288 @@
+"""What a link's set-up does, after cutting its cost: the handshake carries a
+probe slot (the first probe asks nothing), the two probes run at once, a
+probe's jobs are waited for on the engine's release signal, and a key that
+cannot map is unpacked without reading /proc/self/maps.
+
+None of these asserts a duration: each checks the mechanism (what was asked,
+what woke whom, what still fails as it should).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import select
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aiokvcache as kv
+from aiokvcache._core import control, handshake, probe, wire
+from aiokvcache._core.servicethread import ReleaseWatch
+from aiokvcache._loader import native
+from aiokvcache.testing import cluster_info, make_pair, options
+
+MiB = 1 << 20
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+# ------------------------------------------------------- the release signal
+
+
+@pytest.fixture
+def slow_put() -> Iterator[tuple[Any, Any]]:
+    """A put of 64 MiB through a 64 KiB window (hundreds of round trips)."""
+    a = native.Engine("tcp", max_inflight_bytes=64 * 1024, chunk_bytes=16 * 1024, direct_copy=False)
+    b = native.Engine("tcp")
+    size = 64 * MiB
+    region, addr = b.mem_alloc(size)
+    ep = a.connect(b.worker_address, False)
+    rkey = a.rkey_unpack(ep, b.rkey_pack(region), addr, size)
+    src = np.zeros(size, np.uint8)
+
+    def put() -> int:
+        rows = np.array([[src.ctypes.data, addr, size, rkey]], np.uint64)
+        return int(a.submit(native.OP_PUT, ep, rows))
+
+    yield a, put
+    a.close()
+    b.close()
+
+
+def test_release_signal_is_written_once_armed(slow_put: tuple[Any, Any]) -> None:
+    engine, put = slow_put
+    fd = engine.release_fd
+    assert fd >= 0 and not _readable(fd, 0)
+    # Not armed: a release writes nothing.
+    job = put()
+    assert engine.wait_released([job], 60)
+    assert not _readable(fd, 0.05)
+    # Armed: the next release writes it (once), then it is disarmed again.
+    job = put()
+    engine.arm_release_signal()
+    assert engine.wait_released([job], 60)
+    assert _readable(fd, 5)
+    assert int.from_bytes(os.read(fd, 8), "little") == 1
+    job = put()
+    assert engine.wait_released([job], 60)
+    assert not _readable(fd, 0.05)
+
+
+def test_release_signal_is_written_at_close_and_stays_open() -> None:
+    engine = native.Engine("tcp")
+    fd = engine.release_fd
+    engine.close()
+    # Close ends every wait: a watcher that armed nothing still wakes, and
+    # the descriptor is still ours to read (a loop may watch it after close).
+    assert _readable(fd, 5)
+
+
+async def test_release_watch_wakes_on_release_not_on_a_poll(
+    slow_put: tuple[Any, Any],
+) -> None:
+    engine, put = slow_put
+    watch = ReleaseWatch(engine)
+    checks = 0
+
+    def done() -> bool:
+        nonlocal checks
+        checks += 1
+        return bool(engine.wait_released([job], 0.0))
+
+    job = put()
+    try:
+        assert await watch.until(done, 60)
+    finally:
+        watch.close()
+    # Woken by the release (and a few backstop pauses of 0.5 ms doubling up to
+    # 20 ms while the put ran), not by a poll every millisecond.
+    assert checks < 200
+    # After close it still answers, by polling.
+    job = put()
+    assert await watch.until(done, 60)
+
+
+async def test_release_watch_times_out_and_serves_many_waiters(
+    slow_put: tuple[Any, Any],
+) -> None:
+    engine, put = slow_put
+    watch = ReleaseWatch(engine)
+    try:
+        jobs = [put(), put()]
+        assert await watch.until(lambda: False, 0.01) is False
+        results = await asyncio.gather(
+            *(watch.until(lambda j=j: bool(engine.wait_released([j], 0.0)), 60) for j in jobs)
+        )
+        assert results == [True, True]
+    finally:
+        watch.close()
+
+
+# ------------------------------------------- the probe slot in the handshake
+
+
+@pytest.fixture
+def asks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The requests our probes send, by kind (probe.py's ask)."""
+    seen: list[str] = []
+    real = probe.ask
+
+    async def counting(conn: Any, request: Any, timeout: Any) -> Any:
+        seen.append(type(request).__name__)
+        return await real(conn, request, timeout)
+
+    monkeypatch.setattr(probe, "ask", counting)
+    return seen
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("token", [None, b"s3cret"])
+async def test_a_link_asks_no_probe_info(
+    asks: list[str], transport: str, token: bytes | None
+) -> None:
+    extra = {} if token is None else {"auth_token": token}
+    pair = await make_pair(transport, **extra)
+    try:
+        # Both probes (ours and the peer's probe_back) took the slot the other
+        # side's handshake gave, and moved their bytes.
+        assert "ProbeInfo" not in asks
+        for dd in pair.instances:
+            link = next(iter(_runtime(dd).state.links.values()))
+            assert link.up and link.ctl_rkey is not None
+            assert link.conn.peer_probe is None  # taken by the first probe
+    finally:
+        await pair.close()
+
+
+def _runtime(dd: kv.LLMDataDist) -> Any:
+    rt = dd._rt
+    assert rt is not None
+    return rt
+
+
+async def test_a_peer_without_a_handshake_slot_is_asked(asks: list[str]) -> None:
+    """An older peer (or one that gives no slot) is asked with probe_info, as before."""
+    decoder = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
+    prompt = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
+    try:
+        await decoder.init(options("tcp", listen=True))
+        await prompt.init(options("tcp"))
+        st = _runtime(decoder).state
+        st.local = dataclasses.replace(st.local, probe=None)
+        _runtime(decoder).service.linker._server.set_local(st.local)
+        rc, per = await prompt.link_clusters([cluster_info(decoder)], timeout=5000)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        assert asks.count("ProbeInfo") == 1  # the prompt's probe asked the decoder
+    finally:
+        await prompt.finalize()
+        await decoder.finalize()
+
+
+class _Quiet:
+    """A control handler that answers nothing of note."""
+
+    def on_connected(self, conn: Any) -> None:
+        pass
+
+    async def handle_request(self, conn: Any, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def on_event(self, conn: Any, op: str, body: dict[str, Any]) -> None:
+        pass
+
+    def on_closed(self, conn: Any, reason: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"addr": 0, "len": 1, "rkey": b"x"},
+        {"addr": (1 << 64) - 1, "len": 64, "base": 1, "span": 1 << 29, "rkey": b""},
+        {"nested": {"too": ["deep"]}},
+    ],
+)
+async def test_a_bad_handshake_slot_fails_that_probe_only(bad: dict[str, Any]) -> None:
+    """A handshaken peer whose AUTH carries a bad probe slot: the victim's
+    probe_back fails with a clear reason, the victim lives and links others."""
+    victim = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
+    good = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
+    try:
+        await victim.init(options("tcp", listen=True))
+        await good.init(options("tcp"))
+        host, port = str(victim.listen_address).rsplit(":", 1)
+        other = native.Engine("tcp")
+        try:
+            me = handshake.LocalInfo(
+                7, int(kv.LLMRole.PROMPT), other.worker_address, probe=lambda: dict(bad)
+            )
+            conn = await control.connect(host, int(port), me, _Quiet(), 5.0)
+            answer = await wire.ask(conn, wire.ProbeBack(2.0), timeout=5.0)
+            assert "no probe buffer from the peer" in answer.problem
+            await conn.close("done")
+        finally:
+            other.close()
+        rc, per = await good.link_clusters([cluster_info(victim)], timeout=5000)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+    finally:
+        await good.finalize()
+        await victim.finalize()
+
+
+def test_the_mac_binds_the_probe_slot() -> None:
+    """A slot swapped in flight fails the sender's proof (with a token)."""
+    ident = {"worker_address": b"w", "host_id": b"", "note_key": b"k" * 16}
+    a = handshake.compute_mac(b"t", b"l", b"1", b"2", b"ids", {**ident, "probe": {"addr": 1}})
+    b = handshake.compute_mac(b"t", b"l", b"1", b"2", b"ids", {**ident, "probe": {"addr": 2}})
+    c = handshake.compute_mac(b"t", b"l", b"1", b"2", b"ids", ident)
+    assert len({a, b, c}) == 3
+
+
+# ------------------------------------------------- keys that cannot map
+
+_UNPACK = """
+import os, sys
+from aiokvcache._loader import native
+a, b = native.Engine(sys.argv[1]), native.Engine(sys.argv[1])
+region, addr = b.mem_alloc(4096)
+ep = a.connect(b.worker_address, False)
+packed = b.rkey_pack(region)
+os.close(os.open("/MARK-BEFORE", os.O_RDONLY | os.O_CREAT, 0o600))
+a.rkey_unpack(ep, packed, addr, 4096)
+os.close(os.open("/MARK-AFTER", os.O_RDONLY | os.O_CREAT, 0o600))
+a.close(); b.close()
+"""
+
+
+@pytest.mark.parametrize(("transport", "reads"), [("tcp", False), ("shm", True)])
+def test_only_a_key_that_maps_reads_the_maps(
+    tmp_path: Any, transport: str, reads: bool
+) -> None:
+    """Over tcp no key maps: rkey_unpack leaves /proc/self/maps alone (reading
+    it cost about 1 ms a key); over shm the mapping check still reads it."""
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed")
+    script = tmp_path / "unpack.py"
+    script.write_text(_UNPACK.replace("/MARK-", str(tmp_path / "mark-")))
+    log = tmp_path / "trace.log"
+    run = subprocess.run(
+        [strace, "-f", "-qq", "-e", "trace=openat", "-o", str(log), sys.executable, str(script),
+         transport],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = log.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if "mark-BEFORE" in line)
+    end = next(i for i, line in enumerate(lines) if "mark-AFTER" in line)
+    maps = [line for line in lines[start:end] if "/proc/self/maps" in line]
+    assert bool(maps) is reads, lines[start:end]
