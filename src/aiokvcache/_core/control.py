@@ -10,10 +10,12 @@ The side that calls :func:`connect` (the initiator) and the side whose
 
     initiator -> HELLO        {version, cluster_id, role, nonce, auth}
     acceptor  -> HELLO_REPLY  {same fields, mac}
-    initiator -> AUTH         {mac, worker_address, host_id, note_key}
-    acceptor  -> AUTH_OK      {mac, worker_address, host_id, note_key}
+    initiator -> AUTH         {mac, worker_address, host_id, note_key, [probe]}
+    acceptor  -> AUTH_OK      {mac, worker_address, host_id, note_key, [probe]}
                               (or ERROR_RESPONSE {status, message})
 
+(``probe``: a probe slot of the sender's control region and the key to it,
+what a probe_info request answers; optional, see handshake.identity_payload.)
 With a shared ``auth_token`` each side proves it with an HMAC-SHA256 over
 both nonces and both sides' identities; without one the macs are empty but
 the same four messages flow. What lets a peer touch memory — the UCX worker

@@ -4,8 +4,8 @@
 
     initiator -> HELLO        {version, cluster_id, role, nonce, auth}
     acceptor  -> HELLO_REPLY  {same fields, mac}
-    initiator -> AUTH         {mac, worker_address, host_id, note_key}
-    acceptor  -> AUTH_OK      {mac, worker_address, host_id, note_key}
+    initiator -> AUTH         {mac, worker_address, host_id, note_key, [probe]}
+    acceptor  -> AUTH_OK      {mac, worker_address, host_id, note_key, [probe]}
                               (or ERROR_RESPONSE {status, message})
 
 Each side's identity travels only once the other side has proven the token,
