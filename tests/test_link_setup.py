@@ -157,6 +157,11 @@ async def test_a_link_asks_no_probe_info(
         assert "ProbeInfo" not in asks
         for dd in pair.instances:
             link = next(iter(_runtime(dd).state.links.values()))
+            # The acceptor's is up once the initiator's link_up arrived.
+            for _ in range(5000):
+                if link.up:
+                    break
+                await asyncio.sleep(0.001)
             assert link.up and link.ctl_rkey is not None
             assert link.conn.peer_probe is None  # taken by the first probe
     finally:

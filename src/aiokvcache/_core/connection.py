@@ -159,7 +159,11 @@ class ControlConnection:
     peer_note_key: bytes
     #: The probe slot the peer gave in its handshake (a probe_info answer's
     #: body, unchecked), until its first probe takes it; None: ask for one.
-    peer_probe: dict[str, Any] | None
+    peer_probe: Any
+    #: The peer's handshake carried a probe slot: it runs its half of a new
+    #: link's data path beside ours and says link_up once both worked (a
+    #: peer without one asks for our half only after its own worked).
+    peer_confirms_up: bool
 
     def __init__(
         self,
@@ -174,7 +178,8 @@ class ControlConnection:
         peer_host_id: bytes = b"",
         local_note_key: bytes = b"",
         peer_note_key: bytes = b"",
-        peer_probe: dict[str, Any] | None = None,
+        peer_probe: Any = None,
+        peer_confirms_up: bool = False,
         tx: Seal | None = None,
         rx: Seal | None = None,
     ) -> None:
@@ -185,6 +190,7 @@ class ControlConnection:
         self.local_note_key = local_note_key
         self.peer_note_key = peer_note_key
         self.peer_probe = peer_probe
+        self.peer_confirms_up = peer_confirms_up
         self.peer_address = peer_address(writer)
         self.initiator = initiator
         self._reader = reader
@@ -235,6 +241,7 @@ class ControlConnection:
             local_note_key=local_note_key,
             peer_note_key=peer["note_key"],
             peer_probe=peer.get("probe"),
+            peer_confirms_up="probe" in peer,
             tx=tx,
             rx=rx,
         )

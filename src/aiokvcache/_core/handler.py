@@ -20,6 +20,7 @@ from .retire import Retirement
 from .state import Link, LocalCache, State
 from .types import BlocksCacheKey, CacheKey
 from .wire import (
+    LINK_UP,
     LOOKUPS,
     BlocksByKey,
     CacheByAddr,
@@ -63,7 +64,15 @@ class PeerHandler:
         self._links.on_closed(conn, reason)
 
     def on_event(self, conn: control.ControlConnection, op: str, body: dict[str, Any]) -> None:
-        """Peers send no events in this protocol version; log and ignore."""
+        """The initiator of a link says both halves of its data path worked
+        (link_up): the link is up here once ours had, too. Any other event
+        is logged and ignored."""
+        if op == LINK_UP:
+            with self._state.lock:
+                link = self._state.links.get(conn.peer_cluster_id)
+            if link is not None and link.conn is conn and link.half_up and not link.broken:
+                link.up = True
+            return
         log.warning("aiokvcache: unexpected event %r from cluster %d", op, conn.peer_cluster_id)
 
     async def handle_request(
@@ -110,8 +119,14 @@ class PeerHandler:
                 return self._prober.probe_info()
             case ProbeBack(timeout=timeout):
                 problem = await self._prober.probe(link, min(timeout, PROBE_MAX_S))
-                if not problem:
-                    link.up = True  # both halves of the data path work
+                if not problem and not link.conn.initiator:
+                    if link.conn.peer_confirms_up:
+                        # The initiator's half runs beside ours: up once it
+                        # says both worked (link_up, see on_event).
+                        link.half_up = True
+                    else:
+                        # An initiator that asks only once its own half worked.
+                        link.up = True
                 return ProbeResult(problem)
             case Invalidate(cache_id=cache_id):
                 await self._retirement.drop_remote(link, cache_id)

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from .. import _telemetry
 from .._loader import native
@@ -25,7 +26,7 @@ from .probe import Prober
 from .servicethread import ServiceThread, until
 from .state import Link, State
 from .types import LLMClusterInfo
-from .wire import ProbeBack, Unlink, ask
+from .wire import LINK_UP, ProbeBack, Unlink, ask
 
 __all__ = ["Linker"]
 
@@ -304,28 +305,31 @@ class Linker:
     async def _check_data_path(
         self, cid: int, link: Link, conn: control.ControlConnection, deadline: float
     ) -> tuple[LLMStatusCode, str]:
-        """Both halves of a new link's data path; the link is up after SUCCESS."""
+        """Both halves of a new link's data path; the link is up after SUCCESS.
+
+        The two halves run at once: the peer's (probe_back) is asked for
+        first, ours runs in this task meanwhile. Each runs on its own side's
+        endpoint, whose first job waits until the endpoint's wire-up was
+        answered (``Engine::connect``), and neither needs the other's (one
+        after the other they were half a link's wall time). Ours runs here,
+        not in a child task, so that a cancel drops the half link at once
+        (``_try_link``); once both worked we tell the peer (link_up), whose
+        link is up only then.
+        """
         loop = asyncio.get_running_loop()
+        left = max(deadline - loop.time(), 0.05)
+        back_task = asyncio.ensure_future(ask(conn, ProbeBack(left), timeout=left + 1.0))
         try:
-            left = max(deadline - loop.time(), 0.05)
-            # The two halves at once: each side's probe runs on its own
-            # endpoint (made, and its wire-up answered, before its first
-            # job posts: Engine::connect), and neither needs the other's
-            # (one after the other they were half a link's wall time).
-            back, problem = await asyncio.gather(
-                ask(conn, ProbeBack(left), timeout=left + 1.0),
-                self._probe_after_ask(link, left),
-                return_exceptions=True,
-            )
-            if isinstance(problem, BaseException):
-                raise problem
+            await asyncio.sleep(0)  # the probe_back request is queued and sent first
+            problem = await self._prober.probe(link, left)
             if problem:
                 raise make_error(
                     LLMStatusCode.LLM_LINK_FAILED,
                     f"data path from us to cluster {cid} does not work: {problem}",
                 )
-            if isinstance(back, BaseException):
-                raise back
+            # Shielded: a cancel reaches us here at once, not after the
+            # request's own teardown (the finally below ends it).
+            back = await asyncio.shield(back_task)
             if back.problem:
                 raise make_error(
                     LLMStatusCode.LLM_LINK_FAILED,
@@ -341,15 +345,11 @@ class Linker:
                 # it (see Links.on_connected): that one is ours too.
                 return LLMStatusCode.LLM_ALREADY_LINK, "the peer's link won"
             return exc.status_code, exc.message
+        finally:
+            _settle(back_task)
         link.up = True
+        conn.send_event(LINK_UP, {})
         return LLMStatusCode.LLM_SUCCESS, ""
-
-    async def _probe_after_ask(self, link: Link, timeout: float) -> str:
-        """Our probe, begun once the probe_back request beside it is on its
-        way (the connection's writer task runs in this pause): the peer's
-        half then starts while ours runs."""
-        await asyncio.sleep(0)
-        return await self._prober.probe(link, timeout)
 
     # ----------------------------------------------------------- unlinking
 
@@ -392,3 +392,12 @@ class Linker:
                 continue
             results.append(LLMStatusCode.LLM_SUCCESS)
         return results
+
+
+def _settle(task: asyncio.Future[Any]) -> None:
+    """End a probe_back request we no longer wait for (cancelled, or its
+    outcome read so that no error goes unretrieved)."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled():
+        task.exception()

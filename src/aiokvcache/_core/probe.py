@@ -21,7 +21,7 @@ from .ctlregion import PROBE_BYTES
 from .errors import LLMException
 from .servicethread import ReleaseWatch, ServiceThread, until
 from .state import Lease, Link, State
-from .wire import ProbeInfo, ProbeSlot, ask
+from .wire import BadReply, ProbeInfo, ProbeSlot, ask
 
 __all__ = ["PROBE_MAX_S", "Prober"]
 
@@ -88,13 +88,20 @@ class Prober:
             # gave; any later one (a peer's repeated probe_back) asks for a
             # slot of its own, so that no two share one.
             given, link.conn.peer_probe = link.conn.peer_probe, None
-            if given is not None:
+            if given is None:
+                slot = await ask(link.conn, ProbeInfo(), timeout)
+            elif isinstance(given, dict):
                 slot = ProbeSlot.decode(given)
             else:
-                slot = await ask(link.conn, ProbeInfo(), timeout)
-            peer_slot, rkey = self.install_ctl(link, slot)
-        except (LLMException, ValueError, native.NativeError) as exc:
+                raise BadReply("the peer sent a bad probe buffer")
+        except (LLMException, ValueError) as exc:
             return f"no probe buffer from the peer ({exc})"
+        try:
+            peer_slot, rkey = self.install_ctl(link, slot)
+        except ValueError as exc:
+            return f"the peer's probe buffer is unusable ({exc})"
+        except native.NativeError as exc:
+            return f"our endpoint to the peer cannot take its key ({exc})"
         local = st.ctl.probe_slot()
         nonce = secrets.token_bytes(_NONCE_BYTES)
         st.ctl.write(local, nonce + bytes(_NONCE_BYTES))

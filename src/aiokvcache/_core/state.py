@@ -152,6 +152,9 @@ class Link:
     ctl_span: tuple[int, int] = (0, 0)
     #: Set once the link's data path moved bytes both ways.
     up: bool = False
+    #: The acceptor's side: our half of the data path worked (probe_back);
+    #: the link is up once the initiator says its half worked too (link_up).
+    half_up: bool = False
     #: Set once no retirement waits for this link any more: the peer
     #: confirmed an unlink after its jobs were released (nothing it posted
     #: can reach our memory), or it was cut off (``cut_off``: what it posted

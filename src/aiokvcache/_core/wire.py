@@ -22,6 +22,7 @@ from .errors import param_invalid
 from .types import BlocksCacheKey, CacheKey
 
 __all__ = [
+    "LINK_UP",
     "LOOKUPS",
     "MAX_ADDRS_PER_REQUEST",
     "BadReply",
@@ -63,6 +64,11 @@ class Op(enum.StrEnum):
     CACHE_BY_KEY = "cache_by_key"
     BLOCKS_BY_KEY = "blocks_by_key"
     CACHE_BY_ADDR = "cache_by_addr"
+
+
+#: The event the initiator of a link sends once both halves of its data path
+#: worked (its own and the peer's probe_back): the acceptor's link is up then.
+LINK_UP = "link_up"
 
 
 #: The metadata lookups: served with no await between the registry check and
