@@ -320,7 +320,10 @@ class Linker:
         left = max(deadline - loop.time(), 0.05)
         back_task = asyncio.ensure_future(ask(conn, ProbeBack(left), timeout=left + 1.0))
         try:
-            await asyncio.sleep(0)  # the probe_back request is queued and sent first
+            # Two turns of the loop: the request is queued, then the
+            # connection's writer sends it, before our half's first steps.
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
             problem = await self._prober.probe(link, left)
             if problem:
                 raise make_error(
