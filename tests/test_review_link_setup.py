@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 import aiokvcache as kv
@@ -282,6 +283,15 @@ def test_a_shm_key_is_still_checked_and_maps_once() -> None:
         region, addr = b.mem_alloc(size)
         ep = a.connect(b.worker_address, False)
         packed = b.rkey_pack(region)
+        # The endpoint's own segments come while its wire-up runs (on the
+        # progress thread): one put that ended first, so that the only
+        # mapping that can appear below is the key's.
+        warm = a.rkey_unpack(ep, packed, addr, size)
+        _, src_addr = a.mem_alloc(4096)
+        rows = np.array([[src_addr, addr, 8, warm]], np.uint64)
+        assert a.wait_released([a.submit(native.OP_PUT, ep, rows)], 60)
+        a.drain()
+        a.rkey_release(warm)
         with open("/proc/self/maps") as f:
             before = set(f.read().splitlines())
         a.rkey_unpack(ep, packed, addr, size)

@@ -58,6 +58,10 @@ class ReleaseWatch:
     as soon as the engine releases it.
     """
 
+    #: The backstop's pauses: from this, doubling up to ``backstop_max_s``.
+    backstop_first_s = 0.0005
+    backstop_max_s = 0.02
+
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -89,7 +93,7 @@ class ReleaseWatch:
         if not self._watch(loop):
             return await until(done, timeout, fine=True)
         end = loop.time() + timeout
-        pause = 0.0005
+        pause = self.backstop_first_s
         while True:
             self._engine.arm_release_signal()
             if done():
@@ -105,7 +109,7 @@ class ReleaseWatch:
             finally:
                 backstop.cancel()
                 self._waiters.discard(fut)
-            pause = min(pause * 2, 0.02)
+            pause = min(pause * 2, self.backstop_max_s)
 
     def close(self) -> None:
         """Stop watching (service loop); later waits poll."""
