@@ -19,7 +19,6 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 
 import aiokvcache as kv
@@ -27,8 +26,7 @@ from aiokvcache._core import control, handshake, probe, wire
 from aiokvcache._core.servicethread import ReleaseWatch
 from aiokvcache._loader import native
 from aiokvcache.testing import cluster_info, make_pair, options
-
-MiB = 1 << 20
+from support.native_pair import QuietHandler, slow_pair
 
 
 def _readable(fd: int, timeout: float) -> bool:
@@ -41,21 +39,8 @@ def _readable(fd: int, timeout: float) -> bool:
 @pytest.fixture
 def slow_put() -> Iterator[tuple[Any, Any]]:
     """A put of 64 MiB through a 64 KiB window (hundreds of round trips)."""
-    a = native.Engine("tcp", max_inflight_bytes=64 * 1024, chunk_bytes=16 * 1024, direct_copy=False)
-    b = native.Engine("tcp")
-    size = 64 * MiB
-    region, addr = b.mem_alloc(size)
-    ep = a.connect(b.worker_address, False)
-    rkey = a.rkey_unpack(ep, b.rkey_pack(region), addr, size)
-    src = np.zeros(size, np.uint8)
-
-    def put() -> int:
-        rows = np.array([[src.ctypes.data, addr, size, rkey]], np.uint64)
-        return int(a.submit(native.OP_PUT, ep, rows))
-
-    yield a, put
-    a.close()
-    b.close()
+    with slow_pair() as pair:
+        yield pair.a, pair.put
 
 
 def test_release_signal_is_written_once_armed(slow_put: tuple[Any, Any]) -> None:
@@ -192,22 +177,6 @@ async def test_a_peer_without_a_handshake_slot_is_asked(asks: list[str]) -> None
         await decoder.finalize()
 
 
-class _Quiet:
-    """A control handler that answers nothing of note."""
-
-    def on_connected(self, conn: Any) -> None:
-        pass
-
-    async def handle_request(self, conn: Any, op: str, body: dict[str, Any]) -> dict[str, Any]:
-        return {}
-
-    def on_event(self, conn: Any, op: str, body: dict[str, Any]) -> None:
-        pass
-
-    def on_closed(self, conn: Any, reason: str) -> None:
-        pass
-
-
 @pytest.mark.parametrize(
     "bad",
     [
@@ -230,7 +199,7 @@ async def test_a_bad_handshake_slot_fails_that_probe_only(bad: dict[str, Any]) -
             me = handshake.LocalInfo(
                 7, int(kv.LLMRole.PROMPT), other.worker_address, probe=lambda: dict(bad)
             )
-            conn = await control.connect(host, int(port), me, _Quiet(), 5.0)
+            conn = await control.connect(host, int(port), me, QuietHandler(), 5.0)
             answer = await wire.ask(conn, wire.ProbeBack(2.0), timeout=5.0)
             assert "no probe buffer from the peer" in answer.problem
             await conn.close("done")

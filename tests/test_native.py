@@ -11,16 +11,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 
 from aiokvcache._loader import native
 from aiokvcache.errors import LLMStatusCode
+from support.native_pair import SlowPair
+from support.native_pair import slow_pair as open_slow_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 GEN = ROOT / "tools" / "gen_native_stub.py"
@@ -181,43 +181,15 @@ def test_calls_after_close_raise_engine_closed(call: Callable[[Any], object]) ->
 
 # ------------------------------------------------------------ release waits
 
-MiB = 1 << 20
 
 
-@dataclass
-class Pair:
-    """Engine a puts into b's region over TCP, through a deliberately small window."""
-
-    a: Any
-    b: Any
-    ep: int
-    rkey: int
-    addr: int
-    size: int
-    src: npt.NDArray[np.uint8]
-
-    def put(self) -> int:
-        rows = np.array([[self.src.ctypes.data, self.addr, self.size, self.rkey]], np.uint64)
-        return int(self.a.submit(native.OP_PUT, self.ep, rows))
-
-    def completions(self, drained: list[tuple[int, ...]]) -> dict[int, int]:
-        return {jid: st for kind, jid, st, *_ in drained if kind == native.KIND_JOB}
+Pair = SlowPair
 
 
 @pytest.fixture
 def slow_pair() -> Iterator[Pair]:
-    # A 64 KiB window makes a 64 MiB put take hundreds of round trips
-    # (about half a second here): long enough to wait on, or to time out.
-    a = native.Engine("tcp", max_inflight_bytes=64 * 1024, chunk_bytes=16 * 1024, direct_copy=False)
-    b = native.Engine("tcp")
-    size = 64 * MiB
-    region, addr = b.mem_alloc(size)
-    ep = a.connect(b.worker_address, False)
-    rkey = a.rkey_unpack(ep, b.rkey_pack(region), addr, size)
-    src = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
-    yield Pair(a, b, ep, rkey, addr, size, src)
-    a.close()
-    b.close()
+    with open_slow_pair() as pair:
+        yield pair
 
 
 def test_wait_released_from_another_thread(slow_pair: Pair) -> None:

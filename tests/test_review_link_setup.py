@@ -31,6 +31,7 @@ import aiokvcache as kv
 from aiokvcache._core import control, handshake, wire
 from aiokvcache._loader import native
 from aiokvcache.testing import cluster_info, options
+from support.native_pair import QuietHandler
 
 
 def _runtime(dd: kv.LLMDataDist) -> Any:
@@ -229,22 +230,6 @@ async def test_a_link_right_after_a_cancelled_one_succeeds(transport: str) -> No
 # ------------------------------------------------------------------ D3
 
 
-class _Quiet:
-    """A control handler that answers nothing of note."""
-
-    def on_connected(self, conn: Any) -> None:
-        pass
-
-    async def handle_request(self, conn: Any, op: str, body: dict[str, Any]) -> dict[str, Any]:
-        return {}
-
-    def on_event(self, conn: Any, op: str, body: dict[str, Any]) -> None:
-        pass
-
-    def on_closed(self, conn: Any, reason: str) -> None:
-        pass
-
-
 async def test_a_probe_slot_that_is_not_a_dict_fails_only_the_probe() -> None:
     victim = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
     try:
@@ -258,7 +243,7 @@ async def test_a_probe_slot_that_is_not_a_dict_fails_only_the_probe() -> None:
                 other.worker_address,
                 probe=lambda: None,  # type: ignore[arg-type,return-value]
             )
-            conn = await control.connect(host, int(port), me, _Quiet(), 5.0)
+            conn = await control.connect(host, int(port), me, QuietHandler(), 5.0)
             try:
                 answer = await wire.ask(conn, wire.ProbeBack(2.0), timeout=5.0)
                 assert "no probe buffer from the peer" in answer.problem
