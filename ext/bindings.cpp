@@ -240,7 +240,7 @@ void bind_engine_setup(py::class_<PyEngine>& cls) {
       .def_property_readonly("copy_lanes", [](const PyEngine& e) { return e.copy_lanes(); })
       .def_property_readonly("progress_spin_us", [](const PyEngine& e) { return e.progress_spin_us(); })
       .def_property_readonly("event_fd", &Engine::event_fd)
-      .def_property_readonly("release_fd", &Engine::release_fd)
+      .def_property_readonly("release_fd", [](PyEngine& e) { return e.release_fd(); })
       .def("arm_release_signal", &Engine::arm_release_signal)
       .def_property_readonly("worker_address", [](const PyEngine& e) { return py::bytes(e.worker_address()); })
       .def_property_readonly("closed", &Engine::closed)

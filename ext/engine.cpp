@@ -233,6 +233,13 @@ void Engine::close() {
   }
   live_cv_.notify_all();
   signal_release(true);
+  {
+    // Its watcher's dup still sees that last write; the engine's own
+    // descriptor goes now, not with the object (finalized instances that
+    // live on until a garbage collection held one each).
+    std::lock_guard<std::mutex> lk(release_mu_);
+    release_efd_.reset();
+  }
   // Only now: requests that outlived shutdown pointed at these.
   jobs_.clear();
   graveyard_.clear();

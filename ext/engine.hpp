@@ -185,8 +185,12 @@ class Engine {
   // The release signal: an eventfd written once, after arm_release_signal(),
   // when a job is next released (and at close), so that a loop other than
   // the owner's (the peer service's) waits on a few jobs without polling.
-  // Open for as long as this object: a loop may still watch it after close.
-  int release_fd() const { return release_efd_.get(); }
+  // close() writes it a last time and closes it (-1 after): a watcher reads
+  // a dup of its own, which it closes when it stops watching.
+  int release_fd() {
+    std::lock_guard<std::mutex> lk(release_mu_);
+    return release_efd_.get();
+  }
   void arm_release_signal() { release_armed_.store(true); }
   unsigned copy_lanes() const { return cfg_.copy_lanes; }  // as chosen (never 0)
   uint64_t progress_spin_us() const { return static_cast<uint64_t>(cfg_.spin.count()); }
@@ -470,7 +474,8 @@ class Engine {
   std::mutex live_mu_;
   std::condition_variable live_cv_;
   std::unordered_set<uint64_t> live_ids_;
-  UniqueFd release_efd_;  // see release_fd()
+  std::mutex release_mu_;  // guards release_efd_ (closed at close())
+  UniqueFd release_efd_;   // see release_fd()
   std::atomic<bool> release_armed_{false};
 
   std::atomic<uint64_t> next_job_{1};

@@ -604,9 +604,13 @@ void Engine::push_job_completion(Completion&& c) {
 
 void Engine::signal_release(bool always) {
   if (release_armed_.exchange(false) || always) {
+    // Under the lock close() takes to close it: never a write to a number
+    // the process may have reused.
+    std::lock_guard<std::mutex> lk(release_mu_);
+    if (release_efd_.get() < 0) return;
     uint64_t one = 1;
     ssize_t n = ::write(release_efd_.get(), &one, sizeof(one));
-    (void)n;  // full (2^64 - 2 unread) or closed: a waiter polls anyway
+    (void)n;  // full (2^64 - 2 unread): a waiter polls anyway
   }
 }
 

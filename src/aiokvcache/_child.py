@@ -201,8 +201,11 @@ class Child:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"no answer from {self.label}: last lines {list(self._skipped)}")
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
+            # poll, not select: select() refuses a descriptor past 1023, and
+            # a serving process (or a long test run) has more open than that.
+            poller = select.poll()
+            poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+            if poller.poll(max(1, int(left * 1000))):
                 chunk = os.read(fd, 1 << 16)
                 if chunk:
                     self._buf += chunk

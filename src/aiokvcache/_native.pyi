@@ -78,7 +78,8 @@ class Engine:
     @property
     def release_fd(self) -> int:
         """An eventfd written once, after :meth:`arm_release_signal`, when a job
-        is next released (and at close); open as long as this object."""
+        is next released, and at close, which then closes it (-1 after): watch
+        a dup of it."""
     def arm_release_signal(self) -> None:
         """Ask for one write of :attr:`release_fd` at the next job release."""
     @property

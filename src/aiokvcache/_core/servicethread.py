@@ -65,6 +65,7 @@ class ReleaseWatch:
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = -1  # our dup of the engine's descriptor (it closes its own at close)
         self._waiters: set[asyncio.Future[None]] = set()
         self._closed = False
 
@@ -73,16 +74,22 @@ class ReleaseWatch:
             return False
         if self._loop is None:
             try:
-                loop.add_reader(self._engine.release_fd, self._on_signal)
+                fd = os.dup(self._engine.release_fd)  # -1 once the engine closed
+            except OSError:
+                self._closed = True  # poll
+                return False
+            try:
+                loop.add_reader(fd, self._on_signal)
             except (OSError, ValueError, NotImplementedError):
+                os.close(fd)
                 self._closed = True  # no reader here: poll
                 return False
-            self._loop = loop
+            self._fd, self._loop = fd, loop
         return self._loop is loop
 
     def _on_signal(self) -> None:
         try:
-            os.read(self._engine.release_fd, 8)
+            os.read(self._fd, 8)
         except OSError:
             pass  # read empty already (BlockingIOError)
         self._wake_all()
@@ -112,13 +119,21 @@ class ReleaseWatch:
             pause = min(pause * 2, self.backstop_max_s)
 
     def close(self) -> None:
-        """Stop watching (service loop); later waits poll."""
+        """Stop watching and close our descriptor (service loop); later waits poll."""
         self._closed = True
         if self._loop is not None:
             with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._engine.release_fd)
-            self._loop = None
+                self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd, self._loop = -1, None
         self._wake_all()
+
+    def __del__(self) -> None:
+        # Never closed (a service that never finalized): nothing watches it
+        # any more, since a loop's reader would have kept this object alive.
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
 
     def _wake_all(self) -> None:
         waiters, self._waiters = self._waiters, set()
