@@ -66,7 +66,12 @@ def _run_child(
 ) -> subprocess.CompletedProcess[str] | None:
     """Run ``code`` in a fresh interpreter; None when it is still running after ``timeout``."""
     script = tmp_path / "child.py"
-    script.write_text(textwrap.dedent(code))
+    # Ctrl-C as an interactive run has it, whatever this process inherited:
+    # a run started in the background of a non-interactive shell ignores
+    # SIGINT, its children inherit that, and Python (so trio) then turns no
+    # SIGINT into a KeyboardInterrupt.
+    default_sigint = "import signal as _s\n_s.signal(_s.SIGINT, _s.default_int_handler)\n"
+    script.write_text(default_sigint + textwrap.dedent(code))
     log = tmp_path / "child.log"
     # Output to a file, not a pipe: a grandchild that inherits it must not
     # keep us waiting for end of file.
