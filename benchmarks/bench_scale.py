@@ -47,53 +47,35 @@ from _common import table
 
 # The test suite's peer clients and network-namespace clusters (not installed).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.harness import AsyncPeer, NetCluster, netns_unavailable
+from support.harness import AsyncPeer, NetCluster, netns_unavailable, rss_kb
 
 LAYERS = 32
 BLOCK = 64 * 1024
 BLOCKS_PER_PEER = 4
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_rss_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
 def proc_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def proc_cpu_s(pid: int) -> float:
-    """CPU seconds of every thread of ``pid`` so far, to the nanosecond (the
-    threads' schedstat: /proc/PID/stat counts clock ticks, 10 ms here, as
-    coarse as a whole link at N = 1)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended: its time went with it
-    return total / 1e9
-
-
 def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds by thread name (threads of one name summed)."""
+    """CPU seconds of ``pid``'s threads so far, by thread name (threads of one
+    name summed), to the nanosecond: their schedstat (/proc/PID/stat counts
+    clock ticks, 10 ms here, as coarse as a whole link at N = 1)."""
     out: dict[str, float] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2 :].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended: its time went with it
+        out[name] = out.get(name, 0.0) + ns / 1e9
     return out
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of ``pid`` so far."""
+    return sum(thread_cpu_s(pid).values())
 
 
 @dataclass
@@ -161,7 +143,7 @@ async def one_n(n: int, args: argparse.Namespace) -> Result:
                 await p.call("alloc", name="src", tensors=2 * LAYERS, bytes=BLOCKS_PER_PEER * BLOCK)
         await asyncio.sleep(0.5)
         dpid = int(decode.hello["pid"])
-        rss0, fds0, dcpu0 = proc_rss_kb(dpid), proc_fds(dpid), proc_cpu_s(dpid)
+        rss0, fds0, dcpu0 = rss_kb(dpid), proc_fds(dpid), proc_cpu_s(dpid)
         links = await asyncio.gather(
             *(
                 p.call("link", address=decode.address, cluster_id=2, timeout_ms=60_000)
@@ -173,7 +155,7 @@ async def one_n(n: int, args: argparse.Namespace) -> Result:
             raise RuntimeError(f"{len(bad)} links failed: {bad[0]}")
         dcpu1 = proc_cpu_s(dpid)
         await asyncio.sleep(0.5)
-        rss1, fds1 = proc_rss_kb(dpid), proc_fds(dpid)
+        rss1, fds1 = rss_kb(dpid), proc_fds(dpid)
         cpu0 = thread_cpu_s(dpid)
         start_at = time.monotonic() + 1.0 + 0.02 * n
         reqs = []
