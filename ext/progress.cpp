@@ -30,19 +30,20 @@ int Engine::wait_timeout_ms() {
 bool Engine::step() {
   commands_.run();
   bool busy = drain_lanes();
+  job_work_ = busy || !jobs_.empty();
   // Deadlines before posting: a thread that was not scheduled (a frozen or
   // starved process) past a job's deadline must not post for it first.
   check_deadlines();
-  if (!touched_.empty()) busy = true;
+  if (!touched_.empty()) busy = job_work_ = true;
   process_touched();
-  busy = post_all() || busy;
+  if (post_all()) busy = job_work_ = true;
   // Bounded: under a steady stream of arrivals (many peers pushing into
   // this one) progress never returns 0, and an unbounded loop here starved
   // the rest of the step: keep-alives (peers declared this one silent and
   // broke their links at 32 peers on 2 cores), deadlines, flushes.
   for (int i = 0; i < kProgressBurst && ucp_worker_progress(worker_.get()) != 0; ++i) busy = true;
   reap_endpoints();
-  if (!touched_.empty()) busy = true;
+  if (!touched_.empty()) busy = job_work_ = true;
   process_touched();
   check_deadlines();
   process_touched();
@@ -62,7 +63,7 @@ void Engine::run() {
     while (!progress_.stopping()) {
       if (step()) {
         idle = 0;
-        spin_until_ = std::chrono::steady_clock::now() + cfg_.spin;
+        if (job_work_) spin_until_ = std::chrono::steady_clock::now() + cfg_.spin;
         continue;
       }
       if (commands_.pending() || lanes_.done_pending()) continue;

@@ -138,6 +138,32 @@ async def test_the_spin_after_work_is_bounded(transport: str) -> None:
         b.bridge.close()
 
 
+async def test_a_passive_side_does_not_spin_on_a_peers_arriving_bytes() -> None:
+    """Over tcp a put's bytes need the target's progress thread, which a
+    long spin budget (100 ms) would keep polling after each arrival. Only its
+    own transfers start a spin: puts arriving every 40 ms for a second cost
+    the target little CPU (a spinning target would use about a second)."""
+    from support.harness import threads_cpu_s
+
+    a = make_side("tcp", progress_spin_us=0)
+    b = make_side("tcp", MiB, progress_spin_us=100_000)
+    try:
+        lk = link(a, b, "tcp")
+        src = pattern(4096, 1)
+        await run_jobs(a.bridge, [put(lk, src)])
+        await asyncio.sleep(0.3)
+        cpu0 = threads_cpu_s()
+        for _ in range(25):
+            await run_jobs(a.bridge, [put(lk, src)])
+            await asyncio.sleep(0.04)
+        cpu = threads_cpu_s() - cpu0
+        assert sha(b.view()[:4096]) == sha(src)
+        assert cpu < 0.5, f"progress threads used {cpu:.3f} s of CPU over 25 spaced puts"
+    finally:
+        a.bridge.close()
+        b.bridge.close()
+
+
 @pytest.mark.parametrize("size", [1, 4093, MiB + 7, 64 * MiB])
 async def test_put_get_exact_bytes(pair: Link, size: int) -> None:
     src = pattern(size, size)

@@ -629,9 +629,10 @@ OPTIONS: tuple[Option, ...] = (
         0,
         100_000,
         100,
-        "Microseconds the progress thread keeps polling after its last work before it sleeps, "
-        "``[0, 100000]``, default 100: a caller that awaits each small transfer then finds it "
-        "awake instead of paying two thread wake-ups. Idle it never spins.",
+        "Microseconds the progress thread keeps polling after its last work on a transfer of "
+        "its own before it sleeps, ``[0, 100000]``, default 100: a caller that awaits each small "
+        "transfer then finds it awake instead of paying two thread wake-ups. A peer's arriving "
+        "bytes or a connect start no spin; idle it never spins.",
         "100 µs",
         "0 to 100000",
         ours=True,
