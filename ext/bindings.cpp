@@ -309,12 +309,15 @@ void bind_engine_links(py::class_<PyEngine>& cls) {
   cls
       .def(
           "connect",
-          [](PyEngine& e, const py::bytes& addr, bool peer_errors) {
+          [](PyEngine& e, const py::bytes& addr, bool peer_errors, const py::bytes& send_key,
+             const py::bytes& recv_key, uint64_t peer_id) {
             std::string a = addr;
+            akv::NoteKeys keys{send_key, recv_key, peer_id};
             py::gil_scoped_release nogil;
-            return e.connect(a, peer_errors);
+            return e.connect(a, peer_errors, keys);
           },
-          py::arg("worker_address"), py::arg("peer_errors") = true)
+          py::arg("worker_address"), py::arg("peer_errors") = true, py::arg("send_key") = py::bytes(),
+          py::arg("recv_key") = py::bytes(), py::arg("peer_id") = 0)
       .def("disconnect", &Engine::disconnect, py::arg("ep_id"), py::call_guard<py::gil_scoped_release>())
       .def(
           "set_note_keys",

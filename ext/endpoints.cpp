@@ -9,10 +9,11 @@ namespace akv {
 
 // ---------------------------------------------------------------- API side
 
-uint64_t Engine::connect(const std::string& address, bool peer_errors) {
+uint64_t Engine::connect(const std::string& address, bool peer_errors, const NoteKeys& keys) {
   check_open();
   check_worker_address(address, worker_address_);
-  return call<uint64_t>([this, address, peer_errors]() {
+  if (keys.given()) check_note_keys(keys.send, keys.recv);
+  return call<uint64_t>([this, address, peer_errors, keys]() {
     auto ep = std::make_unique<Endpoint>();
     ep->id = next_ep_++;
     ep->owner = this;
@@ -57,8 +58,12 @@ uint64_t Engine::connect(const std::string& address, bool peer_errors) {
       ep->wiring = true;
     }
     uint64_t id = ep->id;
+    Endpoint* made = ep.get();
     eps_[id] = std::move(ep);
     stats_.endpoints = eps_.size();
+    // In the same command: a link's set-up waited for the progress thread
+    // once more for its keys alone.
+    if (keys.given()) install_note_keys(made, keys);
     return id;
   });
 }
@@ -85,19 +90,27 @@ std::vector<uint64_t> Engine::disconnect(uint64_t ep_id) {
 
 void Engine::set_note_keys(uint64_t ep_id, const std::string& send_key, const std::string& recv_key,
                            uint64_t peer_id) {
+  check_note_keys(send_key, recv_key);
+  NoteKeys keys{send_key, recv_key, peer_id};
+  call<void>([this, ep_id, keys]() {
+    auto it = eps_.find(ep_id);
+    if (it == eps_.end()) throw InvalidArgument("unknown endpoint id");
+    install_note_keys(it->second.get(), keys);
+  });
+}
+
+void Engine::check_note_keys(const std::string& send_key, const std::string& recv_key) {
   if (send_key.size() != kNoteKeyLen || recv_key.size() != kNoteKeyLen) {
     throw InvalidArgument("notification keys must be " + std::to_string(kNoteKeyLen) + " bytes");
   }
-  call<void>([this, ep_id, send_key, recv_key, peer_id]() {
-    auto it = eps_.find(ep_id);
-    if (it == eps_.end()) throw InvalidArgument("unknown endpoint id");
-    Endpoint* ep = it->second.get();
-    if (!ep->note_key.empty()) note_keys_.erase(ep->note_key);
-    ep->note_header = send_key;
-    ep->note_key = recv_key;
-    ep->heard = std::chrono::steady_clock::now();
-    note_keys_[recv_key] = NoteKey{peer_id, ep_id};
-  });
+}
+
+void Engine::install_note_keys(Endpoint* ep, const NoteKeys& keys) {
+  if (!ep->note_key.empty()) note_keys_.erase(ep->note_key);
+  ep->note_header = keys.send;
+  ep->note_key = keys.recv;
+  ep->heard = std::chrono::steady_clock::now();
+  note_keys_[keys.recv] = NoteKey{keys.peer_id, ep->id};
 }
 
 double Engine::silent_s(uint64_t ep_id) {

@@ -64,6 +64,15 @@ struct EngineConfig {
 
 class Engine;
 
+// A link's notification keys: notifications we send on its endpoint carry
+// send; those arriving with recv are reported as peer_id's. Empty: none.
+struct NoteKeys {
+  std::string send;
+  std::string recv;
+  uint64_t peer_id = 0;
+  bool given() const { return !send.empty() || !recv.empty(); }
+};
+
 // Where an endpoint's transport close stands. Why it ends (Endpoint::closing,
 // Endpoint::broken) is separate: a disconnected endpoint may fail too, and
 // either reason may come before or after the close is posted.
@@ -217,7 +226,10 @@ class Engine {
   // peer_errors: UCX peer failure handling. Shared-memory transports do not
   // support it (UCX then refuses the endpoint), so same-host peers connect
   // without it and rely on the control plane to notice a dead peer.
-  uint64_t connect(const std::string& worker_address, bool peer_errors);
+  // keys, when given: the link's notification keys, installed in the same
+  // command (see set_note_keys).
+  uint64_t connect(const std::string& worker_address, bool peer_errors,
+                   const NoteKeys& keys = NoteKeys{});
   // Returns the ids of the jobs still live on it (cancelled now): the
   // caller waits for their release before it calls the peer quiescent.
   std::vector<uint64_t> disconnect(uint64_t ep_id);
@@ -316,6 +328,8 @@ class Engine {
   void destroy_idle_keys(Endpoint* ep);
 
   // Endpoints (endpoints.cpp).
+  static void check_note_keys(const std::string& send_key, const std::string& recv_key);
+  void install_note_keys(Endpoint* ep, const NoteKeys& keys);
   void close_endpoint(Endpoint* ep, bool force);
   bool endpoint_closed_now(uint64_t ep_id);
   void reap_endpoints();

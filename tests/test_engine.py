@@ -77,11 +77,25 @@ def link(a: Side, b: Side, transport: str) -> Link:
     ep = a.engine.connect(b.engine.worker_address, False)
     rkey = a.engine.rkey_unpack(ep, b.engine.rkey_pack(b.region), b.addr, b.size)
     # Notifications a sends on ep carry the key b accepts them with, as a link does.
-    back = b.engine.connect(a.engine.worker_address, False)
+    # (b's endpoint gets its keys in the connect call itself, as a link's do.)
     key = os.urandom(native.NOTE_KEY_LEN)
     a.engine.set_note_keys(ep, key, os.urandom(native.NOTE_KEY_LEN), 2)
-    b.engine.set_note_keys(back, os.urandom(native.NOTE_KEY_LEN), key, 1)
+    b.engine.connect(a.engine.worker_address, False, os.urandom(native.NOTE_KEY_LEN), key, 1)
     return Link(a, b, ep, rkey)
+
+
+@pytest.mark.parametrize("bad", ["send", "recv"])
+async def test_connect_with_a_bad_note_key_makes_no_endpoint(bad: str) -> None:
+    a, b = make_side("tcp"), make_side("tcp")
+    try:
+        good, short = os.urandom(native.NOTE_KEY_LEN), os.urandom(native.NOTE_KEY_LEN - 1)
+        keys = (short, good) if bad == "send" else (good, short)
+        with pytest.raises(native.InvalidArgumentError, match="notification keys"):
+            a.engine.connect(b.engine.worker_address, False, *keys, 2)
+        assert a.engine.stats()["endpoints"] == 0
+    finally:
+        a.bridge.close()
+        b.bridge.close()
 
 
 @pytest_asyncio.fixture

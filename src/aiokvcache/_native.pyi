@@ -115,11 +115,21 @@ class Engine:
         land there, nobody reads them) until close(). Counted in
         ``stats()["quarantined_bytes"]``, not in ``regions``."""
     def rkey_pack(self, region_id: int) -> bytes: ...
-    def connect(self, worker_address: bytes, peer_errors: bool = True) -> int:
+    def connect(
+        self,
+        worker_address: bytes,
+        peer_errors: bool = True,
+        send_key: bytes = b"",
+        recv_key: bytes = b"",
+        peer_id: int = 0,
+    ) -> int:
         """An endpoint to a peer's worker.
 
         The address is checked before UCX sees it (length, header, a bounded
         walk of its device list); InvalidArgumentError when it does not hold.
+        With keys, they are installed as :meth:`set_note_keys` would, in the
+        same call (InvalidArgumentError, and no endpoint, when a key is not
+        NOTE_KEY_LEN bytes).
         """
     def rkey_unpack(self, ep_id: int, packed: bytes, base: int, length: int) -> int:
         """A key for the peer's region [base, base + length).

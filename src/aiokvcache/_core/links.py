@@ -91,21 +91,20 @@ class Links:
         # dead peer's control connection breaks the link on any transport.
         peer_errors = st.options.transport == "rdma"
         try:
-            ep: int = st.engine.connect(conn.peer_worker_address, peer_errors)
+            # Notifications we send carry the key the peer gave us; those
+            # that carry ours are attributed to this link (ext/engine.hpp).
+            # One call: the progress thread makes the endpoint and keys it.
+            ep: int = st.engine.connect(
+                conn.peer_worker_address,
+                peer_errors,
+                conn.peer_note_key,
+                conn.local_note_key,
+                cid,
+            )
         except native.NativeError as exc:
             raise make_error(
                 LLMStatusCode.LLM_LINK_FAILED,
                 f"cannot reach cluster {cid}'s transfer engine: {exc}",
-            ) from exc
-        try:
-            # Notifications we send carry the key the peer gave us; those
-            # that carry ours are attributed to this link (ext/engine.hpp).
-            st.engine.set_note_keys(ep, conn.peer_note_key, conn.local_note_key, cid)
-        except native.NativeError as exc:
-            with contextlib.suppress(native.NativeError):
-                st.engine.disconnect(ep)
-            raise make_error(
-                LLMStatusCode.LLM_LINK_FAILED, f"cluster {cid} sent a bad notification key: {exc}"
             ) from exc
         return ep
 
