@@ -950,6 +950,91 @@ async def test_no_worker_address_before_the_token_is_proven(net: Net) -> None:
     await eventually(lambda: len(sh.connected) == 1)
 
 
+def _identity(cluster_id: int) -> dict[str, object]:
+    address = f"ucx-worker-{cluster_id}".encode()
+    return {"worker_address": address, "host_id": b"", "note_key": b"k" * 16}
+
+
+def _hello(cluster_id: int, **extra: object) -> dict[str, object]:
+    hello = {"version": PROTOCOL_VERSION, "cluster_id": cluster_id, "role": 1}
+    hello.update(nonce=bytes([cluster_id]) * 32, auth=False, **extra)
+    return hello
+
+
+async def test_without_a_token_the_initiator_sends_auth_with_hello() -> None:
+    """An acceptor scripted to read HELLO and AUTH before it answers anything
+    (an initiator that waited for HELLO_REPLY would never send AUTH); it then
+    answers the old way, HELLO_REPLY and AUTH_OK apart, and the link works."""
+    got: list[int] = []
+
+    async def acceptor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            for _ in range(2):
+                kind, _ = await asyncio.wait_for(_read_raw_frame(reader), 5)
+                got.append(kind)
+            writer.write(frame(2, encode(_hello(1) | {"mac": b""})))
+            await writer.drain()
+            writer.write(frame(4, encode({"mac": b"", **_identity(1)})))
+            await reader.read()  # until the initiator closes
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(acceptor, HOST, 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        conn = await connect(HOST, port, local(2), Recorder("client"), 5.0)
+        assert got == [1, 3]  # HELLO, then AUTH, before any answer
+        assert conn.peer_worker_address == b"ucx-worker-1"
+        await conn.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_an_acceptor_answers_an_eager_hello_once_auth_came(net: Net) -> None:
+    srv, sh = await net.server()
+    reader, writer = await asyncio.open_connection(*srv.address)
+    try:
+        writer.write(frame(1, encode(_hello(5, eager=True))))
+        # It waits for the AUTH that an eager HELLO announces.
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(_read_raw_frame(reader), 0.3)
+        writer.write(frame(3, encode({"mac": b"", **_identity(5)})))
+        kind, reply = await asyncio.wait_for(_read_raw_frame(reader), 5)
+        assert kind == 2 and reply["cluster_id"] == 1
+        kind, ok = await asyncio.wait_for(_read_raw_frame(reader), 5)
+        assert kind == 4 and ok["worker_address"] == b"ucx-worker-1"
+        await eventually(lambda: len(sh.connected) == 1)
+        assert sh.connected[0].peer_worker_address == b"ucx-worker-5"
+    finally:
+        writer.close()
+
+
+async def test_an_acceptor_answers_a_plain_hello_first(net: Net) -> None:
+    """An initiator that does not send AUTH with HELLO (no ``eager``) gets
+    HELLO_REPLY before it sends AUTH, as before."""
+    srv, sh = await net.server()
+    reader, writer = await asyncio.open_connection(*srv.address)
+    try:
+        writer.write(frame(1, encode(_hello(6))))
+        kind, reply = await asyncio.wait_for(_read_raw_frame(reader), 5)
+        assert kind == 2 and "worker_address" not in reply
+        writer.write(frame(3, encode({"mac": b"", **_identity(6)})))
+        kind, ok = await asyncio.wait_for(_read_raw_frame(reader), 5)
+        assert kind == 4 and ok["worker_address"] == b"ucx-worker-1"
+        await eventually(lambda: len(sh.connected) == 1)
+    finally:
+        writer.close()
+
+
+async def test_an_eager_hello_with_a_token_on_the_acceptor_is_refused(net: Net) -> None:
+    srv, sh = await net.server(token=b"secret")
+    with pytest.raises(LLMException, match="one is required") as exc:
+        await net.connect(srv)
+    assert exc.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+    assert sh.connected == []
+
+
 async def test_the_identity_is_proven_with_the_token(net: Net) -> None:
     srv, sh = await net.server(token=b"k")
     conn, _ = await net.connect(srv, token=b"k")

@@ -140,7 +140,9 @@ async def connect(
     """Open a control connection to ``host:port`` and run the handshake.
 
     ``expected_cluster_id``: the cluster we mean to reach; an acceptor that
-    claims another id gets nothing past HELLO (LLM_LINK_FAILED).
+    claims another id is refused (LLM_LINK_FAILED). With a token it gets
+    nothing past HELLO; without one our AUTH went with HELLO (any acceptor
+    could claim the id we expect: there is nothing to withhold).
 
     Raises ``LLMException(LLM_LINK_FAILED)`` when the peer refuses the TCP
     connection, is unreachable, breaks the protocol or fails authentication;

@@ -2,17 +2,25 @@
 
 ::
 
-    initiator -> HELLO        {version, cluster_id, role, nonce, auth}
+    initiator -> HELLO        {version, cluster_id, role, nonce, auth, [eager]}
     acceptor  -> HELLO_REPLY  {same fields, mac}
     initiator -> AUTH         {mac, worker_address, host_id, note_key, [probe]}
     acceptor  -> AUTH_OK      {mac, worker_address, host_id, note_key, [probe]}
                               (or ERROR_RESPONSE {status, message})
 
-Each side's identity travels only once the other side has proven the token,
-and is bound into the sender's mac. With a token, both sides then derive one
-AES-256-GCM key per direction (:func:`session_seals`) that seals AUTH, AUTH_OK
-and every later frame. See :mod:`aiokvcache._core.control` and docs/design.md,
-"Handshake (protocol 3)".
+With a token, each side's identity travels only once the other side has
+proven the token, and is bound into the sender's mac; both sides then derive
+one AES-256-GCM key per direction (:func:`session_seals`) that seals AUTH,
+AUTH_OK and every later frame.
+
+Without a token there is nothing to prove, and the handshake takes one round
+trip: the initiator marks its HELLO ``eager`` and sends AUTH in the same write
+(AUTH carries nothing that depends on HELLO_REPLY then), and an acceptor that
+knows ``eager`` reads AUTH before it answers, and sends HELLO_REPLY and
+AUTH_OK in one write. An acceptor that does not know it answers HELLO first
+and finds AUTH already waiting: the frames and their checks are the same.
+
+See :mod:`aiokvcache._core.control` and docs/design.md, "Handshake (protocol 3)".
 """
 
 from __future__ import annotations
@@ -246,14 +254,25 @@ class InitiatorHandshake:
         token = self.local.auth_token
         nonce = secrets.token_bytes(NONCE_LEN)
         hello = hello_payload(self.local, nonce)
-        await send_now(writer, Kind.HELLO, 0, hello)
+        if token is None:
+            # Nothing to prove either way (any acceptor may claim any id),
+            # so AUTH goes with HELLO: one round trip instead of two.
+            hello["eager"] = True
+            mine = identity_payload(self.local, self.note_key)
+            writer.write(
+                pack_frame(Kind.HELLO, 0, hello) + pack_frame(Kind.AUTH, 0, {"mac": b"", **mine})
+            )
+            await writer.drain()
+        else:
+            await send_now(writer, Kind.HELLO, 0, hello)
         kind, _, reply = await read_frame(reader)
         ids = self._check_reply(kind, reply, hello)
         self.tx, self.rx = session_seals(token, nonce, reply["nonce"], ids)
-        # The acceptor proved the token: it may learn our identity now.
-        mine = identity_payload(self.local, self.note_key)
-        client_mac = compute_mac(token, b"aiokvcache-c", reply["nonce"], nonce, ids, mine)
-        await send_now(writer, Kind.AUTH, 0, {"mac": client_mac, **mine}, self.tx)
+        if token is not None:
+            # The acceptor proved the token: it may learn our identity now.
+            mine = identity_payload(self.local, self.note_key)
+            client_mac = compute_mac(token, b"aiokvcache-c", reply["nonce"], nonce, ids, mine)
+            await send_now(writer, Kind.AUTH, 0, {"mac": client_mac, **mine}, self.tx)
         kind, _, ok = await read_frame(reader, self.rx)
         if kind is Kind.ERROR_RESPONSE:
             raise error_from_payload(ok)
@@ -309,6 +328,8 @@ class AcceptorHandshake:
         self.rx: Seal | None = None
         # What AUTH_OK's mac covers: (client nonce, server nonce, transcript).
         self._proof: tuple[bytes, bytes, bytes] = (b"", b"", b"")
+        # An eager initiator's HELLO_REPLY, held back to go out with AUTH_OK.
+        self._reply = b""
 
     async def run(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -321,7 +342,13 @@ class AcceptorHandshake:
         reply = hello_payload(self.local, nonce)
         ids = transcript(hello, reply)
         reply["mac"] = compute_mac(token, b"aiokvcache-s", hello["nonce"], nonce, ids)
-        await send_now(writer, Kind.HELLO_REPLY, 0, reply)
+        if hello.get("eager") is True and token is None:
+            # Its AUTH is on the way: both answers go out in one write
+            # (auth_ok). A refusal goes out instead of HELLO_REPLY, which
+            # the initiator reads as it would in its place.
+            self._reply = pack_frame(Kind.HELLO_REPLY, 0, reply)
+        else:
+            await send_now(writer, Kind.HELLO_REPLY, 0, reply)
         self.rx, self.tx = session_seals(token, hello["nonce"], nonce, ids)
         kind, _, auth = await read_frame(reader, self.rx)
         if kind is Kind.BYE:
@@ -353,11 +380,13 @@ class AcceptorHandshake:
         return hello
 
     def auth_ok(self) -> bytes:
-        """The AUTH_OK frame, ready for the socket. Our identity goes out only
-        here: the initiator has proven the token."""
+        """The AUTH_OK frame (after the HELLO_REPLY held back for an eager
+        initiator), ready for the socket. Our identity goes out only here:
+        the initiator has proven the token."""
         client_nonce, server_nonce, ids = self._proof
         mine = identity_payload(self.local, self.note_key)
         mac = compute_mac(
             self.local.auth_token, b"aiokvcache-a", client_nonce, server_nonce, ids, mine
         )
-        return pack_frame(Kind.AUTH_OK, 0, {"mac": mac, **mine}, self.tx)
+        reply, self._reply = self._reply, b""
+        return reply + pack_frame(Kind.AUTH_OK, 0, {"mac": mac, **mine}, self.tx)
