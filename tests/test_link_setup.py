@@ -217,6 +217,180 @@ async def test_a_bad_handshake_slot_fails_that_probe_only(bad: dict[str, Any]) -
         await victim.finalize()
 
 
+# ------------------------------------------------------------- put probes
+
+
+@pytest.fixture
+def jobs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The probe jobs run (put / get), in either instance of this process."""
+    seen: list[str] = []
+    real = probe.Prober._probe_job
+
+    async def counting(self: Any, link: Any, what: str, *args: Any) -> str:
+        seen.append(what)
+        return await real(self, link, what, *args)
+
+    monkeypatch.setattr(probe.Prober, "_probe_job", counting)
+    return seen
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+@pytest.mark.parametrize("token", [None, b"s3cret"])
+async def test_two_new_sides_probe_with_one_put_each(
+    jobs: list[str], transport: str, token: bytes | None
+) -> None:
+    extra = {} if token is None else {"auth_token": token}
+    pair = await make_pair(transport, **extra)
+    try:
+        assert jobs == ["put", "put"]
+    finally:
+        await pair.close()
+
+
+async def _link(prompt: kv.LLMDataDist, decoder: kv.LLMDataDist, ms: int = 5000) -> Any:
+    return await prompt.link_clusters([cluster_info(decoder)], timeout=ms)
+
+
+async def test_an_acceptor_that_offers_no_put_probe_gets_read_back_probes(
+    jobs: list[str],
+) -> None:
+    """An older acceptor (its handshake's slot does not say put_probe)."""
+    decoder = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
+    prompt = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
+    try:
+        await decoder.init(options("tcp", listen=True))
+        await prompt.init(options("tcp"))
+        rt = _runtime(decoder)
+        st = rt.state
+        old_slot = rt.service.prober.probe_info
+        st.local = dataclasses.replace(st.local, probe=lambda: old_slot().encode())
+        rt.service.linker._server.set_local(st.local)
+        rc, per = await _link(prompt, decoder)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        assert sorted(jobs) == ["get", "get", "put", "put"]
+    finally:
+        await prompt.finalize()
+        await decoder.finalize()
+
+
+async def test_an_initiator_that_asks_a_read_back_probe_gets_one(
+    jobs: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An older initiator (it does not know put_probe): probe_back without a nonce."""
+    from aiokvcache._core import linker
+
+    monkeypatch.setattr(linker, "offers_put_probe", lambda slot: False)
+    async with kv.testing.pair("tcp") as pr:
+        assert sorted(jobs) == ["get", "get", "put", "put"]
+        assert all(_runtime(dd).state.links for dd in pr.instances)
+
+
+async def test_an_initiators_put_that_never_landed_fails_the_link(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The initiator says nothing of its put but the nonce: the acceptor
+    looks for it in its own memory, does not find it, and says so."""
+    decoder = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
+    prompt = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
+    try:
+        await decoder.init(options("tcp", listen=True))
+        await prompt.init(options("tcp"))
+        prober = _runtime(prompt).service.prober
+        real = prober.half
+
+        async def no_put(link: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
+            return ("", 0) if nonce else await real(link, timeout, nonce)
+
+        prober.half = no_put
+        rc, per = await _link(prompt, decoder, 1500)
+        assert per == [kv.LLMStatusCode.LLM_LINK_FAILED], per
+        assert "on cluster 2's side: the initiator's put to it: the nonce put never arrived" in (
+            caplog.text
+        )
+        assert not _runtime(decoder).state.links or not any(
+            link.up for link in _runtime(decoder).state.links.values()
+        )
+        prober.half = real
+        rc, per = await _link(prompt, decoder)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+    finally:
+        await prompt.finalize()
+        await decoder.finalize()
+
+
+async def test_an_acceptors_put_that_never_landed_fails_the_link(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The acceptor answers with a nonce it never put: the initiator looks
+    for it in its own memory, does not find it, and fails the link."""
+    decoder = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
+    prompt = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
+    try:
+        await decoder.init(options("tcp", listen=True))
+        await prompt.init(options("tcp"))
+        prober = _runtime(decoder).service.prober
+
+        async def no_put(link: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
+            given, link.conn.peer_probe = link.conn.peer_probe, None
+            return "", int(given["addr"])  # the slot it would have put into
+
+        prober.half = no_put
+        _, per = await _link(prompt, decoder, 1500)
+        assert per == [kv.LLMStatusCode.LLM_LINK_FAILED], per
+        assert "from cluster 2 to us does not work: the nonce put never arrived" in caplog.text
+        assert not _runtime(prompt).state.links
+    finally:
+        await prompt.finalize()
+        await decoder.finalize()
+
+
+@pytest.mark.parametrize(
+    ("body", "answer"),
+    [
+        ({"nonce": b"n" * 16, "slot": 8}, "no probe slot here"),
+        ({"nonce": bytes(16), "slot": None}, "PARAM_INVALID"),
+        ({"nonce": b"short", "slot": 0}, "PARAM_INVALID"),
+        ({"nonce": b"n" * 16}, "PARAM_INVALID"),
+    ],
+)
+async def test_a_bad_put_probe_request_fails_that_probe_only(
+    body: dict[str, Any], answer: str
+) -> None:
+    """A handshaken peer's probe_back naming a slot that is none of the
+    victim's, or a malformed nonce: a clear answer, the victim lives and
+    links others."""
+    victim = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
+    good = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
+    try:
+        await victim.init(options("tcp", listen=True))
+        await good.init(options("tcp"))
+        host, port = str(victim.listen_address).rsplit(":", 1)
+        other = native.Engine("tcp")
+        try:
+            me = handshake.LocalInfo(7, int(kv.LLMRole.PROMPT), other.worker_address)
+            conn = await control.connect(host, int(port), me, QuietHandler(), 5.0)
+            try:
+                reply = await conn.request("probe_back", {"timeout": 1.0, **body}, timeout=5.0)
+                got = str(reply.get("problem"))
+            except kv.LLMException as exc:
+                got = f"{exc.status_code.name} {exc}"
+            assert answer in got, got
+            await conn.close("done")
+        finally:
+            other.close()
+        rc, per = await good.link_clusters([cluster_info(victim)], timeout=5000)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+    finally:
+        await good.finalize()
+        await victim.finalize()
+
+
+def test_a_probe_nonce_is_never_all_zeros(monkeypatch: pytest.MonkeyPatch) -> None:
+    draws = iter([bytes(16), bytes(16), b"\x01" * 16])
+    monkeypatch.setattr(probe.secrets, "token_bytes", lambda n: next(draws))
+    assert probe.new_nonce() == b"\x01" * 16
+
+
 def test_the_mac_binds_the_probe_slot() -> None:
     """A slot swapped in flight fails the sender's proof (with a token)."""
     ident = {"worker_address": b"w", "host_id": b"", "note_key": b"k" * 16}

@@ -175,13 +175,13 @@ async def test_a_push_after_deallocate_fails_for_a_cache_looked_up_during_link_s
     async with instance(transport, 1) as b, instance(transport, 2) as owner:
         prober = runtime(owner).service.prober
         gate = threading.Event()
-        real_probe = prober.probe
+        real_probe = prober.half
 
-        async def slow_probe(lk: Any, timeout: float) -> str:  # a slow link set-up
-            await asyncio.to_thread(gate.wait)
-            return await real_probe(lk, timeout)  # type: ignore[no-any-return]
+        async def slow_probe(lk: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
+            await asyncio.to_thread(gate.wait)  # a slow link set-up
+            return await real_probe(lk, timeout, nonce)  # type: ignore[no-any-return]
 
-        prober.probe = slow_probe
+        prober.half = slow_probe
         ocm, bcm = owner.cache_manager, b.cache_manager
         early = ocm.allocate_cache(u8_desc(2, 4096))
         src = bcm.allocate_cache(u8_desc(2, 4096))

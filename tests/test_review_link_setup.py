@@ -84,11 +84,11 @@ async def test_the_acceptor_is_up_only_once_both_halves_worked() -> None:
         # it for a probe_back): that half is held, then fails.
         prober = _runtime(initiator).service.prober
 
-        async def our_half_fails(link: Any, timeout: float) -> str:
+        async def our_half_fails(link: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
             await _wait_event(gate)
-            return "our half failed (injected)"
+            return "our half failed (injected)", 0
 
-        prober.probe = our_half_fails
+        prober.half = our_half_fails
         task = asyncio.ensure_future(initiator.link_clusters([cluster_info(victim)], timeout=10000))
         up_early = await _wait_for(lambda: _up(victim, 1), 5.0)
         gate.set()
@@ -129,24 +129,24 @@ async def test_simultaneous_links_both_succeed_and_stay(monkeypatch: pytest.Monk
 
         monkeypatch.setattr(control, "connect", held_connect)
         prober2 = _runtime(two).service.prober
-        real_half = prober2.probe
+        real_half = prober2.half
 
-        async def held_half(link: Any, timeout: float) -> str:
+        async def held_half(link: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
             if link.conn.initiator:  # 2's own half of its own link
                 await _wait_event(gate_two)
-            return str(await real_half(link, timeout))
+            return await real_half(link, timeout, nonce)
 
-        prober2.probe = held_half
+        prober2.half = held_half
         prober1 = _runtime(one).service.prober
-        real_probe = prober1.probe
+        real_probe = prober1.half
 
-        async def noted_probe(link: Any, timeout: float) -> str:
+        async def noted_probe(link: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
             try:
-                return str(await real_probe(link, timeout))
+                return await real_probe(link, timeout, nonce)
             finally:
                 one_probed.set()
 
-        prober1.probe = noted_probe
+        prober1.half = noted_probe
 
         t1 = asyncio.ensure_future(one.link_clusters([cluster_info(two)], timeout=10000))
         await asyncio.sleep(0.05)  # 1 claimed the link and waits in held_connect
@@ -185,18 +185,18 @@ async def test_a_link_right_after_a_cancelled_one_succeeds(transport: str) -> No
         await decoder.init(options(transport, listen=True))
         await prompt.init(options(transport))
         prober = _runtime(prompt).service.prober
-        real_probe = prober.probe
+        real_probe = prober.half
         calls = 0
 
-        async def first_hangs(link: Any, timeout: float) -> str:
+        async def first_hangs(link: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
             nonlocal calls
             calls += 1
             if calls == 1:  # the link to be cancelled: its own half hangs
                 probing.set()
                 await asyncio.Event().wait()
-            return str(await real_probe(link, timeout))
+            return await real_probe(link, timeout, nonce)
 
-        prober.probe = first_hangs
+        prober.half = first_hangs
         info = cluster_info(decoder)
         task = asyncio.ensure_future(prompt.link_clusters([info], timeout=10000))
         assert await _wait_event(probing)

@@ -76,6 +76,11 @@ class ControlRegion:
             self._next_probe = (i + 1) % PROBE_SLOTS
         return int(self.base + i * PROBE_BYTES)
 
+    def is_probe_slot(self, addr: int) -> bool:
+        """Whether ``addr`` is the start of one of our probe slots."""
+        offset = int(addr) - int(self.base)
+        return 0 <= offset < PROBE_SLOTS * PROBE_BYTES and offset % PROBE_BYTES == 0
+
     def close(self) -> None:
         """The engine is about to close (and unmap the region): from now on
         reads give zeros, writes do nothing."""

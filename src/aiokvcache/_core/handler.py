@@ -8,6 +8,7 @@ invalidations of its own caches, its unlink and its finalize.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -15,7 +16,7 @@ from . import control
 from .catalog import metadata
 from .errors import LLMStatusCode, make_error
 from .links import PEER_FINALIZING, Links
-from .probe import PROBE_MAX_S, Prober
+from .probe import PROBE_MAX_S, Prober, new_nonce
 from .retire import Retirement
 from .state import Link, LocalCache, State
 from .types import BlocksCacheKey, CacheKey
@@ -117,8 +118,9 @@ class PeerHandler:
                 return Done()
             case ProbeInfo():
                 return self._prober.probe_info()
-            case ProbeBack(timeout=timeout):
-                problem = await self._prober.probe(link, min(timeout, PROBE_MAX_S))
+            case ProbeBack(timeout=timeout, nonce=nonce, slot=slot):
+                answer = await self._probe_back(link, min(timeout, PROBE_MAX_S), nonce, slot)
+                problem = answer.problem
                 if not problem and not link.conn.initiator:
                     if link.conn.peer_confirms_up:
                         # The initiator's half runs beside ours: up once it
@@ -127,11 +129,31 @@ class PeerHandler:
                     else:
                         # An initiator that asks only once its own half worked.
                         link.up = True
-                return ProbeResult(problem)
+                return answer
             case Invalidate(cache_id=cache_id):
                 await self._retirement.drop_remote(link, cache_id)
                 return Done()
         raise TypeError(f"no server for {request!r}")
+
+    async def _probe_back(self, link: Link, timeout: float, nonce: bytes, slot: int) -> ProbeResult:
+        """Our half of a link's data-path check, as the peer asked: a put
+        probe when it sent the nonce it puts into our ``slot`` (we put ours,
+        then look for its nonce), else a read-back probe."""
+        if not nonce:
+            return ProbeResult((await self._prober.half(link, timeout))[0])
+        wrong = self._prober.bad_nonce_slot(slot, nonce)
+        if wrong:  # before our put: a bad request gets nothing of ours
+            return ProbeResult(f"the initiator's put to it: {wrong}")
+        deadline = asyncio.get_running_loop().time() + timeout
+        mine = new_nonce()
+        problem, theirs = await self._prober.half(link, timeout, mine)
+        if problem:
+            return ProbeResult(f"its put to the initiator: {problem}")
+        left = max(deadline - asyncio.get_running_loop().time(), 0.001)
+        problem = await self._prober.nonce_arrived(link, slot, nonce, left)
+        if problem:
+            return ProbeResult(f"the initiator's put to it: {problem}")
+        return ProbeResult("", mine, theirs)
 
     def _serve_lookup(self, link: Link, request: Request[Any]) -> dict[str, Any]:
         """Serve a metadata lookup; every cache it names is recorded as

@@ -22,7 +22,7 @@ from . import control
 from .discovery import Registry
 from .errors import LLMException, LLMStatusCode, make_error
 from .links import FORCE_UNLINKED, Links
-from .probe import Prober
+from .probe import Prober, new_nonce, offers_put_probe
 from .servicethread import ServiceThread, until
 from .state import Link, State
 from .types import LLMClusterInfo
@@ -315,16 +315,26 @@ class Linker:
         not in a child task, so that a cancel drops the half link at once
         (``_try_link``); once both worked we tell the peer (link_up), whose
         link is up only then.
+
+        With a peer that offers put probes (its handshake said so, see
+        :mod:`.probe`), each half is one put: probe_back carries the nonce
+        we put into its slot, it answers once it found that nonce and its
+        own put to us is done, and we then find its nonce in our slot.
         """
         loop = asyncio.get_running_loop()
         left = max(deadline - loop.time(), 0.05)
-        back_task = asyncio.ensure_future(ask(conn, ProbeBack(left), timeout=left + 1.0))
+        nonce, slot = b"", 0
+        if offers_put_probe(conn.peer_probe) and type(conn.peer_probe.get("addr")) is int:
+            nonce, slot = new_nonce(), int(conn.peer_probe["addr"])
+        back_task = asyncio.ensure_future(
+            ask(conn, ProbeBack(left, nonce, slot), timeout=left + 1.0)
+        )
         try:
             # Two turns of the loop: the request is queued, then the
             # connection's writer sends it, before our half's first steps.
             await asyncio.sleep(0)
             await asyncio.sleep(0)
-            problem = await self._prober.probe(link, left)
+            problem, _ = await self._prober.half(link, left, nonce)
             if problem:
                 raise make_error(
                     LLMStatusCode.LLM_LINK_FAILED,
@@ -336,8 +346,17 @@ class Linker:
             if back.problem:
                 raise make_error(
                     LLMStatusCode.LLM_LINK_FAILED,
-                    f"data path from cluster {cid} to us does not work: {back.problem}",
+                    f"data path check failed on cluster {cid}'s side: {back.problem}",
                 )
+            if nonce:
+                seen = await self._prober.nonce_arrived(
+                    link, back.slot, back.nonce, max(deadline - loop.time(), 0.05)
+                )
+                if seen:
+                    raise make_error(
+                        LLMStatusCode.LLM_LINK_FAILED,
+                        f"data path from cluster {cid} to us does not work: {seen}",
+                    )
         except LLMException as exc:
             self._links.drop_link(link, f"data path check failed: {exc.message}")
             await conn.close("data path check failed")

@@ -25,6 +25,7 @@ __all__ = [
     "LINK_UP",
     "LOOKUPS",
     "MAX_ADDRS_PER_REQUEST",
+    "PROBE_NONCE_BYTES",
     "BadReply",
     "BlocksByKey",
     "CacheByAddr",
@@ -178,20 +179,47 @@ class ProbeSlot(Message):
         return cls(addr, length, base, span, packed)
 
 
+#: Bytes of the nonce a data-path probe puts to the peer.
+PROBE_NONCE_BYTES = 16
+
+
+def _nonce_and_slot(body: dict[str, Any]) -> tuple[bytes, int]:
+    """A put probe's ``nonce`` and ``slot`` (both or neither: (b"", 0));
+    ValueError when they are malformed."""
+    nonce, slot = body.get("nonce"), body.get("slot")
+    if nonce is None and slot is None:
+        return b"", 0
+    if not isinstance(nonce, bytes) or len(nonce) != PROBE_NONCE_BYTES or type(slot) is not int:
+        raise ValueError(f"nonce must be {PROBE_NONCE_BYTES} bytes and slot an int")
+    return nonce, int(slot)
+
+
 @dataclass(frozen=True, slots=True)
 class ProbeResult(Message):
-    """How the peer's half of a data-path check went: '' or what failed."""
+    """How the peer's half of a data-path check went: '' or what failed.
+
+    After a put probe (:class:`ProbeBack` with a nonce), also the nonce the
+    peer put into our probe slot at ``slot``, for us to find there."""
 
     problem: str
+    nonce: bytes = b""
+    slot: int = 0
 
     def encode(self) -> dict[str, Any]:
-        return {"problem": self.problem}
+        body: dict[str, Any] = {"problem": self.problem}
+        if self.nonce:
+            body.update(nonce=self.nonce, slot=self.slot)
+        return body
 
     @classmethod
     def decode(cls, body: dict[str, Any]) -> Self:
         # Any empty value means the half worked; anything else is shown as text.
         problem = body.get("problem")
-        return cls(f"{problem}" if problem else "")
+        try:
+            nonce, slot = _nonce_and_slot(body)
+        except ValueError as exc:
+            raise BadReply(f"probe result: {exc}") from None
+        return cls(f"{problem}" if problem else "", nonce, slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,20 +308,34 @@ class ProbeInfo(_Empty, Request[ProbeSlot]):
 
 @dataclass(frozen=True, slots=True)
 class ProbeBack(Request[ProbeResult]):
-    """Ask the peer to probe its half of the data path, within ``timeout`` s."""
+    """Ask the peer to probe its half of the data path, within ``timeout`` s.
+
+    With a ``nonce``: a put probe. We put that nonce into the peer's probe
+    slot at ``slot`` meanwhile; the peer answers once its own put to us is
+    done and it found our nonce in its slot (see :mod:`.probe`). Without:
+    the peer puts a nonce of its own and reads it back."""
 
     op: ClassVar[Op] = Op.PROBE_BACK
     timeout: float
+    nonce: bytes = b""
+    slot: int = 0
 
     def encode(self) -> dict[str, Any]:
-        return {"timeout": self.timeout}
+        body: dict[str, Any] = {"timeout": self.timeout}
+        if self.nonce:
+            body.update(nonce=self.nonce, slot=self.slot)
+        return body
 
     @classmethod
     def decode(cls, body: dict[str, Any]) -> Self:
         tmo = body.get("timeout")
         if not isinstance(tmo, float) or not tmo > 0:
             raise param_invalid("probe_back: timeout must be a float > 0")
-        return cls(tmo)
+        try:
+            nonce, slot = _nonce_and_slot(body)
+        except ValueError as exc:
+            raise param_invalid(f"probe_back: {exc}") from None
+        return cls(tmo, nonce, slot)
 
     def reply(self, body: dict[str, Any]) -> ProbeResult:
         return ProbeResult.decode(body)
