@@ -32,10 +32,12 @@ direction. AUTH, AUTH_OK and every frame after them are sealed with those keys
 reordered or dropped unnoticed). A party in the middle that relays the bytes
 of a handshake between two token holders learns nothing of what follows —
 no worker address, no cache metadata, no remote key — and can change none of
-it. The initiator names the cluster it means to reach (``expected_cluster_id``)
-and sends nothing but HELLO to an acceptor that claims another id; an
-acceptor refuses a HELLO that claims its own cluster id. Without a token
-nothing is sealed: the control plane then trusts its network (see
+it. The initiator names the cluster it means to reach (``expected_cluster_id``,
+also sent in HELLO as ``expect``: an acceptor of another id refuses at once);
+with a token it sends nothing but HELLO to an acceptor that claims another id.
+An acceptor refuses a HELLO that claims its own cluster id. Without a token
+nothing is sealed, and the handshake takes one round trip: AUTH goes with
+HELLO (see :mod:`.handshake`); the control plane then trusts its network (see
 docs/design.md, "What a reachable peer can do"). (Protocol version 3.)
 
 After the handshake the connection is symmetric: either end sends REQUESTs (answered by RESPONSE or
@@ -254,7 +256,7 @@ async def _accept(
             refusal = LLMException(f"{type(e).__name__}: {e}", LLMStatusCode.LLM_FAILED)
             _log.exception("on_connected failed for %s", peer)
         conn.abandon(refusal.message)
-        await _refuse(writer, refusal, handshake.tx)
+        await _refuse(writer, refusal, handshake.tx, handshake.held_reply())
         await close_writer(writer)
         return None
     # Written now, not queued: AUTH_OK must precede anything on_connected
@@ -282,7 +284,7 @@ async def _accept_handshake(
         abort(writer)
     except LLMException as e:
         _log.warning("refusing control connection from %s: %s", peer, e.message)
-        await _refuse(writer, e, handshake.tx)
+        await _refuse(writer, e, handshake.tx, handshake.held_reply())
         await close_writer(writer)
     except ProtocolError as e:
         _log.warning("closing control connection from %s: %s", peer, e)
@@ -297,12 +299,14 @@ async def _accept_handshake(
 
 
 async def _refuse(
-    writer: asyncio.StreamWriter, exc: LLMException, seal: Seal | None = None
+    writer: asyncio.StreamWriter, exc: LLMException, seal: Seal | None = None, before: bytes = b""
 ) -> None:
     # Best effort: tell the initiator why before closing (sealed once a
-    # session exists: the initiator then reads only sealed frames).
+    # session exists: the initiator then reads only sealed frames), after
+    # ``before`` (a HELLO_REPLY held back for an eager initiator).
     try:
         async with asyncio.timeout(CLOSE_TIMEOUT):
+            writer.write(before)
             await send_now(writer, Kind.ERROR_RESPONSE, 0, error_payload(exc), seal)
     except (TimeoutError, ConnectionError, OSError, ValueError):
         pass

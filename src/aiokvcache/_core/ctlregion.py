@@ -3,7 +3,8 @@
 Two things in it are reached by linked peers over the data plane:
 
 * **probe slots** — the small buffers a link's data-path check puts a nonce
-  into and reads it back from (:meth:`.probe.Prober.probe`);
+  into, for the owner to find there (a put probe) or for the putting side to
+  read back (a read-back probe; see :mod:`.probe`);
 * **retirement words** — one 8-byte word per live cache of ours. It holds the
   cache's id while the cache is live and 0 once ``deallocate_cache`` /
   ``unregister_cache`` has begun retiring it. Every transfer job a peer runs

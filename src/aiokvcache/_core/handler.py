@@ -144,16 +144,24 @@ class PeerHandler:
         wrong = self._prober.bad_nonce_slot(slot, nonce)
         if wrong:  # before our put: a bad request gets nothing of ours
             return ProbeResult(f"the initiator's put to it: {wrong}")
-        deadline = asyncio.get_running_loop().time() + timeout
-        mine = new_nonce()
-        problem, theirs = await self._prober.half(link, timeout, mine)
-        if problem:
-            return ProbeResult(f"its put to the initiator: {problem}")
-        left = max(deadline - asyncio.get_running_loop().time(), 0.001)
-        problem = await self._prober.nonce_arrived(link, slot, nonce, left)
-        if problem:
-            return ProbeResult(f"the initiator's put to it: {problem}")
-        return ProbeResult("", mine, theirs)
+        if link.put_probing:
+            # A link's set-up asks once; a peer that asks again meanwhile
+            # would only hold more of our polls.
+            return ProbeResult("a put probe is already running on this link")
+        link.put_probing = True
+        try:
+            deadline = asyncio.get_running_loop().time() + timeout
+            mine = new_nonce()
+            problem, theirs = await self._prober.half(link, timeout, mine)
+            if problem:
+                return ProbeResult(f"its put to the initiator: {problem}")
+            left = max(deadline - asyncio.get_running_loop().time(), 0.001)
+            problem = await self._prober.nonce_arrived(link, slot, nonce, left)
+            if problem:
+                return ProbeResult(f"the initiator's put to it: {problem}")
+            return ProbeResult("", mine, theirs)
+        finally:
+            link.put_probing = False
 
     def _serve_lookup(self, link: Link, request: Request[Any]) -> dict[str, Any]:
         """Serve a metadata lookup; every cache it names is recorded as

@@ -2,7 +2,7 @@
 
 ::
 
-    initiator -> HELLO        {version, cluster_id, role, nonce, auth, [eager]}
+    initiator -> HELLO        {version, cluster_id, role, nonce, auth, [expect], [eager]}
     acceptor  -> HELLO_REPLY  {same fields, mac}
     initiator -> AUTH         {mac, worker_address, host_id, note_key, [probe]}
     acceptor  -> AUTH_OK      {mac, worker_address, host_id, note_key, [probe]}
@@ -17,8 +17,12 @@ Without a token there is nothing to prove, and the handshake takes one round
 trip: the initiator marks its HELLO ``eager`` and sends AUTH in the same write
 (AUTH carries nothing that depends on HELLO_REPLY then), and an acceptor that
 knows ``eager`` reads AUTH before it answers, and sends HELLO_REPLY and
-AUTH_OK in one write. An acceptor that does not know it answers HELLO first
-and finds AUTH already waiting: the frames and their checks are the same.
+AUTH_OK in one write (a refusal, after HELLO_REPLY). An acceptor that does
+not know it answers HELLO first and finds AUTH already waiting: the frames
+and their checks are the same. ``expect`` names the cluster the initiator
+means to reach: an acceptor of another id refuses the HELLO before it reads
+or admits anything (an older acceptor ignores it, and the initiator refuses
+its HELLO_REPLY as before).
 
 See :mod:`aiokvcache._core.control` and docs/design.md, "Handshake (protocol 3)".
 """
@@ -254,6 +258,10 @@ class InitiatorHandshake:
         token = self.local.auth_token
         nonce = secrets.token_bytes(NONCE_LEN)
         hello = hello_payload(self.local, nonce)
+        if self.expected_cluster_id is not None:
+            # An acceptor that knows the field refuses a dial meant for
+            # another cluster before it admits anything of ours.
+            hello["expect"] = self.expected_cluster_id
         if token is None:
             # Nothing to prove either way (any acceptor may claim any id),
             # so AUTH goes with HELLO: one round trip instead of two.
@@ -344,8 +352,7 @@ class AcceptorHandshake:
         reply["mac"] = compute_mac(token, b"aiokvcache-s", hello["nonce"], nonce, ids)
         if hello.get("eager") is True and token is None:
             # Its AUTH is on the way: both answers go out in one write
-            # (auth_ok). A refusal goes out instead of HELLO_REPLY, which
-            # the initiator reads as it would in its place.
+            # (auth_ok); a refusal goes out after HELLO_REPLY (held_reply).
             self._reply = pack_frame(Kind.HELLO_REPLY, 0, reply)
         else:
             await send_now(writer, Kind.HELLO_REPLY, 0, reply)
@@ -374,10 +381,25 @@ class AcceptorHandshake:
             raise link_failed(f"unsupported protocol version {hello['version']}")
         if hello["cluster_id"] == self.local.cluster_id:
             raise link_failed("the peer claims our own cluster id")
+        expect = hello.get("expect")
+        if expect is not None:
+            if not _int64_ok(expect):
+                raise ProtocolError("HELLO: field 'expect' not an int")
+            if expect != self.local.cluster_id:
+                # Refused before the eager AUTH is read: nothing of a dial
+                # meant for another cluster is admitted here.
+                raise link_failed(f"it is cluster {self.local.cluster_id}, not cluster {expect}")
         mismatch = _auth_mismatch(self.local.auth_token is not None, hello["auth"])
         if mismatch:
             raise link_failed(mismatch)
         return hello
+
+    def held_reply(self) -> bytes:
+        """The HELLO_REPLY held back for an eager initiator, if not sent yet
+        (once): a refusal goes out after it, so that the initiator checks
+        our id and proof before it reads why."""
+        reply, self._reply = self._reply, b""
+        return reply
 
     def auth_ok(self) -> bytes:
         """The AUTH_OK frame (after the HELLO_REPLY held back for an eager
@@ -388,5 +410,4 @@ class AcceptorHandshake:
         mac = compute_mac(
             self.local.auth_token, b"aiokvcache-a", client_nonce, server_nonce, ids, mine
         )
-        reply, self._reply = self._reply, b""
-        return reply + pack_frame(Kind.AUTH_OK, 0, {"mac": mac, **mine}, self.tx)
+        return self.held_reply() + pack_frame(Kind.AUTH_OK, 0, {"mac": mac, **mine}, self.tx)

@@ -26,7 +26,7 @@ from .probe import Prober, new_nonce, offers_put_probe
 from .servicethread import ServiceThread, until
 from .state import Link, State
 from .types import LLMClusterInfo
-from .wire import LINK_UP, ProbeBack, Unlink, ask
+from .wire import LINK_UP, BadReply, ProbeBack, Unlink, ask
 
 __all__ = ["Linker"]
 
@@ -269,10 +269,11 @@ class Linker:
     ) -> tuple[LLMStatusCode, str]:
         """One connection attempt: (status, reason); the link exists on SUCCESS.
 
-        A link is up only once its data path moved bytes both ways: we put a
-        nonce into the peer's memory and read it back over our endpoint, and
-        the peer does the same over its endpoint to us. Either half failing
-        drops the link and says which half it was.
+        A link is up only once its data path moved bytes both ways: each
+        side puts a nonce into the other's memory over its own endpoint, and
+        the nonce is found there (by the other side with a put probe, by the
+        putting side's read-back with an older peer; see :mod:`.probe`).
+        Either half failing drops the link and says which half it was.
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -342,7 +343,13 @@ class Linker:
                 )
             # Shielded: a cancel reaches us here at once, not after the
             # request's own teardown (the finally below ends it).
-            back = await asyncio.shield(back_task)
+            try:
+                back = await asyncio.shield(back_task)
+            except BadReply as exc:
+                raise make_error(
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    f"cluster {cid} answered the data path check badly: {exc}",
+                ) from None
             if back.problem:
                 raise make_error(
                     LLMStatusCode.LLM_LINK_FAILED,

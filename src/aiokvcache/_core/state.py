@@ -155,6 +155,9 @@ class Link:
     #: The acceptor's side: our half of the data path worked (probe_back);
     #: the link is up once the initiator says its half worked too (link_up).
     half_up: bool = False
+    #: A put probe the peer asked for is running (service loop): one at a
+    #: time per link, so that a peer cannot hold many of our polls.
+    put_probing: bool = False
     #: Set once no retirement waits for this link any more: the peer
     #: confirmed an unlink after its jobs were released (nothing it posted
     #: can reach our memory), or it was cut off (``cut_off``: what it posted
