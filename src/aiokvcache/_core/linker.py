@@ -26,7 +26,7 @@ from .probe import Prober, new_nonce, offers_put_probe
 from .servicethread import ServiceThread, until
 from .state import Link, State
 from .types import LLMClusterInfo
-from .wire import LINK_UP, BadReply, ProbeBack, Unlink, ask
+from .wire import LINK_UP, BadReply, ProbeBack, ProbeResult, Unlink, ask
 
 __all__ = ["Linker"]
 
@@ -341,29 +341,7 @@ class Linker:
                     LLMStatusCode.LLM_LINK_FAILED,
                     f"data path from us to cluster {cid} does not work: {problem}",
                 )
-            # Shielded: a cancel reaches us here at once, not after the
-            # request's own teardown (the finally below ends it).
-            try:
-                back = await asyncio.shield(back_task)
-            except BadReply as exc:
-                raise make_error(
-                    LLMStatusCode.LLM_LINK_FAILED,
-                    f"cluster {cid} answered the data path check badly: {exc}",
-                ) from None
-            if back.problem:
-                raise make_error(
-                    LLMStatusCode.LLM_LINK_FAILED,
-                    f"data path check failed on cluster {cid}'s side: {back.problem}",
-                )
-            if nonce:
-                seen = await self._prober.nonce_arrived(
-                    link, back.slot, back.nonce, max(deadline - loop.time(), 0.05)
-                )
-                if seen:
-                    raise make_error(
-                        LLMStatusCode.LLM_LINK_FAILED,
-                        f"data path from cluster {cid} to us does not work: {seen}",
-                    )
+            await self._peer_half(cid, link, back_task, bool(nonce), deadline)
         except LLMException as exc:
             self._links.drop_link(link, f"data path check failed: {exc.message}")
             await conn.close("data path check failed")
@@ -379,6 +357,39 @@ class Linker:
         link.up = True
         conn.send_event(LINK_UP, {})
         return LLMStatusCode.LLM_SUCCESS, ""
+
+    async def _peer_half(
+        self,
+        cid: int,
+        link: Link,
+        back_task: asyncio.Future[ProbeResult],
+        put_probe: bool,
+        deadline: float,
+    ) -> None:
+        """The peer's half of the data-path check (its probe_back answer and,
+        after a put probe, its nonce in our slot); LLMException when it failed."""
+        try:
+            # Shielded: a cancel reaches us here at once, not after the
+            # request's own teardown (the caller's finally ends it).
+            back = await asyncio.shield(back_task)
+        except BadReply as exc:
+            raise make_error(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"cluster {cid} answered the data path check badly: {exc}",
+            ) from None
+        if back.problem:
+            raise make_error(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"data path check failed on cluster {cid}'s side: {back.problem}",
+            )
+        if put_probe:
+            left = max(deadline - asyncio.get_running_loop().time(), 0.05)
+            seen = await self._prober.nonce_arrived(link, back.slot, back.nonce, left)
+            if seen:
+                raise make_error(
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    f"data path from cluster {cid} to us does not work: {seen}",
+                )
 
     # ----------------------------------------------------------- unlinking
 
