@@ -142,11 +142,9 @@ async def connect(
     """Open a control connection to ``host:port`` and run the handshake.
 
     ``expected_cluster_id``: the cluster we mean to reach, named in HELLO
-    (``expect``): an acceptor of another id refuses it at once, and one that
-    claims another id is refused here (LLM_LINK_FAILED either way). With a
-    token it gets nothing past HELLO; without one our AUTH went with HELLO
-    (any acceptor could claim the id we expect: there is nothing to
-    withhold; one that knows ``expect`` does not read it).
+    (``expect``); an acceptor of another id is refused (LLM_LINK_FAILED).
+    With a token it gets nothing past HELLO; without one, AUTH went with
+    HELLO (see :mod:`.handshake`), unread by an acceptor that knows expect.
 
     Raises ``LLMException(LLM_LINK_FAILED)`` when the peer refuses the TCP
     connection, is unreachable, breaks the protocol or fails authentication;
