@@ -25,7 +25,8 @@ import aiokvcache as kv
 from aiokvcache._core import control, handshake, probe, wire
 from aiokvcache._core.servicethread import ReleaseWatch
 from aiokvcache._loader import native
-from aiokvcache.testing import cluster_info, make_pair, options
+from aiokvcache.testing import cluster_info, make_pair
+from support.instances import instance, runtime
 from support.native_pair import QuietHandler, slow_pair
 
 
@@ -136,17 +137,18 @@ def asks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 @pytest.mark.parametrize("token", [None, b"s3cret"])
-async def test_a_link_asks_no_probe_info(
-    asks: list[str], transport: str, token: bytes | None
+async def test_a_link_asks_no_probe_info_and_puts_once_a_side(
+    asks: list[str], jobs: list[str], transport: str, token: bytes | None
 ) -> None:
     extra = {} if token is None else {"auth_token": token}
     pair = await make_pair(transport, **extra)
     try:
         # Both probes (ours and the peer's probe_back) took the slot the other
-        # side's handshake gave, and moved their bytes.
+        # side's handshake gave, and moved their bytes: one put each (put probes).
         assert "ProbeInfo" not in asks
+        assert jobs == ["put", "put"]
         for dd in pair.instances:
-            link = next(iter(_runtime(dd).state.links.values()))
+            link = next(iter(runtime(dd).state.links.values()))
             # The acceptor's is up once the initiator's link_up arrived.
             for _ in range(5000):
                 if link.up:
@@ -158,28 +160,15 @@ async def test_a_link_asks_no_probe_info(
         await pair.close()
 
 
-def _runtime(dd: kv.LLMDataDist) -> Any:
-    rt = dd._rt
-    assert rt is not None
-    return rt
-
-
 async def test_a_peer_without_a_handshake_slot_is_asked(asks: list[str]) -> None:
     """An older peer (or one that gives no slot) is asked with probe_info, as before."""
-    decoder = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
-    prompt = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
-    try:
-        await decoder.init(options("tcp", listen=True))
-        await prompt.init(options("tcp"))
-        st = _runtime(decoder).state
+    async with instance("tcp", 2) as decoder, instance("tcp", 1, listen=False) as prompt:
+        st = runtime(decoder).state
         st.local = dataclasses.replace(st.local, probe=None)
-        _runtime(decoder).service.linker._server.set_local(st.local)
+        runtime(decoder).service.linker._server.set_local(st.local)
         rc, per = await prompt.link_clusters([cluster_info(decoder)], timeout=5000)
         assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
         assert asks.count("ProbeInfo") == 1  # the prompt's probe asked the decoder
-    finally:
-        await prompt.finalize()
-        await decoder.finalize()
 
 
 @pytest.mark.parametrize(
@@ -193,11 +182,7 @@ async def test_a_peer_without_a_handshake_slot_is_asked(asks: list[str]) -> None
 async def test_a_bad_handshake_slot_fails_that_probe_only(bad: dict[str, Any]) -> None:
     """A handshaken peer whose AUTH carries a bad probe slot: the victim's
     probe_back fails with a clear reason, the victim lives and links others."""
-    victim = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
-    good = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
-    try:
-        await victim.init(options("tcp", listen=True))
-        await good.init(options("tcp"))
+    async with instance("tcp", 2) as victim, instance("tcp", 1, listen=False) as good:
         host, port = str(victim.listen_address).rsplit(":", 1)
         other = native.Engine("tcp")
         try:
@@ -212,9 +197,6 @@ async def test_a_bad_handshake_slot_fails_that_probe_only(bad: dict[str, Any]) -
             other.close()
         rc, per = await good.link_clusters([cluster_info(victim)], timeout=5000)
         assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
-    finally:
-        await good.finalize()
-        await victim.finalize()
 
 
 # ------------------------------------------------------------- put probes
@@ -234,19 +216,6 @@ def jobs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-@pytest.mark.parametrize("token", [None, b"s3cret"])
-async def test_two_new_sides_probe_with_one_put_each(
-    jobs: list[str], transport: str, token: bytes | None
-) -> None:
-    extra = {} if token is None else {"auth_token": token}
-    pair = await make_pair(transport, **extra)
-    try:
-        assert jobs == ["put", "put"]
-    finally:
-        await pair.close()
-
-
 async def _link(prompt: kv.LLMDataDist, decoder: kv.LLMDataDist, ms: int = 5000) -> Any:
     return await prompt.link_clusters([cluster_info(decoder)], timeout=ms)
 
@@ -255,12 +224,8 @@ async def test_an_acceptor_that_offers_no_put_probe_gets_read_back_probes(
     jobs: list[str],
 ) -> None:
     """An older acceptor (its handshake's slot does not say put_probe)."""
-    decoder = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
-    prompt = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
-    try:
-        await decoder.init(options("tcp", listen=True))
-        await prompt.init(options("tcp"))
-        rt = _runtime(decoder)
+    async with instance("tcp", 2) as decoder, instance("tcp", 1, listen=False) as prompt:
+        rt = runtime(decoder)
         st = rt.state
         old_slot = rt.service.prober.probe_info
         st.local = dataclasses.replace(st.local, probe=lambda: old_slot().encode())
@@ -268,9 +233,6 @@ async def test_an_acceptor_that_offers_no_put_probe_gets_read_back_probes(
         rc, per = await _link(prompt, decoder)
         assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
         assert sorted(jobs) == ["get", "get", "put", "put"]
-    finally:
-        await prompt.finalize()
-        await decoder.finalize()
 
 
 async def test_an_initiator_that_asks_a_read_back_probe_gets_one(
@@ -282,7 +244,7 @@ async def test_an_initiator_that_asks_a_read_back_probe_gets_one(
     monkeypatch.setattr(linker, "offers_put_probe", lambda slot: False)
     async with kv.testing.pair("tcp") as pr:
         assert sorted(jobs) == ["get", "get", "put", "put"]
-        assert all(_runtime(dd).state.links for dd in pr.instances)
+        assert all(runtime(dd).state.links for dd in pr.instances)
 
 
 async def test_an_initiators_put_that_never_landed_fails_the_link(
@@ -290,12 +252,8 @@ async def test_an_initiators_put_that_never_landed_fails_the_link(
 ) -> None:
     """The initiator says nothing of its put but the nonce: the acceptor
     looks for it in its own memory, does not find it, and says so."""
-    decoder = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
-    prompt = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
-    try:
-        await decoder.init(options("tcp", listen=True))
-        await prompt.init(options("tcp"))
-        prober = _runtime(prompt).service.prober
+    async with instance("tcp", 2) as decoder, instance("tcp", 1, listen=False) as prompt:
+        prober = runtime(prompt).service.prober
         real = prober.half
 
         async def no_put(link: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
@@ -307,15 +265,12 @@ async def test_an_initiators_put_that_never_landed_fails_the_link(
         assert "on cluster 2's side: the initiator's put to it: the nonce put never arrived" in (
             caplog.text
         )
-        assert not _runtime(decoder).state.links or not any(
-            link.up for link in _runtime(decoder).state.links.values()
+        assert not runtime(decoder).state.links or not any(
+            link.up for link in runtime(decoder).state.links.values()
         )
         prober.half = real
         rc, per = await _link(prompt, decoder)
         assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
-    finally:
-        await prompt.finalize()
-        await decoder.finalize()
 
 
 async def test_an_acceptors_put_that_never_landed_fails_the_link(
@@ -323,12 +278,8 @@ async def test_an_acceptors_put_that_never_landed_fails_the_link(
 ) -> None:
     """The acceptor answers with a nonce it never put: the initiator looks
     for it in its own memory, does not find it, and fails the link."""
-    decoder = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
-    prompt = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
-    try:
-        await decoder.init(options("tcp", listen=True))
-        await prompt.init(options("tcp"))
-        prober = _runtime(decoder).service.prober
+    async with instance("tcp", 2) as decoder, instance("tcp", 1, listen=False) as prompt:
+        prober = runtime(decoder).service.prober
 
         async def no_put(link: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
             given, link.conn.peer_probe = link.conn.peer_probe, None
@@ -338,10 +289,7 @@ async def test_an_acceptors_put_that_never_landed_fails_the_link(
         _, per = await _link(prompt, decoder, 1500)
         assert per == [kv.LLMStatusCode.LLM_LINK_FAILED], per
         assert "from cluster 2 to us does not work: the nonce put never arrived" in caplog.text
-        assert not _runtime(prompt).state.links
-    finally:
-        await prompt.finalize()
-        await decoder.finalize()
+        assert not runtime(prompt).state.links
 
 
 @pytest.mark.parametrize(
@@ -359,11 +307,7 @@ async def test_a_bad_put_probe_request_fails_that_probe_only(
     """A handshaken peer's probe_back naming a slot that is none of the
     victim's, or a malformed nonce: a clear answer, the victim lives and
     links others."""
-    victim = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
-    good = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
-    try:
-        await victim.init(options("tcp", listen=True))
-        await good.init(options("tcp"))
+    async with instance("tcp", 2) as victim, instance("tcp", 1, listen=False) as good:
         host, port = str(victim.listen_address).rsplit(":", 1)
         other = native.Engine("tcp")
         try:
@@ -380,9 +324,6 @@ async def test_a_bad_put_probe_request_fails_that_probe_only(
             other.close()
         rc, per = await good.link_clusters([cluster_info(victim)], timeout=5000)
         assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
-    finally:
-        await good.finalize()
-        await victim.finalize()
 
 
 def test_a_probe_nonce_is_never_all_zeros(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from aiokvcache import testing
 from aiokvcache._loader import native
 from aiokvcache.testing import cluster_info
 from support.harness import AsyncPeer
+from support.instances import instance, runtime
 
 S = kv.LLMStatusCode
 SUPPORT = Path(__file__).parent / "support"
@@ -54,20 +54,6 @@ class Peer(AsyncPeer):
         self.mode = Path(program).stem
 
 
-@contextlib.asynccontextmanager
-async def instance(
-    transport: str, cluster_id: int, listen: bool = True, **extra: Any
-) -> AsyncIterator[kv.LLMDataDist]:
-    """An initialized in-process LLMDataDist, finalized afterwards."""
-    role = kv.LLMRole.DECODER if listen else kv.LLMRole.PROMPT
-    dd = kv.LLMDataDist(role, cluster_id)
-    await dd.init(testing.options(transport, listen=listen, **extra))
-    try:
-        yield dd
-    finally:
-        await dd.finalize()
-
-
 async def status_of(aw: Any) -> S:
     try:
         await aw
@@ -79,11 +65,6 @@ async def status_of(aw: Any) -> S:
 async def link(dd: kv.LLMDataDist, target: kv.LLMDataDist | str, cid: int | None = None) -> S:
     rc, _ = await dd.link_clusters([cluster_info(target, cid)], timeout=5000)
     return rc
-
-
-def runtime(dd: kv.LLMDataDist) -> Any:
-    """The private runtime of an in-process instance (used on peers only)."""
-    return dd._rt
 
 
 async def regions_at_most(cm: kv.CacheManager, want: int, seconds: float) -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,41 +31,8 @@ import aiokvcache as kv
 from aiokvcache._core import control, handshake, wire
 from aiokvcache._loader import native
 from aiokvcache.testing import cluster_info, options
+from support.instances import is_up, link_of, runtime, wait_event, wait_for
 from support.native_pair import QuietHandler
-
-
-def _runtime(dd: kv.LLMDataDist) -> Any:
-    rt = dd._rt
-    assert rt is not None
-    return rt
-
-
-async def _wait_for(pred: Callable[[], bool], limit: float = 10.0) -> bool:
-    """Poll ``pred`` until it holds or ``limit`` seconds passed (a bound, not
-    an expectation: nothing asserts how long it took)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit
-    while not pred():
-        if loop.time() > end:
-            return False
-        await asyncio.sleep(0.002)
-    return True
-
-
-async def _wait_event(event: threading.Event, limit: float = 10.0) -> bool:
-    return await _wait_for(event.is_set, limit)
-
-
-def _link(dd: kv.LLMDataDist, cid: int) -> Any:
-    st = _runtime(dd).state
-    with st.lock:
-        return st.links.get(cid)
-
-
-def _up(dd: kv.LLMDataDist, cid: int) -> bool:
-    link = _link(dd, cid)
-    return link is not None and link.up and not link.broken
-
 
 # ------------------------------------------------------------------ D1
 
@@ -83,15 +49,15 @@ async def test_the_acceptor_is_up_only_once_both_halves_worked() -> None:
         await initiator.init(options("tcp"))
         # The initiator's prober serves only its own half here (nobody asks
         # it for a probe_back): that half is held, then fails.
-        prober = _runtime(initiator).service.prober
+        prober = runtime(initiator).service.prober
 
         async def our_half_fails(link: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
-            await _wait_event(gate)
+            await wait_event(gate)
             return "our half failed (injected)", 0
 
         prober.half = our_half_fails
         task = asyncio.ensure_future(initiator.link_clusters([cluster_info(victim)], timeout=10000))
-        up_early = await _wait_for(lambda: _up(victim, 1), 5.0)
+        up_early = await wait_for(lambda: is_up(victim, 1), 5.0)
         gate.set()
         _, per = await task
         assert per == [kv.LLMStatusCode.LLM_LINK_FAILED], per
@@ -125,20 +91,20 @@ async def test_simultaneous_links_both_succeed_and_stay(monkeypatch: pytest.Monk
 
         async def held_connect(host: str, port: int, local: Any, *args: Any, **kw: Any) -> Any:
             if local.cluster_id == 1:
-                await _wait_event(gate_one)
+                await wait_event(gate_one)
             return await real_connect(host, port, local, *args, **kw)
 
         monkeypatch.setattr(control, "connect", held_connect)
-        prober2 = _runtime(two).service.prober
+        prober2 = runtime(two).service.prober
         real_half = prober2.half
 
         async def held_half(link: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
             if link.conn.initiator:  # 2's own half of its own link
-                await _wait_event(gate_two)
+                await wait_event(gate_two)
             return await real_half(link, timeout, nonce)
 
         prober2.half = held_half
-        prober1 = _runtime(one).service.prober
+        prober1 = runtime(one).service.prober
         real_probe = prober1.half
 
         async def noted_probe(link: Any, timeout: float, nonce: bytes = b"") -> tuple[str, int]:
@@ -152,17 +118,17 @@ async def test_simultaneous_links_both_succeed_and_stay(monkeypatch: pytest.Monk
         t1 = asyncio.ensure_future(one.link_clusters([cluster_info(two)], timeout=10000))
         await asyncio.sleep(0.05)  # 1 claimed the link and waits in held_connect
         t2 = asyncio.ensure_future(two.link_clusters([cluster_info(one)], timeout=10000))
-        await _wait_event(one_probed, 5.0)  # 1 answered 2's probe_back
+        await wait_event(one_probed, 5.0)  # 1 answered 2's probe_back
         gate_one.set()
 
         def replaced_at_two() -> bool:
-            link = _link(two, 1)
+            link = link_of(two, 1)
             return link is not None and not link.conn.initiator
 
-        await _wait_for(replaced_at_two, 5.0)  # 1's connection won at 2
+        await wait_for(replaced_at_two, 5.0)  # 1's connection won at 2
         gate_two.set()
         (_, per1), (_, per2) = await asyncio.gather(t1, t2)
-        settled = await _wait_for(lambda: _up(one, 2) and _up(two, 1), 5.0)
+        settled = await wait_for(lambda: is_up(one, 2) and is_up(two, 1), 5.0)
         ok = [kv.LLMStatusCode.LLM_SUCCESS]
         # Reviewed code: ([SUCCESS], [LINK_FAILED], False): 1 said SUCCESS for
         # a link that 2 closed a moment later.
@@ -185,7 +151,7 @@ async def test_a_link_right_after_a_cancelled_one_succeeds(transport: str) -> No
     try:
         await decoder.init(options(transport, listen=True))
         await prompt.init(options(transport))
-        prober = _runtime(prompt).service.prober
+        prober = runtime(prompt).service.prober
         real_probe = prober.half
         calls = 0
 
@@ -200,7 +166,7 @@ async def test_a_link_right_after_a_cancelled_one_succeeds(transport: str) -> No
         prober.half = first_hangs
         info = cluster_info(decoder)
         task = asyncio.ensure_future(prompt.link_clusters([info], timeout=10000))
-        assert await _wait_event(probing)
+        assert await wait_event(probing)
         # The service loop is held while the cancel and the retry reach it,
         # so that it sees them in that order in one turn whatever the two
         # threads' scheduling (the order a caller that retries at once, as
@@ -211,9 +177,9 @@ async def test_a_link_right_after_a_cancelled_one_succeeds(transport: str) -> No
             held.set()
             release.wait(10)
 
-        _runtime(prompt).service.thread.loop.call_soon_threadsafe(hold)
+        runtime(prompt).service.thread.loop.call_soon_threadsafe(hold)
         try:
-            assert await _wait_event(held)
+            assert await wait_event(held)
             task.cancel()
             retry = asyncio.ensure_future(prompt.link_clusters([info], timeout=10000))
             with pytest.raises(asyncio.CancelledError):

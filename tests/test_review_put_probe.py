@@ -18,40 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import aiokvcache as kv
 from aiokvcache.testing import cluster_info, options
-
-
-def _runtime(dd: kv.LLMDataDist) -> Any:
-    rt = dd._rt
-    assert rt is not None
-    return rt
-
-
-def _link(dd: kv.LLMDataDist, cid: int) -> Any:
-    st = _runtime(dd).state
-    with st.lock:
-        return st.links.get(cid)
-
-
-def _up(dd: kv.LLMDataDist, cid: int) -> bool:
-    link = _link(dd, cid)
-    return link is not None and link.up and not link.broken
-
-
-async def _wait_for(pred: Callable[[], bool], limit: float = 10.0) -> bool:
-    """Poll ``pred`` until it holds or ``limit`` seconds passed (a bound, not
-    an expectation)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit
-    while not pred():
-        if loop.time() > end:
-            return False
-        await asyncio.sleep(0.002)
-    return True
+from support.instances import is_up, link_of, runtime, wait_for
 
 
 def _wrong_id_at(target: kv.LLMDataDist, cid: int) -> kv.LLMClusterInfo:
@@ -82,7 +53,7 @@ async def test_a_wrong_cluster_at_an_address_we_are_linked_to_is_link_failed() -
         rc, per = await one.link_clusters([cluster_info(two)], timeout=5000)
         assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
         _, per = await one.link_clusters([_wrong_id_at(two, 3)], timeout=1000)
-        assert _link(one, 3) is None
+        assert link_of(one, 3) is None
         assert per == [kv.LLMStatusCode.LLM_LINK_FAILED], per
     finally:
         await one.finalize()
@@ -106,23 +77,23 @@ async def test_a_dial_for_another_cluster_leaves_the_acceptors_own_link_alone() 
     try:
         await one.init(options("tcp", listen=True))
         await two.init(options("tcp", listen=True))
-        linker = _runtime(two).service.linker
+        linker = runtime(two).service.linker
         real = linker._check_data_path
 
         async def held_check(*args: Any) -> Any:
             held.set()
-            await _wait_for(gate.is_set, 30.0)
+            await wait_for(gate.is_set, 30.0)
             return await real(*args)
 
         linker._check_data_path = held_check
         task = asyncio.ensure_future(two.link_clusters([cluster_info(one)], timeout=10000))
-        assert await _wait_for(held.is_set, 5.0)
+        assert await wait_for(held.is_set, 5.0)
         _, per_wrong = await one.link_clusters([_wrong_id_at(two, 3)], timeout=2000)
         assert per_wrong == [kv.LLMStatusCode.LLM_LINK_FAILED], per_wrong
         gate.set()
         _, per = await task
         assert per == [kv.LLMStatusCode.LLM_SUCCESS], per
-        assert await _wait_for(lambda: _up(one, 2) and _up(two, 1), 5.0)
+        assert await wait_for(lambda: is_up(one, 2) and is_up(two, 1), 5.0)
     finally:
         gate.set()
         await one.finalize()
@@ -146,7 +117,7 @@ async def test_a_malformed_probe_result_fails_that_link_only() -> None:
     try:
         await two.init(options("tcp", listen=True))
         await one.init(options("tcp"))
-        handler = _runtime(two).service.handler
+        handler = runtime(two).service.handler
 
         async def bad_answer(link: Any, timeout: float, nonce: bytes, slot: int) -> Any:
             return wire.ProbeResult("", b"short", slot)
@@ -184,7 +155,7 @@ async def test_a_peer_cannot_hold_many_put_probe_waits_on_one_link() -> None:
         await peer.init(options("tcp"))
         rc, per = await peer.link_clusters([cluster_info(victim)], timeout=5000)
         assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
-        prober = _runtime(victim).service.prober
+        prober = runtime(victim).service.prober
         real = prober.nonce_arrived
         waiting, most = 0, 0
 
@@ -198,8 +169,8 @@ async def test_a_peer_cannot_hold_many_put_probe_waits_on_one_link() -> None:
                 waiting -= 1
 
         prober.nonce_arrived = counted
-        slot = int(_runtime(victim).state.ctl.base)  # a probe slot of the victim's
-        conn = _link(peer, 2).conn
+        slot = int(runtime(victim).state.ctl.base)  # a probe slot of the victim's
+        conn = link_of(peer, 2).conn
 
         async def flood() -> list[Any]:
             return await asyncio.gather(
@@ -214,7 +185,7 @@ async def test_a_peer_cannot_hold_many_put_probe_waits_on_one_link() -> None:
                 return_exceptions=True,
             )
 
-        await asyncio.wrap_future(_runtime(peer).service.call(flood()))
+        await asyncio.wrap_future(runtime(peer).service.call(flood()))
         assert most <= 8, f"{most} put-probe waits of one peer ran at once on the victim"
     finally:
         await peer.finalize()
