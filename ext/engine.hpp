@@ -428,7 +428,6 @@ class Engine {
   // Command queue and lifecycle (engine.cpp).
   CommandQueue commands_;
   std::chrono::steady_clock::time_point spin_until_{};  // progress thread: poll until then
-  bool job_work_ = false;  // progress thread: the last step had jobs or moved one
   std::mutex close_mu_;
   std::atomic<bool> closed_{false};   // close() finished
   ProgressThread progress_;  // runs run()

@@ -30,20 +30,22 @@ int Engine::wait_timeout_ms() {
 bool Engine::step() {
   commands_.run();
   bool busy = drain_lanes();
-  job_work_ = busy || !jobs_.empty();
+  // Work on jobs of our own (some listed, or one moved) starts the spin
+  // below; UCX's own traffic or a command alone does not.
+  bool job_work = busy || !jobs_.empty();
   // Deadlines before posting: a thread that was not scheduled (a frozen or
   // starved process) past a job's deadline must not post for it first.
   check_deadlines();
-  if (!touched_.empty()) busy = job_work_ = true;
+  if (!touched_.empty()) busy = job_work = true;
   process_touched();
-  if (post_all()) busy = job_work_ = true;
+  if (post_all()) busy = job_work = true;
   // Bounded: under a steady stream of arrivals (many peers pushing into
   // this one) progress never returns 0, and an unbounded loop here starved
   // the rest of the step: keep-alives (peers declared this one silent and
   // broke their links at 32 peers on 2 cores), deadlines, flushes.
   for (int i = 0; i < kProgressBurst && ucp_worker_progress(worker_.get()) != 0; ++i) busy = true;
   reap_endpoints();
-  if (!touched_.empty()) busy = job_work_ = true;
+  if (!touched_.empty()) busy = job_work = true;
   process_touched();
   check_deadlines();
   process_touched();
@@ -54,6 +56,7 @@ bool Engine::step() {
   check_stuck();
   send_keepalives();
   stats_.inflight_bytes.store(inflight_bytes_);
+  if (busy && job_work) spin_until_ = std::chrono::steady_clock::now() + cfg_.spin;
   return busy;
 }
 
@@ -61,9 +64,8 @@ void Engine::run() {
   while (!progress_.stopping()) {
     int idle = 0;
     while (!progress_.stopping()) {
-      if (step()) {
+      if (step()) {  // after work on our own jobs it set spin_until_
         idle = 0;
-        if (job_work_) spin_until_ = std::chrono::steady_clock::now() + cfg_.spin;
         continue;
       }
       if (commands_.pending() || lanes_.done_pending()) continue;
