@@ -36,8 +36,6 @@ from .wire import PROBE_NONCE_BYTES, BadReply, ProbeInfo, ProbeSlot, ask
 
 __all__ = ["PROBE_MAX_S", "Prober", "new_nonce", "offers_put_probe"]
 
-# The nonce a probe puts to the peer (and reads back).
-_NONCE_BYTES = PROBE_NONCE_BYTES
 # The longest probe a peer may ask of us (probe_back); longer asks are cut.
 PROBE_MAX_S = 30.0
 
@@ -45,7 +43,7 @@ PROBE_MAX_S = 30.0
 def new_nonce() -> bytes:
     """A fresh probe nonce (never all zeros: an unused slot holds zeros)."""
     while True:
-        nonce = secrets.token_bytes(_NONCE_BYTES)
+        nonce = secrets.token_bytes(PROBE_NONCE_BYTES)
         if any(nonce):
             return nonce
 
@@ -114,16 +112,16 @@ class Prober:
         peer_slot, rkey = target
         local = st.ctl.probe_slot()
         nonce = new_nonce()
-        st.ctl.write(local, nonce + bytes(_NONCE_BYTES))
+        st.ctl.write(local, nonce + bytes(PROBE_NONCE_BYTES))
         ms = max(1, int(min(timeout, PROBE_MAX_S) * 1000))
-        put = [[local, peer_slot, _NONCE_BYTES, rkey]]
-        get = [[local + _NONCE_BYTES, peer_slot, _NONCE_BYTES, rkey]]
+        put = [[local, peer_slot, PROBE_NONCE_BYTES, rkey]]
+        get = [[local + PROBE_NONCE_BYTES, peer_slot, PROBE_NONCE_BYTES, rkey]]
         for what, op, rows in (("put", OP_PUT, put), ("get", OP_GET, get)):
             left = max(deadline - loop.time(), 0.001)
             problem = await self._probe_job(link, what, op, rows, ms, left)
             if problem:
                 return problem
-        if st.ctl.read(local + _NONCE_BYTES, _NONCE_BYTES) != nonce:
+        if st.ctl.read(local + PROBE_NONCE_BYTES, PROBE_NONCE_BYTES) != nonce:
             return "the bytes did not make the round trip (a put or get failed)"
         return ""
 
@@ -147,7 +145,7 @@ class Prober:
         local = st.ctl.probe_slot()
         st.ctl.write(local, nonce)
         ms = max(1, int(min(timeout, PROBE_MAX_S) * 1000))
-        rows = [[local, peer_slot, _NONCE_BYTES, rkey]]
+        rows = [[local, peer_slot, PROBE_NONCE_BYTES, rkey]]
         return await self._probe_job(link, "put", OP_PUT, rows, ms, timeout), peer_slot
 
     async def nonce_arrived(self, link: Link, slot: int, nonce: bytes, timeout: float) -> str:
@@ -160,7 +158,7 @@ class Prober:
             return wrong
 
         def arrived() -> bool:
-            return link.broken or ctl.read(slot, _NONCE_BYTES) == nonce
+            return link.broken or ctl.read(slot, PROBE_NONCE_BYTES) == nonce
 
         if not await until(arrived, timeout, fine=True) or link.broken:
             return "the nonce put never arrived"
