@@ -47,30 +47,13 @@ from _common import table
 
 # The test suite's peer clients and network-namespace clusters (not installed).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.harness import AsyncPeer, NetCluster, netns_unavailable, rss_kb
+from support.harness import AsyncPeer, NetCluster, netns_unavailable, rss_kb, thread_cpu_s
 
 LAYERS = 32
 BLOCK = 64 * 1024
 BLOCKS_PER_PEER = 4
 def proc_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def thread_cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds of ``pid``'s threads so far, by thread name (threads of one
-    name summed), to the nanosecond: their schedstat (/proc/PID/stat counts
-    clock ticks, 10 ms here, as coarse as a whole link at N = 1)."""
-    out: dict[str, float] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended: its time went with it
-        out[name] = out.get(name, 0.0) + ns / 1e9
-    return out
 
 
 def proc_cpu_s(pid: int) -> float:

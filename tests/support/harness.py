@@ -19,7 +19,7 @@ from .netcluster import (
     netns_unavailable,
 )
 from .peerclient import PEER_MODES, AsyncPeer, Peer, peer_argv
-from .procfs import read_memory, rss_kb, threads_cpu_s
+from .procfs import read_memory, rss_kb, thread_cpu_s, threads_cpu_s
 
 __all__ = [
     "NETNS_PREFIX",
@@ -37,5 +37,6 @@ __all__ = [
     "peer_argv",
     "read_memory",
     "rss_kb",
+    "thread_cpu_s",
     "threads_cpu_s",
 ]
