@@ -34,6 +34,7 @@ from aiokvcache._core.control import (
     decode,
     encode,
 )
+from aiokvcache._core.peerstatus import LinkRefused, PeerRefusal
 from aiokvcache.errors import LLMException, LLMStatusCode, LLMTimeoutError
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
@@ -439,13 +440,16 @@ async def test_token_mismatch_fails_both_sides(
     assert await conn.request("echo", {}) == {"echo": {}, "from": "server"}
 
 
-async def test_acceptor_refusal_carries_status(net: Net) -> None:
+async def test_acceptor_refusal_is_link_failed_with_its_status_as_a_hint(net: Net) -> None:
+    """The acceptor's status is data: the refusal is LINK_FAILED, the status it
+    named (after its HELLO_REPLY checked out) a hint for the linker."""
     refusal = LLMException("cluster 2 already linked", LLMStatusCode.LLM_ALREADY_LINK)
     srv, sh = await net.server(Recorder("server", refuse=refusal))
     ch = Recorder("client")
-    with pytest.raises(LLMException) as info:
+    with pytest.raises(LinkRefused) as info:
         await net.connect(srv, ch)
-    assert info.value.status_code == LLMStatusCode.LLM_ALREADY_LINK
+    assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+    assert info.value.peer_status == LLMStatusCode.LLM_ALREADY_LINK
     assert "already linked" in str(info.value)
     assert ch.connected == [] and ch.closed == []
     assert sh.closed == []
@@ -572,33 +576,38 @@ async def test_hundred_concurrent_requests_each_way(net: Net) -> None:
     assert conn._pending == {} and sconn._pending == {}
 
 
-async def test_error_responses_carry_status(net: Net, caplog: pytest.LogCaptureFixture) -> None:
+async def test_error_responses_carry_the_peers_status_as_data(
+    net: Net, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer's error answer reaches the asker as a PeerRefusal (its status
+    and text, unread): what it means is wire.ask's call, never the frame's."""
     srv, _ = await net.server()
     conn, _ = await net.connect(srv)
-    with pytest.raises(LLMException) as info:
+    with pytest.raises(PeerRefusal) as refused:
         await conn.request(
             "fail", {"message": "no cache 7", "status": int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)}
         )
-    assert info.value.status_code == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
-    assert info.value.message == "no cache 7"
-    # A peer's TIMEOUT status arrives as LLMTimeoutError with the peer's text.
-    with pytest.raises(LLMTimeoutError, match="layer 3 late"):
+    assert refused.value.status == LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert refused.value.message == "no cache 7"
+    # Not a TimeoutError of ours, whatever status it names.
+    with pytest.raises(PeerRefusal, match="layer 3 late") as refused:
         await conn.request(
             "fail", {"message": "layer 3 late", "status": int(LLMStatusCode.LLM_TIMEOUT)}
         )
-    # An unknown status number degrades to LLM_FAILED.
-    with pytest.raises(LLMException) as info:
+    assert not isinstance(refused.value, TimeoutError)
+    # (The server's LLMException made its unknown number LLM_FAILED.)
+    with pytest.raises(PeerRefusal) as refused:
         await conn.request("fail", {"message": "odd", "status": 12345})
-    assert info.value.status_code == LLMStatusCode.LLM_FAILED
+    assert refused.value.status == LLMStatusCode.LLM_FAILED
     with caplog.at_level(logging.ERROR, logger=LOGGER):
-        with pytest.raises(LLMException) as info:
+        with pytest.raises(PeerRefusal) as refused:
             await conn.request("crash", {})
-    assert info.value.status_code == LLMStatusCode.LLM_FAILED
-    assert "boom" in info.value.message
+    assert refused.value.status == LLMStatusCode.LLM_FAILED
+    assert "boom" in refused.value.message
     assert any(r.exc_info for r in caplog.records if r.name == LOGGER)
-    with pytest.raises(LLMException) as info:
+    with pytest.raises(PeerRefusal) as refused:
         await conn.request("not_a_dict", {})
-    assert info.value.status_code == LLMStatusCode.LLM_FAILED
+    assert refused.value.status == LLMStatusCode.LLM_FAILED
     # The connection is fine after all of that.
     assert (await conn.request("echo", {}))["from"] == "server"
 
@@ -665,9 +674,9 @@ async def test_too_many_inflight_requests_get_link_busy(
     conn, _ = await net.connect(srv)
     blocked = [asyncio.ensure_future(conn.request("block", {})) for _ in range(2)]
     await asyncio.sleep(0.05)
-    with pytest.raises(LLMException) as info:
+    with pytest.raises(PeerRefusal) as refused:
         await conn.request("echo", {})
-    assert info.value.status_code == LLMStatusCode.LLM_LINK_BUSY
+    assert refused.value.status == LLMStatusCode.LLM_LINK_BUSY
     sh.release.set()
     await asyncio.gather(*blocked)
 

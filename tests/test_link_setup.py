@@ -23,6 +23,7 @@ import pytest
 
 import aiokvcache as kv
 from aiokvcache._core import control, handshake, probe, wire
+from aiokvcache._core.peerstatus import PeerRefusal
 from aiokvcache._core.servicethread import ReleaseWatch
 from aiokvcache._loader import native
 from aiokvcache.testing import cluster_info, make_pair
@@ -316,8 +317,8 @@ async def test_a_bad_put_probe_request_fails_that_probe_only(
             try:
                 reply = await conn.request("probe_back", {"timeout": 1.0, **body}, timeout=5.0)
                 got = str(reply.get("problem"))
-            except kv.LLMException as exc:
-                got = f"{exc.status_code.name} {exc}"
+            except PeerRefusal as refusal:  # its status, as the victim named it
+                got = str(refusal)
             assert answer in got, got
             await conn.close("done")
         finally:

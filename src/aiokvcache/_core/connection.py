@@ -22,7 +22,6 @@ from .frames import (
     MAX_MESSAGE,
     Kind,
     Seal,
-    error_from_payload,
     error_payload,
     field,
     fmt_address,
@@ -32,6 +31,7 @@ from .frames import (
     read_frame,
     to_wire,
 )
+from .peerstatus import PeerRefusal
 
 __all__ = [
     "CLOSE_TIMEOUT",
@@ -281,9 +281,10 @@ class ControlConnection:
 
         Raises ``LLMException(LLM_LINK_FAILED)`` if the connection is or
         becomes closed, :class:`LLMTimeoutError` (``LLM_TIMEOUT``) after
-        ``timeout`` seconds, the peer handler's error (with its status), or
-        ``LLMException(LLM_PARAM_INVALID)`` if ``op`` / ``body`` cannot be
-        encoded.  Cancellation or timeout leaves the connection usable.
+        ``timeout`` seconds, :class:`.peerstatus.PeerRefusal` when the peer
+        answered with an error (its status is data: ``wire.ask`` decides what
+        it means), or ``LLMException(LLM_PARAM_INVALID)`` if ``op`` / ``body``
+        cannot be encoded.  Cancellation or timeout leaves the connection usable.
         """
         if self._closing:
             raise LLMException(
@@ -299,8 +300,6 @@ class ControlConnection:
             async with asyncio.timeout(timeout):
                 return await fut
         except TimeoutError:
-            if fut.done() and not fut.cancelled() and fut.exception() is not None:
-                raise  # a TimeoutError from the peer's status, not ours
             raise LLMTimeoutError(
                 f"request {op!r} to {fmt_address(self.peer_address)} timed out after {timeout}s"
             ) from None
@@ -480,7 +479,7 @@ class ControlConnection:
                     if fut is not None and not fut.done():
                         fut.set_result(body)
                 elif kind is Kind.ERROR_RESPONSE:
-                    exc = error_from_payload(payload)
+                    exc = PeerRefusal.from_payload(payload)  # data: see .peerstatus
                     fut = self._pending.pop(rid, None)
                     if fut is not None and not fut.done():
                         fut.set_exception(exc)

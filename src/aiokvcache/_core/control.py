@@ -92,6 +92,7 @@ from .handshake import (
     LocalInfo,
     validate_local,
 )
+from .peerstatus import LinkRefused
 
 __all__ = [
     "MAX_DEPTH",
@@ -149,9 +150,10 @@ async def connect(
     Raises ``LLMException(LLM_LINK_FAILED)`` when the peer refuses the TCP
     connection, is unreachable, breaks the protocol or fails authentication;
     :class:`LLMTimeoutError` (status ``LLM_TIMEOUT``) when the whole attempt
-    takes longer than ``timeout`` seconds; the acceptor's refusal (its status
-    code, e.g. ``LLM_ALREADY_LINK``) when its on_connected refuses; and
-    whatever the local ``handler.on_connected`` raises.
+    takes longer than ``timeout`` seconds; :class:`.peerstatus.LinkRefused`
+    (``LLM_LINK_FAILED``) when the acceptor refuses, its own status only a
+    hint (``peer_status``); and whatever the local ``handler.on_connected``
+    raises.
     """
     validate_local(local)
     handshake = InitiatorHandshake(local, expected_cluster_id)
@@ -194,6 +196,8 @@ async def connect(
 
 def _link_error(exc: BaseException, target: str, timeout: float) -> LLMException | None:
     """What connect() raises for a failed handshake; None: re-raise ``exc`` itself."""
+    if isinstance(exc, LinkRefused):
+        return LinkRefused(f"link to {target} failed: {exc.message}", exc.peer_status)
     if isinstance(exc, LLMException):
         return make_error(exc.status_code, f"link to {target} failed: {exc.message}")
     if isinstance(exc, TimeoutError):

@@ -19,7 +19,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from .codec import ProtocolError, decode, encode
-from .errors import LLMException, LLMStatusCode, make_error
+from .errors import LLMException, LLMStatusCode
 
 __all__ = [
     "MAX_FRAME",
@@ -27,7 +27,6 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Kind",
     "Seal",
-    "error_from_payload",
     "error_payload",
     "field",
     "fmt_address",
@@ -166,13 +165,6 @@ def field(payload: dict[str, Any], key: str, typ: type, kind: Kind) -> Any:
 def error_payload(exc: LLMException) -> dict[str, Any]:
     """The payload of an ERROR_RESPONSE that carries ``exc``."""
     return {"status": int(exc.status_code), "message": exc.message[:MAX_MESSAGE]}
-
-
-def error_from_payload(payload: dict[str, Any]) -> LLMException:
-    """The error an ERROR_RESPONSE carries."""
-    status = field(payload, "status", int, Kind.ERROR_RESPONSE)
-    message = field(payload, "message", str, Kind.ERROR_RESPONSE)
-    return make_error(status, message)
 
 
 def link_failed(message: str) -> LLMException:

@@ -43,13 +43,13 @@ from .frames import (
     PROTOCOL_VERSION,
     Kind,
     Seal,
-    error_from_payload,
     field,
     link_failed,
     pack_frame,
     read_frame,
     send_now,
 )
+from .peerstatus import PeerRefusal, handshake_refusal
 
 __all__ = [
     "MAX_WORKER_ADDRESS",
@@ -237,9 +237,10 @@ def _auth_mismatch(local_auth: bool, peer_auth: bool) -> str:
 class InitiatorHandshake:
     """The side that dialled: sends HELLO, checks HELLO_REPLY, sends AUTH, checks AUTH_OK.
 
-    Errors: ``LLMException`` for a refusal or a failed check (the acceptor's
-    own status when it refused), :class:`ProtocolError` for malformed
-    messages, and whatever the socket raises. ``tx`` / ``rx`` are the
+    Errors: ``LLMException`` (``LLM_LINK_FAILED``) for a refusal or a failed
+    check (a refusal is a :class:`.peerstatus.LinkRefused`: the acceptor's
+    status is only a hint, see :mod:`.peerstatus`), :class:`ProtocolError`
+    for malformed messages, and whatever the socket raises. ``tx`` / ``rx`` are the
     session's seals once it exists (None before, and always without a token).
     """
 
@@ -283,7 +284,9 @@ class InitiatorHandshake:
             await send_now(writer, Kind.AUTH, 0, {"mac": client_mac, **mine}, self.tx)
         kind, _, ok = await read_frame(reader, self.rx)
         if kind is Kind.ERROR_RESPONSE:
-            raise error_from_payload(ok)
+            # After HELLO_REPLY passed its checks (sealed, with a token): the
+            # peer's status is a hint for the linker, not our verdict.
+            raise handshake_refusal(PeerRefusal.from_payload(ok), checked=True)
         if kind is not Kind.AUTH_OK:
             raise ProtocolError(f"expected AUTH_OK, got {kind.name}")
         peer_identity = _check_identity(kind, ok)
@@ -295,7 +298,8 @@ class InitiatorHandshake:
     def _check_reply(self, kind: Kind, reply: dict[str, Any], hello: dict[str, Any]) -> bytes:
         """Check HELLO_REPLY (its proof included); returns the transcript."""
         if kind is Kind.ERROR_RESPONSE:
-            raise error_from_payload(reply)
+            # In HELLO_REPLY's place: the peer proved nothing, not even its id.
+            raise handshake_refusal(PeerRefusal.from_payload(reply), checked=False)
         if kind is not Kind.HELLO_REPLY:
             raise ProtocolError(f"expected HELLO_REPLY, got {kind.name}")
         _check_hello(kind, reply)

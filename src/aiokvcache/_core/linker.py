@@ -22,6 +22,7 @@ from . import control
 from .discovery import Registry
 from .errors import LLMException, LLMStatusCode, make_error
 from .links import FORCE_UNLINKED, Links
+from .peerstatus import LinkRefused
 from .probe import Prober, new_nonce, offers_put_probe
 from .servicethread import ServiceThread, until
 from .state import Link, State
@@ -207,9 +208,11 @@ class Linker:
             # Both sides linked at once and the peer's link won
             # (see Links.on_connected): ours once it is up.
             return await self._await_up(cid, deadline)
+        held = ""  # why the peer last said it still holds a link to us
         while status == LLMStatusCode.LLM_ALREADY_LINK and not self._links.linked(cid):
             # The peer still holds the link we dropped: its close is
             # on the way (or its heartbeat will notice). Ask again.
+            held = reason
             left = deadline - loop.time() - _RELINK_PAUSE_S
             if left <= 0:
                 break
@@ -217,11 +220,11 @@ class Linker:
             status, reason = await self._try_link(cid, host, port, left)
         if status == LLMStatusCode.LLM_ALREADY_LINK and self._links.linked(cid):
             return await self._await_up(cid, deadline)
-        if status in (
-            LLMStatusCode.LLM_SUCCESS,
-            LLMStatusCode.LLM_ALREADY_LINK,
-            LLMStatusCode.LLM_PARAM_INVALID,
-        ):
+        if held and status in (LLMStatusCode.LLM_ALREADY_LINK, LLMStatusCode.LLM_TIMEOUT):
+            # Only the peer says a link exists (ours is none), to the end of
+            # the call (its last ask may have met the deadline): a failure.
+            return LLMStatusCode.LLM_LINK_FAILED, f"{held} (it still held an earlier link)"
+        if status in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_PARAM_INVALID):
             return status
         return status, reason
 
@@ -283,6 +286,12 @@ class Linker:
             conn = await control.connect(
                 host, port, self._state.local, self._handler, timeout, expected_cluster_id=cid
             )
+        except LinkRefused as exc:
+            if exc.peer_status == LLMStatusCode.LLM_ALREADY_LINK:
+                # Its word, after its id (and proof) checked out: it still
+                # holds a link to us. What we make of it is _attempt's call.
+                return LLMStatusCode.LLM_ALREADY_LINK, str(exc)
+            return exc.status_code, str(exc)
         except LLMException as exc:
             return exc.status_code, str(exc)
         with self._state.lock:

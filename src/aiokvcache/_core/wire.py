@@ -13,12 +13,14 @@ where it is installed (:func:`.catalog.install_remote`).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
 from .control import ControlConnection
 from .ctlregion import PROBE_BYTES
-from .errors import param_invalid
+from .errors import LLMStatusCode, param_invalid
+from .peerstatus import COMMON, PeerRefusal
 from .types import BlocksCacheKey, CacheKey
 
 __all__ = [
@@ -76,6 +78,14 @@ LINK_UP = "link_up"
 #: the queued answer (see ``PeerHandler.handle_request``).
 LOOKUPS = frozenset({Op.CACHE_BY_ID, Op.CACHE_BY_KEY, Op.BLOCKS_BY_KEY, Op.CACHE_BY_ADDR})
 
+#: What a lookup may be refused with, beyond :data:`.peerstatus.COMMON`: the
+#: cache does not exist (any more), or the peer does not serve it.
+LOOKUP_STATUSES: Mapping[LLMStatusCode, LLMStatusCode] = {
+    **COMMON,
+    LLMStatusCode.LLM_KV_CACHE_NOT_EXIST: LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+    LLMStatusCode.LLM_FEATURE_NOT_ENABLED: LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+}
+
 
 class BadReply(ValueError):
     """A peer's answer that does not fit the request it answers."""
@@ -113,10 +123,15 @@ R = TypeVar("R", bound=Message)
 
 
 class Request(Message, Generic[R]):
-    """A request to a linked peer; ``R`` is its answer."""
+    """A request to a linked peer; ``R`` is its answer.
+
+    ``peer_statuses``: the statuses the peer may refuse it with and what
+    each becomes for our caller; any other is LLM_FAILED (see
+    :mod:`.peerstatus`)."""
 
     __slots__ = ()
     op: ClassVar[Op]
+    peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = COMMON
 
     def reply(self, body: dict[str, Any]) -> R:
         """The peer's answer to it, checked (:class:`BadReply`)."""
@@ -126,10 +141,15 @@ class Request(Message, Generic[R]):
 async def ask(conn: ControlConnection, request: Request[R], timeout: float | None) -> R:
     """Send ``request`` on ``conn`` and return the peer's checked answer.
 
-    Raises what :meth:`.control.ControlConnection.request` raises, and
-    :class:`BadReply` for an answer that does not fit.
+    Raises what :meth:`.control.ControlConnection.request` raises, but a
+    peer's refusal as the error ``request.peer_statuses`` makes of it (see
+    :mod:`.peerstatus`), and :class:`BadReply` for an answer that does not fit.
     """
-    body = await conn.request(request.op.value, request.encode(), timeout=timeout)
+    try:
+        body = await conn.request(request.op.value, request.encode(), timeout=timeout)
+    except PeerRefusal as refusal:
+        what = f"cluster {conn.peer_cluster_id}'s answer to {request.op.value}"
+        raise refusal.verdict(request.peer_statuses, what) from None
     return request.reply(body)
 
 
@@ -367,6 +387,7 @@ class CacheById(Request[CacheMeta]):
     """The metadata of the peer's cache ``cache_id``."""
 
     op: ClassVar[Op] = Op.CACHE_BY_ID
+    peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
     cache_id: int
 
     def encode(self) -> dict[str, Any]:
@@ -388,6 +409,7 @@ class CacheByKey(Request[KeyedCacheMeta]):
     """The peer's cache bound to ``key``, and the key's batch index."""
 
     op: ClassVar[Op] = Op.CACHE_BY_KEY
+    peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
     key: CacheKey
 
     def encode(self) -> dict[str, Any]:
@@ -421,6 +443,7 @@ class BlocksByKey(Request[CacheMeta]):
     """The peer's blocks cache bound to ``key``."""
 
     op: ClassVar[Op] = Op.BLOCKS_BY_KEY
+    peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
     key: BlocksCacheKey
 
     def encode(self) -> dict[str, Any]:
@@ -444,6 +467,7 @@ class CacheByAddr(Request[CacheMetas]):
     :data:`MAX_ADDRS_PER_REQUEST`)."""
 
     op: ClassVar[Op] = Op.CACHE_BY_ADDR
+    peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
     addrs: tuple[int, ...]
 
     def encode(self) -> dict[str, Any]:
