@@ -129,17 +129,22 @@ void bind_errors(py::module_& m) {
   static py::exception<akv::ClosedError> closed_exc(m, "EngineClosedError", native_exc);
   static py::exception<akv::InvalidArgument> invalid_exc(
       m, "InvalidArgumentError", py::make_tuple(native_exc, py::handle(PyExc_ValueError)));
+  static py::exception<akv::PeerInput> peer_exc(m, "PeerInputError", invalid_exc);
   static py::exception<akv::UcxFailure> ucx_exc(m, "UcxError", native_exc);
   native_exc.attr("__doc__") = "A failure of the native engine.";
   closed_exc.attr("__doc__") = "The engine is closed: calls that need its progress thread fail.";
   invalid_exc.attr("__doc__") =
       "A bad argument (unknown region, endpoint or key id, a bad segment table, a payload too large).";
+  peer_exc.attr("__doc__") =
+      "A peer's bytes (a worker address, a packed remote key) are malformed: refused before UCX read them.";
   ucx_exc.attr("__doc__") = "A UCX call failed; ucs_status is its status (see ucs_status_string).";
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const akv::ClosedError& e) {
       py::set_error(closed_exc, e.what());
+    } catch (const akv::PeerInput& e) {
+      py::set_error(peer_exc, e.what());
     } catch (const akv::InvalidArgument& e) {
       py::set_error(invalid_exc, e.what());
     } catch (const akv::UcxFailure& e) {

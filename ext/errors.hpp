@@ -31,6 +31,15 @@ class InvalidArgument : public Error {
   using Error::Error;
 };
 
+// What a peer sent (a worker address, a packed remote key) is malformed:
+// refused before UCX reads it. Python: PeerInputError, an
+// InvalidArgumentError, so the caller can tell a peer's bad bytes from its
+// own mistake.
+class PeerInput : public InvalidArgument {
+ public:
+  using InvalidArgument::InvalidArgument;
+};
+
 // A UCX call failed. Python: UcxError, with the status as ucs_status.
 class UcxFailure : public Error {
  public:

@@ -12,6 +12,8 @@
 #include <cstring>
 #include <tuple>
 
+#include <ucs/memory/memory_type.h>
+
 #include "errors.hpp"
 
 namespace akv {
@@ -117,14 +119,14 @@ size_t header_end(const std::string& a) {
 }  // namespace
 
 void check_worker_address(const std::string& a, const std::string& ours) {
-  if (a.empty()) throw InvalidArgument("worker address is empty");
-  if (a.size() > kMaxWorkerAddress) throw InvalidArgument("worker address is too long");
+  if (a.empty()) throw PeerInput("worker address is empty");
+  if (a.size() > kMaxWorkerAddress) throw PeerInput("worker address is too long");
   uint8_t version = static_cast<uint8_t>(a[0]) & kAddrVersionMask;
   if (ours.empty() || version != (static_cast<uint8_t>(ours[0]) & kAddrVersionMask)) {
-    throw InvalidArgument("worker address has a header version this UCX does not produce");
+    throw PeerInput("worker address has a header version this UCX does not produce");
   }
   size_t at = header_end(a);
-  if (at == std::string::npos) throw InvalidArgument("worker address is truncated or has unknown header flags");
+  if (at == std::string::npos) throw PeerInput("worker address is truncated or has unknown header flags");
   bool v2 = version != kAddrV1;
   // Calibrate on our own address: the layout that walks it to its last byte.
   size_t ours_at = header_end(ours);
@@ -137,12 +139,65 @@ void check_worker_address(const std::string& a, const std::string& ours) {
     // interface address's length made 0, which UCT then reads as a null
     // pointer) leaves the walk short of the end or past it.
     if (walk_devices(peer, v2, extra) != 0) {
-      throw InvalidArgument("worker address is malformed (its device list does not parse)");
+      throw PeerInput("worker address is malformed (its device list does not parse)");
     }
     return;
   }
 }
 
+// A packed remote key crosses the control plane too (cache metadata, a probe
+// slot), and ucp_ep_rkey_unpack takes no length either: it reads the md map
+// and walks one (size, bytes) entry per bit of it, indexes tables by the
+// memory type, and, for a key whose memory has a known system device, reads
+// distance entries up to a terminator byte wherever that is. So the key is
+// walked here first, in the layout this UCX packs (ucp_rkey_pack_memh in
+// src/ucp/core/ucp_rkey.c, UCX 1.20 and later):
+//   u64 md_map | u8 mem_type | per md bit: u8 size, size bytes
+//   | u8 sys_dev (when md_map != 0; bit 7: flush needed)
+//   | when sys_dev is known: 3-byte distance entries, then the 0xff terminator
+// and it must end exactly at its last byte.
+constexpr uint8_t kSysDevUnknown = 0xff;      // UCS_SYS_DEVICE_ID_UNKNOWN
+constexpr uint8_t kSysDevFlushBit = 0x80;     // UCP_SYS_DEVICE_FLUSH_BIT
+constexpr size_t kDistanceEntry = 3;          // ucp_rkey_packed_distance_t
+constexpr uint8_t kMaxSysDevInMap = 64;       // bits of ucp_sys_dev_map_t
+
+void check_packed_rkey(const std::string& k) {
+  if (k.size() > kMaxPackedRkey) throw PeerInput("remote key is too long");
+  Reader r{reinterpret_cast<const uint8_t*>(k.data()), k.size()};
+  uint64_t md_map = 0;
+  for (int i = 0; i < 8; ++i) md_map |= static_cast<uint64_t>(r.u8()) << (8 * i);
+  uint8_t mem_type = r.u8();
+  if (!r.ok) throw PeerInput("remote key is truncated (no md map and memory type)");
+  if (mem_type >= UCS_MEMORY_TYPE_LAST) throw PeerInput("remote key names an unknown memory type");
+  for (uint64_t bits = md_map; bits != 0 && r.ok; bits &= bits - 1) r.skip(r.u8());
+  if (!r.ok) throw PeerInput("remote key is truncated (a memory domain's part)");
+  if (md_map != 0) {
+    uint8_t sys_dev = r.u8();
+    if (!r.ok) throw PeerInput("remote key is truncated (no system device)");
+    if (sys_dev != kSysDevUnknown) {
+      if ((sys_dev & ~kSysDevFlushBit) >= kMaxSysDevInMap) {
+        throw PeerInput("remote key names an unknown system device");
+      }
+      int entries = 0;
+      for (;;) {
+        uint8_t dev = r.u8();
+        if (!r.ok) throw PeerInput("remote key's distance list has no terminator");
+        if (dev == kSysDevUnknown) break;
+        if (dev >= kMaxSysDevInMap || ++entries > kMaxSysDevInMap) {
+          throw PeerInput("remote key's distance list names an unknown system device");
+        }
+        r.skip(kDistanceEntry - 1);
+      }
+    }
+  }
+  if (r.at != r.n) throw PeerInput("remote key has bytes past its end");
+}
+
+std::string padded_rkey(const std::string& k) {
+  std::string copy = k;
+  copy.append(kRkeyPad, '\0');
+  return copy;
+}
 
 bool Vma::operator<(const Vma& o) const {
   return std::tie(start, end, offset, inode) < std::tie(o.start, o.end, o.offset, o.inode);

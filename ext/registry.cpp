@@ -66,16 +66,19 @@ std::string Engine::rkey_pack(uint64_t region_id) {
   });
 }
 
-uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t base, uint64_t len) {
-  if (packed.empty()) throw InvalidArgument("packed rkey is empty");
-  return call<uint64_t>([this, ep_id, packed, base, len]() {
+uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& key, uint64_t base, uint64_t len) {
+  check_open();
+  // A peer chose these bytes: walked with bounds, and padded, before UCX
+  // reads them (peer_input.hpp).
+  check_packed_rkey(key);
+  return call<uint64_t>([this, ep_id, packed = padded_rkey(key), base, len]() {
     auto it = eps_.find(ep_id);
     if (it == eps_.end()) throw InvalidArgument("unknown endpoint id");
     Endpoint* ep = it->second.get();
     if (ep->broken || ep->closing || ep->handle == nullptr) {
       throw Error("endpoint is broken or closing");
     }
-    if (base + len < base) throw InvalidArgument("remote region wraps around the address space");
+    if (base + len < base) throw PeerInput("remote region wraps around the address space");
     auto rk = std::make_unique<RemoteKey>();
     ucs_status_t st = ucp_ep_rkey_unpack(ep->handle, packed.data(), rk->handle.out());
     if (st != UCS_OK) throw UcxFailure("ucp_ep_rkey_unpack", st);
@@ -95,7 +98,7 @@ uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& packed, uint64_t
       mapped = nullptr;
       if (ucp_rkey_ptr(rk->handle.get(), base, &mapped) != UCS_OK ||
           !mapping_covers(before, static_cast<uint8_t*>(mapped), len)) {
-        throw InvalidArgument("remote key does not cover the claimed region (base, length)");
+        throw PeerInput("remote key does not cover the claimed region (base, length)");
       }
       // Then a transfer is one memcpy on the progress thread, whatever lane
       // UCX would have picked.

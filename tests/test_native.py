@@ -102,8 +102,10 @@ def test_unknown_ids_are_invalid_arguments(engine: Any) -> None:
         engine.mem_release(12345)
     with pytest.raises(ValueError, match="unknown region id"):
         engine.rkey_pack(12345)
+    rid, _ = engine.mem_alloc(4096)
+    key = engine.rkey_pack(rid)  # well formed: the endpoint is what is unknown
     with pytest.raises(native.InvalidArgumentError, match="unknown endpoint id"):
-        engine.rkey_unpack(12345, b"key", 0, 1)
+        engine.rkey_unpack(12345, key, 0, 1)
 
 
 def test_bad_arguments_are_invalid_arguments(engine: Any) -> None:

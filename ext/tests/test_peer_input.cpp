@@ -122,6 +122,109 @@ TEST_CASE("worker address: any single byte changed is refused or still walks to 
   }
 }
 
+namespace {
+
+using akv::check_packed_rkey;
+
+// Packed keys of this UCX for one region: as many as its contexts pack
+// (every transport, shared memory only, tcp only).
+std::vector<std::string> our_rkeys() {
+  std::vector<std::string> keys;
+  for (const char* tls : {"all", "posix,sysv,cma,self", "tcp,self"}) {
+    ucp_config_t* cfg = nullptr;
+    REQUIRE(ucp_config_read(nullptr, nullptr, &cfg) == UCS_OK);
+    REQUIRE(ucp_config_modify(cfg, "TLS", tls) == UCS_OK);
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM;
+    ucp_context_h ctx = nullptr;
+    REQUIRE(ucp_init(&params, cfg, &ctx) == UCS_OK);
+    ucp_config_release(cfg);
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS;
+    mp.length = 1 << 16;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    ucp_mem_h memh = nullptr;
+    REQUIRE(ucp_mem_map(ctx, &mp, &memh) == UCS_OK);
+    void* buf = nullptr;
+    size_t size = 0;
+    REQUIRE(ucp_rkey_pack(ctx, memh, &buf, &size) == UCS_OK);
+    keys.emplace_back(static_cast<const char*>(buf), size);
+    ucp_rkey_buffer_release(buf);
+    ucp_mem_unmap(ctx, memh);
+    ucp_cleanup(ctx);
+  }
+  return keys;
+}
+
+bool rkey_refused(const std::string& k) {
+  try {
+    check_packed_rkey(k);
+    return false;
+  } catch (const akv::PeerInput&) {
+    return true;
+  }
+}
+
+}  // namespace
+
+TEST_CASE("remote key: ours pass, every truncation and any trailing byte is refused") {
+  for (const std::string& k : our_rkeys()) {
+    CAPTURE(k.size());
+    CHECK_FALSE(rkey_refused(k));
+    for (size_t n = 0; n < k.size(); ++n) {
+      CAPTURE(n);
+      CHECK(rkey_refused(k.substr(0, n)));
+    }
+    CHECK(rkey_refused(k + std::string(1, '\0')));
+    CHECK(rkey_refused(k + std::string(3, '\xff')));
+  }
+}
+
+TEST_CASE("remote key: unknown memory type, md bits without parts, oversized") {
+  std::string k = our_rkeys().front();
+  std::string bad_type = k;
+  bad_type[8] = static_cast<char>(0x7f);
+  CHECK(rkey_refused(bad_type));
+  bad_type[8] = static_cast<char>(UCS_MEMORY_TYPE_LAST);
+  CHECK(rkey_refused(bad_type));
+  std::string all_mds = k;
+  for (int i = 0; i < 8; ++i) all_mds[i] = static_cast<char>(0xff);
+  CHECK(rkey_refused(all_mds));
+  CHECK(rkey_refused(std::string(akv::kMaxPackedRkey + 1, '\0')));
+}
+
+TEST_CASE("remote key: the distance list") {
+  // md_map 1, host memory, one empty md part, then the system device.
+  const std::string head("\x01\0\0\0\0\0\0\0" "\0" "\0", 10);
+  CHECK_FALSE(rkey_refused(head + "\xff"));  // unknown device: no list
+  CHECK(rkey_refused(head));                  // no device byte
+  // A known device (with or without the flush bit): entries up to 0xff.
+  CHECK_FALSE(rkey_refused(head + "\x03" + std::string("\x03\x10\x20\xff", 4)));
+  CHECK_FALSE(rkey_refused(head + "\x83" + std::string("\xff", 1)));
+  CHECK(rkey_refused(head + "\x03" + std::string("\x03\x10\x20", 3)));  // no terminator
+  CHECK(rkey_refused(head + "\x03" + std::string("\x03\x10", 2)));      // a short entry
+  CHECK(rkey_refused(head + "\x40" + std::string("\xff", 1)));           // device past the map
+  CHECK(rkey_refused(head + "\x03" + std::string("\x50\x10\x20\xff", 4)));
+  // An empty md map packs nothing after the memory type.
+  CHECK_FALSE(rkey_refused(std::string(9, '\0')));
+  CHECK(rkey_refused(std::string(9, '\0') + "\xff"));
+}
+
+TEST_CASE("remote key: any single byte changed is refused or still walks to the end") {
+  for (const std::string& k : our_rkeys()) {
+    for (size_t i = 0; i < k.size(); ++i) {
+      for (int v : {0x00, 0x01, 0x0f, 0x7f, 0x80, 0xff}) {
+        std::string m = k;
+        m[i] = static_cast<char>(v);
+        CAPTURE(i);
+        CAPTURE(v);
+        CHECK_NOTHROW((void)rkey_refused(m));
+      }
+    }
+  }
+}
+
 TEST_CASE("segment bounds") {
   using akv::SegmentIn;
   using akv::segment_fits;

@@ -41,6 +41,9 @@ class EngineClosedError(NativeError):
 class InvalidArgumentError(NativeError, ValueError):
     """A bad argument (unknown region, endpoint or key id, a bad segment table, ...)."""
 
+class PeerInputError(InvalidArgumentError):
+    """A peer's bytes (a worker address, a packed remote key) are malformed."""
+
 class UcxError(NativeError):
     """A UCX call failed."""
 
@@ -134,9 +137,10 @@ class Engine:
     def rkey_unpack(self, ep_id: int, packed: bytes, base: int, length: int) -> int:
         """A key for the peer's region [base, base + length).
 
-        A key UCX maps into this process (same-host shared memory) must cover
-        the whole claimed range inside the mapping it created, or
-        InvalidArgumentError.
+        ``packed`` is walked with bounds first, in the layout this UCX packs
+        (PeerInputError when it does not hold). A key UCX maps into this
+        process (same-host shared memory) must cover the whole claimed range
+        inside the mapping it created, or InvalidArgumentError.
         """
     def disconnect(self, ep_id: int) -> list[int]:
         """Close the endpoint once its jobs end; cancels them and returns their ids."""

@@ -137,7 +137,8 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
     """Check a peer's cache metadata, unpack its keys, record it on the link.
 
     A cache already recorded is returned as it is (its keys are not unpacked
-    twice). Bad metadata raises LLM_FAILED, a broken link LLM_LINK_FAILED.
+    twice). Bad metadata raises LLM_FAILED (a malformed key or a region its
+    key does not cover included), a broken link LLM_LINK_FAILED.
     """
     try:
         cid, desc, addrs, regions, tensor_region, is_blocks, word = _parse(link, meta)
@@ -159,7 +160,14 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
     try:
         for reg in regions:
             rkey_ids.append(engine.rkey_unpack(link.ep, reg["rkey"], reg["base"], reg["len"]))
-    except (native.NativeError, OverflowError) as exc:
+    except (native.PeerInputError, OverflowError) as exc:
+        # The key's bytes, or the region it claims: the peer's metadata is
+        # bad (the engine refused it before UCX read it); the link stays.
+        release_keys(state, rkey_ids)
+        raise make_error(
+            LLMStatusCode.LLM_FAILED, f"cluster {link.cluster_id} sent a malformed key: {exc}"
+        ) from None
+    except native.NativeError as exc:
         release_keys(state, rkey_ids)
         raise make_error(
             LLMStatusCode.LLM_LINK_FAILED, f"cannot use cluster {link.cluster_id}'s keys: {exc}"
