@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -289,3 +290,27 @@ async def test_a_malformed_remote_key_in_cache_metadata_fails_the_call(
         assert got["status"] == "LLM_SUCCESS", got["message"]
         health = await victim.health()
         assert health["live_jobs"] == 0 and not health["service_errors"], health
+
+
+@pytest.mark.parametrize("name,make", RKEYS[:4], ids=[n for n, _ in RKEYS[:4]])
+async def test_a_malformed_remote_key_in_a_probe_slot_fails_the_link(
+    transport: str, name: str, make: Callable[[bytes], bytes]
+) -> None:
+    """The key to a peer's control region travels in its handshake's probe
+    slot and in probe_info answers: a malformed one fails that link's set-up
+    (LINK_FAILED), the process lives, and an honest peer links after."""
+    async with instance(transport, 2) as liar, PeerProcess("prefill", transport) as victim:
+        prober = runtime(liar).service.prober
+        real = type(prober).probe_info.__get__(prober)
+
+        def tampered() -> wire.ProbeSlot:
+            slot = real()
+            return dataclasses.replace(slot, rkey=make(slot.rkey))
+
+        prober.probe_info = tampered  # the handshake's slot and probe_info answers
+        got = await victim.link(str(liar.listen_address), 2, timeout_ms=3000)
+        assert got["per"] == ["LLM_LINK_FAILED"], got
+        assert victim.returncode is None
+        del prober.probe_info
+        got = await victim.link(str(liar.listen_address), 2, timeout_ms=5000)
+        assert got["per"] == ["LLM_SUCCESS"], got
