@@ -59,9 +59,18 @@ struct Reader {
   }
 };
 
+// One transport interface of an address: its name's checksum, and the
+// lengths of its device's address and of its own.
+struct TlEntry {
+  uint16_t csum;
+  uint8_t dev_len;
+  uint8_t iface_len;
+};
+
 // Bytes after the device list, or npos when the walk fails. attr_extra: the
 // resource-index byte some pack flags add after each interface's attributes.
-size_t walk_devices(Reader r, bool v2, size_t attr_extra) {
+// `out`, when given, collects each interface the walk passed.
+size_t walk_devices(Reader r, bool v2, size_t attr_extra, std::vector<TlEntry>* out = nullptr) {
   const size_t attr_len = (v2 ? 8 : 16) + attr_extra;
   if (r.at < r.n && r.p[r.at] == kNullResource) return r.n - r.at - 1;
   for (int dev = 0; dev < 256 && r.ok; ++dev) {
@@ -78,7 +87,8 @@ size_t walk_devices(Reader r, bool v2, size_t attr_extra) {
     if (!empty && md_index >= 64) return std::string::npos;
     bool last_tl = empty;
     for (int tl = 0; !last_tl && tl < 256 && r.ok; ++tl) {
-      r.skip(2);  // transport name checksum
+      uint16_t csum = r.u8();  // transport name checksum
+      csum = static_cast<uint16_t>(csum | (r.u8() << 8));
       if (!v2 && r.ok && r.n - r.at >= 12) {
         float f[3];
         std::memcpy(f, r.p + r.at, sizeof(f));  // overhead, bandwidth, latency
@@ -90,7 +100,9 @@ size_t walk_devices(Reader r, bool v2, size_t attr_extra) {
       uint8_t tlb = r.u8();
       last_tl = (tlb & kLast) != 0;
       bool has_ep = (tlb & kHasEpOrPaths) != 0;
-      r.skip(r.extended(tlb, 0x3f, v2));
+      uint8_t iface_len = r.extended(tlb, 0x3f, v2);
+      r.skip(iface_len);
+      if (out != nullptr && r.ok) out->push_back(TlEntry{csum, dev_len, iface_len});
       for (int e = 0; has_ep && e < 64 && r.ok; ++e) {
         r.skip(r.u8());
         has_ep = (r.u8() & kLast) == 0;
@@ -101,6 +113,32 @@ size_t walk_devices(Reader r, bool v2, size_t attr_extra) {
     if (last_dev) return r.ok ? r.n - r.at : std::string::npos;
   }
   return std::string::npos;
+}
+
+// UCT reads a transport's device and interface addresses by its own
+// structure (a TCP device address as its address family, flags and IP): one
+// shorter than that structure reads past its part, and a zero length makes it
+// a null pointer (SIGSEGV in uct_tcp_iface_is_reachable_v2). Lengths changed
+// together with the bytes they count still walk to the end, so the walk
+// alone does not catch them: an interface of a transport this UCX has
+// (known by its name's checksum) must have addresses at least as long as
+// ours. (An IPv6 TCP device address is longer than an IPv4 one; a transport
+// we lack is never matched with a resource of ours, so UCX does not read it.)
+void check_address_lengths(const std::vector<TlEntry>& theirs, const std::vector<TlEntry>& mine) {
+  for (const TlEntry& t : theirs) {
+    // The shortest of ours for that transport (a loopback TCP device's
+    // address is shorter than another's).
+    int min_dev = -1, min_iface = -1;
+    for (const TlEntry& m : mine) {
+      if (m.csum != t.csum) continue;
+      if (min_dev < 0 || m.dev_len < min_dev) min_dev = m.dev_len;
+      if (min_iface < 0 || m.iface_len < min_iface) min_iface = m.iface_len;
+    }
+    if (min_dev >= 0 && (t.dev_len < min_dev || t.iface_len < min_iface)) {
+      throw PeerInput("worker address gives a transport of ours a device or interface "
+                      "address shorter than its own");
+    }
+  }
 }
 
 // Where the device list starts, or npos.
@@ -132,15 +170,16 @@ void check_worker_address(const std::string& a, const std::string& ours) {
   size_t ours_at = header_end(ours);
   for (size_t extra : {0, 1}) {
     if (ours_at == std::string::npos) break;
+    std::vector<TlEntry> mine, theirs;
     Reader self{reinterpret_cast<const uint8_t*>(ours.data()), ours.size(), ours_at};
-    if (walk_devices(self, v2, extra) != 0) continue;
+    if (walk_devices(self, v2, extra, &mine) != 0) continue;
     Reader peer{reinterpret_cast<const uint8_t*>(a.data()), a.size(), at};
-    // Exactly to the end, as UCX packs it: a length byte changed (say an
-    // interface address's length made 0, which UCT then reads as a null
-    // pointer) leaves the walk short of the end or past it.
-    if (walk_devices(peer, v2, extra) != 0) {
+    // Exactly to the end, as UCX packs it: a length byte changed alone
+    // leaves the walk short of the end or past it.
+    if (walk_devices(peer, v2, extra, &theirs) != 0) {
       throw PeerInput("worker address is malformed (its device list does not parse)");
     }
+    check_address_lengths(theirs, mine);
     return;
   }
 }
@@ -175,9 +214,8 @@ void check_packed_rkey(const std::string& k) {
     uint8_t sys_dev = r.u8();
     if (!r.ok) throw PeerInput("remote key is truncated (no system device)");
     if (sys_dev != kSysDevUnknown) {
-      if ((sys_dev & ~kSysDevFlushBit) >= kMaxSysDevInMap) {
-        throw PeerInput("remote key names an unknown system device");
-      }
+      // The key's own device is a value UCX keeps (up to 127); those in the
+      // distance list index its 64-bit device maps.
       int entries = 0;
       for (;;) {
         uint8_t dev = r.u8();

@@ -38,13 +38,14 @@ void check_worker_address(const std::string& a, const std::string& ours);
 constexpr size_t kMaxPackedRkey = 32 * 1024;
 // Each UCT component reads its part of a key by its own structure, not by
 // the size byte before it: the copy UCX reads is padded with zeros, so a
-// part shorter than its structure reads zeros instead of what follows.
+// part shorter than its structure reads the key's next bytes and then zeros,
+// never memory past the copy (no component's structure is longer than this).
 constexpr size_t kRkeyPad = 256;
 
 // Throws PeerInput unless `k` is a packed remote key laid out as this UCX
 // packs one (ucp_rkey_pack): md map, a known memory type, one sized part per
-// md bit, the system device and its distance list with its terminator,
-// ending at the last byte. Not covered: the contents of each part, which the
+// md bit, the system device and its distance list (devices below 64) with
+// its terminator, ending at the last byte. Not covered: the contents of each part, which the
 // transport's component interprets (as for worker addresses).
 void check_packed_rkey(const std::string& k);
 // `k` with kRkeyPad zero bytes after it: what the engine hands UCX.

@@ -107,6 +107,23 @@ TEST_CASE("worker address: unknown header flags are refused") {
   CHECK(refused(a));
 }
 
+TEST_CASE("worker address: a part shortened with its length byte is refused where UCT would read past it") {
+  // Such an address still walks to its last byte; a transport's device or
+  // interface address shorter than ours is what UCT would read past.
+  const std::string& ours = our_address();
+  int tried = 0, caught = 0;
+  for (size_t i = 0; i < ours.size(); ++i) {
+    uint8_t b = static_cast<uint8_t>(ours[i]);
+    for (uint8_t k = 1; k <= (b & 0x1f) && i + 1 + k <= ours.size(); ++k) {
+      std::string a = ours.substr(0, i) + std::string(1, static_cast<char>(b - k)) + ours.substr(i + 1 + k);
+      ++tried;
+      CHECK_NOTHROW(caught += refused(a) ? 1 : 0);
+    }
+  }
+  CHECK(tried > 100);
+  CHECK(caught > tried / 2);  // most by the walk or the lengths; the rest are harmless (tests/test_peer_input.py)
+}
+
 TEST_CASE("worker address: any single byte changed is refused or still walks to the end") {
   // The check promises only that what it lets through is a layout UCX walks
   // within bounds; a changed byte must never make it throw anything else.
@@ -204,7 +221,8 @@ TEST_CASE("remote key: the distance list") {
   CHECK_FALSE(rkey_refused(head + "\x83" + std::string("\xff", 1)));
   CHECK(rkey_refused(head + "\x03" + std::string("\x03\x10\x20", 3)));  // no terminator
   CHECK(rkey_refused(head + "\x03" + std::string("\x03\x10", 2)));      // a short entry
-  CHECK(rkey_refused(head + "\x40" + std::string("\xff", 1)));           // device past the map
+  CHECK_FALSE(rkey_refused(head + "\x7e" + std::string("\xff", 1)));     // any device of its own
+  CHECK(rkey_refused(head + "\x03" + std::string("\x40\x10\x20\xff", 4)));  // a listed one past the map
   CHECK(rkey_refused(head + "\x03" + std::string("\x50\x10\x20\xff", 4)));
   // An empty md map packs nothing after the memory type.
   CHECK_FALSE(rkey_refused(std::string(9, '\0')));

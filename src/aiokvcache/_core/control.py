@@ -151,9 +151,8 @@ async def connect(
     connection, is unreachable, breaks the protocol or fails authentication;
     :class:`LLMTimeoutError` (status ``LLM_TIMEOUT``) when the whole attempt
     takes longer than ``timeout`` seconds; :class:`.peerstatus.LinkRefused`
-    (``LLM_LINK_FAILED``) when the acceptor refuses, its own status only a
-    hint (``peer_status``); and whatever the local ``handler.on_connected``
-    raises.
+    (``LLM_LINK_FAILED``, the acceptor's status only a hint) when it refuses;
+    and whatever the local ``handler.on_connected`` raises.
     """
     validate_local(local)
     handshake = InitiatorHandshake(local, expected_cluster_id)

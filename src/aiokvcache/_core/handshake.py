@@ -135,7 +135,9 @@ def hello_payload(local: LocalInfo, nonce: bytes) -> dict[str, Any]:
 
 def _check_hello(kind: Kind, payload: dict[str, Any]) -> dict[str, Any]:
     field(payload, "version", int, kind)
-    field(payload, "cluster_id", int, kind)
+    if not 0 <= field(payload, "cluster_id", int, kind) < 1 << 64:
+        # A cluster id is unsigned: it becomes the link's peer id natively.
+        raise ProtocolError(f"{kind.name}: cluster_id out of range")
     field(payload, "role", int, kind)
     field(payload, "auth", bool, kind)
     if len(field(payload, "nonce", bytes, kind)) != NONCE_LEN:

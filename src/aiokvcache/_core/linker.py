@@ -203,6 +203,7 @@ class Linker:
         """Link ``cid`` at one address: the call's final status, or the
         (status, reason) of a failure to go on from."""
         loop = asyncio.get_running_loop()
+        share_end = loop.time() + left  # this address's fair share of the call
         status, reason = await self._try_link(cid, host, port, left)
         if status == LLMStatusCode.LLM_ALREADY_LINK and self._links.linked(cid):
             # Both sides linked at once and the peer's link won
@@ -213,7 +214,7 @@ class Linker:
             # The peer still holds the link we dropped: its close is
             # on the way (or its heartbeat will notice). Ask again.
             held = reason
-            left = deadline - loop.time() - _RELINK_PAUSE_S
+            left = min(deadline, share_end) - loop.time() - _RELINK_PAUSE_S
             if left <= 0:
                 break
             await asyncio.sleep(_RELINK_PAUSE_S)
@@ -336,8 +337,11 @@ class Linker:
         nonce, slot = b"", 0
         if offers_put_probe(conn.peer_probe) and type(conn.peer_probe.get("addr")) is int:
             nonce, slot = new_nonce(), int(conn.peer_probe["addr"])
+        # The peer's half gets a little less than what is left, so that its
+        # answer can travel back before our deadline; we wait no longer.
+        theirs = max(left - min(0.25, left / 4), 0.01)
         back_task = asyncio.ensure_future(
-            ask(conn, ProbeBack(left, nonce, slot), timeout=left + 1.0)
+            ask(conn, ProbeBack(theirs, nonce, slot), timeout=left)
         )
         try:
             # Two turns of the loop: the request is queued, then the
@@ -350,7 +354,7 @@ class Linker:
                     LLMStatusCode.LLM_LINK_FAILED,
                     f"data path from us to cluster {cid} does not work: {problem}",
                 )
-            await self._peer_half(cid, link, back_task, bool(nonce), deadline)
+            await self._peer_half(cid, link, back_task, nonce, deadline)
         except LLMException as exc:
             self._links.drop_link(link, f"data path check failed: {exc.message}")
             await conn.close("data path check failed")
@@ -372,11 +376,12 @@ class Linker:
         cid: int,
         link: Link,
         back_task: asyncio.Future[ProbeResult],
-        put_probe: bool,
+        mine: bytes,
         deadline: float,
     ) -> None:
         """The peer's half of the data-path check (its probe_back answer and,
-        after a put probe, its nonce in our slot); LLMException when it failed."""
+        after a put probe of our nonce ``mine``, its nonce in our slot);
+        LLMException when it failed."""
         try:
             # Shielded: a cancel reaches us here at once, not after the
             # request's own teardown (the caller's finally ends it).
@@ -391,7 +396,14 @@ class Linker:
                 LLMStatusCode.LLM_LINK_FAILED,
                 f"data path check failed on cluster {cid}'s side: {back.problem}",
             )
-        if put_probe:
+        if mine:
+            if back.nonce == mine:
+                # Our own nonce, which our probe's source slot holds: found
+                # there without the peer moving a byte.
+                raise make_error(
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    f"cluster {cid} answered the data path check with our own nonce",
+                )
             left = max(deadline - asyncio.get_running_loop().time(), 0.05)
             seen = await self._prober.nonce_arrived(link, back.slot, back.nonce, left)
             if seen:

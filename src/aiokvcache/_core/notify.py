@@ -38,6 +38,7 @@ __all__ = [
     "block_list",
     "decode_block_ids",
     "encode_block_ids",
+    "parse_notification",
     "payload",
 ]
 
@@ -152,6 +153,33 @@ def decode_block_ids(data: bytes) -> tuple[int, ...]:
     first = np.cumsum(counts) - counts
     ids = np.arange(total, dtype=np.int64) + np.repeat(starts - first, counts)
     return tuple(ids.tolist())
+
+
+def _int(d: dict[str, Any], key: str) -> int:
+    value = d.get(key)
+    if type(value) is not int:  # not a bool, a float (inf, nan) nor a str
+        raise control.ProtocolError(f"notification field {key!r} is not an int")
+    return value
+
+
+def parse_notification(src: int, data: bytes) -> Notification:
+    """A linked peer's notification payload (what :func:`payload` builds),
+    checked field by field: ``ProtocolError`` or ``ValueError`` otherwise."""
+    d = control.decode(data)
+    if not isinstance(d, dict):
+        raise control.ProtocolError("not a dict")
+    tag = d.get("t")
+    if not isinstance(tag, (str, bytes)):
+        raise control.ProtocolError("bad tag")
+    where: int | tuple[int, ...] | None
+    if "k" in d:
+        blocks = d["k"]
+        if blocks is not None and not isinstance(blocks, bytes):
+            raise control.ProtocolError("a block list must be bytes")
+        where = None if blocks is None else decode_block_ids(blocks)
+    else:
+        where = None if d.get("b") is None else _int(d, "b")
+    return Notification(tag, int(src), _int(d, "i"), where, _int(d, "l"))
 
 
 class _Subscription:
@@ -270,18 +298,8 @@ class Receiver:
         """The bridge's callback for every notification a linked peer sent:
         ``src`` is the cluster id of the link it arrived on."""
         try:
-            d = control.decode(data)
-            if not isinstance(d, dict):
-                raise control.ProtocolError("not a dict")
-            where: int | tuple[int, ...] | None
-            if "k" in d:
-                where = None if d["k"] is None else decode_block_ids(d["k"])
-            else:
-                where = None if d["b"] is None else int(d["b"])
-            note = Notification(d["t"], int(src), int(d["i"]), where, int(d["l"]))
-            if not isinstance(note.tag, (str, bytes)):
-                raise control.ProtocolError("bad tag")
-        except (control.ProtocolError, KeyError, TypeError, ValueError, IndexError):
+            note = parse_notification(src, data)
+        except (control.ProtocolError, ValueError):
             self.bad_notifications += 1
             log.warning("aiokvcache: dropped a malformed notification (%d bytes)", len(data))
             return
