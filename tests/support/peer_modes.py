@@ -22,6 +22,13 @@ request failed) until ``{"op": "exit"}`` or end of input. Its modes:
     ``hello = {"address", "push", "pull", "gone"}`` (cache ids); ops
     ``block`` (``how``, ``seconds``: answers ``{"blocking": true}``, then
     ``{"unblocked_at", "sha"}``) and, while blocked, ``dealloc``.
+``agent TRANSPORT``
+    the vLLM connector's ``TransferAgent`` over NumPy KV (no vLLM);
+    ``hello = {"address", "cluster_id", "pid"}``; ops ``hold`` (P: ``req_id``,
+    ``blocks``, ``seed``: answers the grant ``key``, ``until_ms``, ``digest``),
+    ``expect_push`` (D: ``req_id``, ``address``, ``cluster_id``, ``xid``,
+    ``blocks``), ``results``, ``state`` (``pending``, ``stats``),
+    ``health`` (``loop_errors``, ``service_errors``).
 ``engine TRANSPORT SIZE``
     a bare native engine owning one zeroed region; ``hello = {"worker",
     "addr", "size", "rkey", "pid"}``; ops ``hash`` (``offset``,
@@ -271,6 +278,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     bl = sub.add_parser("blocked", parents=[common], help="a decoder that blocks its event loop")
     bl.add_argument("transport", choices=TRANSPORTS)
+    ag = sub.add_parser("agent", parents=[common], help="the vLLM connector's TransferAgent")
+    ag.add_argument("transport", choices=TRANSPORTS)
+    ag.add_argument("--cluster-id", type=int, default=3)
     eng = sub.add_parser("engine", parents=[common], help="a bare engine owning one region")
     eng.add_argument("transport", choices=TRANSPORTS)
     eng.add_argument("size", type=int)
@@ -282,11 +292,78 @@ async def _decode(args: argparse.Namespace) -> None:
     await _benchpeer._decode(args)
 
 
+# ------------------------------------------------------------------ agent
+
+#: The ``agent`` mode's KV: layers of [blocks, block bytes] uint8, block size 4.
+AGENT_LAYERS, AGENT_BLOCKS, AGENT_BLOCK_BYTES, AGENT_BS = 2, 32, 256, 4
+
+
+def agent_layout(addrs: tuple[int, ...]) -> Any:
+    """The ``agent`` mode's KV layout over ``addrs`` (one tensor a layer)."""
+    from aiokvcache.integrations._kvtypes import KVLayout
+
+    return KVLayout(AGENT_LAYERS, 1, AGENT_BLOCKS, AGENT_BLOCK_BYTES, AGENT_BS, addrs, "u8")
+
+
+async def _agent(args: argparse.Namespace) -> None:
+    """The vLLM connector's TransferAgent over NumPy KV, no vLLM (its messages
+    are a fuzz target): ops ``hold``, ``expect_push``, ``results``, ``state``,
+    ``health``."""
+    from aiokvcache.integrations._kvlink import TransferAgent
+    from aiokvcache.integrations._kvtypes import Peer
+
+    kv = [np.zeros((AGENT_BLOCKS, AGENT_BLOCK_BYTES), np.uint8) for _ in range(AGENT_LAYERS)]
+    layout = agent_layout(tuple(a.ctypes.data for a in kv))
+    agent = TransferAgent(
+        args.cluster_id, layout, transport=args.transport, timeout=5.0, grace=1.0
+    )
+    address = await asyncio.to_thread(agent.start)
+    errors: list[str] = []
+    loop = agent._loop
+    assert loop is not None
+    loop.call_soon_threadsafe(
+        loop.set_exception_handler, lambda _l, ctx: errors.append(str(ctx.get("message"))[:300])
+    )
+    testing_peer.watch_service_errors()
+    say({"address": address, "cluster_id": agent.cluster_id, "pid": os.getpid()})
+
+    async def handle(req: dict[str, Any]) -> dict[str, Any]:
+        op = req["op"]
+        if op == "hold":  # P: a finished request's blocks, filled from seed, held
+            blocks = [int(b) for b in req["blocks"]]
+            rng = np.random.default_rng(int(req["seed"]))
+            for layer in kv:
+                layer[blocks] = rng.integers(1, 255, (len(blocks), AGENT_BLOCK_BYTES), np.uint8)
+            until_ms = int((time.time() + 3600) * 1000)
+            key = agent.grant_key(str(req["req_id"]), blocks, until_ms)
+            agent.hold(str(req["req_id"]), float(req.get("lease", 30)), blocks, until_ms)
+            return {"key": key, "until_ms": until_ms, "digest": agent.block_digest(blocks)}
+        if op == "expect_push":  # D: wait for a push transfer from a peer
+            host, port = str(req["address"]).rsplit(":", 1)
+            peer = Peer(host, int(port), int(req["cluster_id"]))
+            agent.expect_push(str(req["req_id"]), peer, str(req["xid"]), req["blocks"])
+            return {"expecting": True}
+        if op == "results":
+            got = agent.take_results()
+            return {k: sorted(map(str, v)) for k, v in vars(got).items()}
+        if op == "state":
+            return {"pending": agent.pending(), "stats": dict(agent.stats)}
+        if op == "health":
+            return {"loop_errors": errors, "service_errors": testing_peer.service_errors()}
+        return unknown(req)
+
+    try:
+        await serve(handle)
+    finally:
+        agent.close()
+
+
 MODES: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, None]]] = {
     "decode": _decode,
     "blocks": _blocks,
     "blocked": _blocked,
     "engine": _engine,
+    "agent": _agent,
 }
 
 

@@ -385,5 +385,6 @@ class PeerProcess(JsonChild):
 
     async def health(self, timeout: float = 30) -> dict[str, Any]:
         """Its native jobs still live (``live_jobs``) and the errors that
-        reached its peer-service loop (``service_errors``)."""
+        reached its peer-service loop or that the library logged with a
+        traceback (``service_errors``)."""
         return await self.call("health", timeout)

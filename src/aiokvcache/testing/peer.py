@@ -71,7 +71,15 @@ from aiokvcache.options import KEY_LISTEN_IP_INFO, TRANSPORTS
 from .._child import say, serve, unknown
 from . import cluster_info, options
 
-__all__ = ["finish_args", "guard", "main", "parser", "run"]
+__all__ = [
+    "finish_args",
+    "guard",
+    "main",
+    "parser",
+    "run",
+    "service_errors",
+    "watch_service_errors",
+]
 
 
 def _sha(data: bytes) -> str:
@@ -356,22 +364,41 @@ class _Node:
         # What the pytest plugin holds a peer to at teardown.
         return {
             "live_jobs": int(self.dd.cache_manager.stats()["live_jobs"]),
-            "service_errors": list(_SERVICE_ERRORS.messages),
+            "service_errors": service_errors(),
         }
 
 
 class _ServiceErrors(logging.Handler):
-    """What reached this process's peer-service loop (logged at ERROR)."""
+    """What reached this process's peer-service loop (logged at ERROR), and
+    any exception the library caught and logged with its traceback (a
+    completion handler, a connection's reader, a request's handler: input
+    that raised what it should have refused)."""
 
     def __init__(self) -> None:
         super().__init__(logging.ERROR)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage()[:300])
+        if record.name.startswith("aiokvcache.service") or record.exc_info:
+            self.messages.append(f"{record.name}: {record.getMessage()}"[:300])
 
 
 _SERVICE_ERRORS = _ServiceErrors()
+
+
+def watch_service_errors() -> None:
+    """Record what reaches this process's peer-service loops and the
+    library's logged tracebacks (see :func:`service_errors`); warnings still
+    go to stderr, as they would with no handler at all."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(message)s")
+    logging.getLogger("aiokvcache").addHandler(_SERVICE_ERRORS)
+
+
+def service_errors() -> list[str]:
+    """What reached this process's peer-service loops, and the exceptions the
+    library logged with a traceback, once watched."""
+    return list(_SERVICE_ERRORS.messages)
 
 
 def _round_pusher(
@@ -433,7 +460,7 @@ _NODE_OPS: dict[str, Callable[[_Node, dict[str, Any]], Awaitable[dict[str, Any]]
 
 async def run(args: argparse.Namespace) -> None:
     """An LLMDataDist driven op by op until ``exit`` or end of input."""
-    logging.getLogger("aiokvcache.service").addHandler(_SERVICE_ERRORS)
+    watch_service_errors()
     node = _Node(args)
     await node.dd.init(node.cfg)
     say(
@@ -461,9 +488,7 @@ def parser(prog: str = "python -m aiokvcache.testing.peer") -> argparse.Argument
     p.add_argument("--auth-token", default=None)
     p.add_argument("--net-devices", default=None, help="the data plane's interfaces")
     p.add_argument("--sync-kv-timeout", type=int, default=60_000, help="ms per layer")
-    p.add_argument(
-        "--options", default="{}", help="more LLMConfig attributes, a JSON object"
-    )
+    p.add_argument("--options", default="{}", help="more LLMConfig attributes, a JSON object")
     p.add_argument("--lifetime", type=float, default=None, help="exit after this many seconds")
     return p
 
