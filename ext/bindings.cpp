@@ -206,6 +206,16 @@ void bind_functions(py::module_& m) {
       "ucs_status_string", [](int st) { return std::string(ucs_status_string(static_cast<ucs_status_t>(st))); },
       py::arg("status"));
   m.def(
+      "prefault",
+      [](uint64_t addr, uint64_t len, bool allocated) {
+        if (addr == 0) throw akv::InvalidArgument("address must not be 0");
+        py::gil_scoped_release nogil;
+        auto what = allocated ? akv::Prefault::kAllocated : akv::Prefault::kUser;
+        return akv::prefault(reinterpret_cast<void*>(addr), len, what);
+      },
+      py::arg("address"), py::arg("length"), py::arg("allocated") = false,
+      "Fault in every page of [address, address + length) (see memory.hpp).");
+  m.def(
       "buffer_from_address",
       [](uint64_t addr, uint64_t len, bool readonly) {
         if (addr == 0) throw akv::InvalidArgument("address must not be 0");
@@ -220,13 +230,14 @@ void bind_engine_setup(py::class_<PyEngine>& cls) {
       .def(py::init([](const std::string& transport, uint64_t max_inflight_bytes, uint64_t chunk_bytes,
                        const std::map<std::string, std::string>& ucx_options, bool direct_copy,
                        uint64_t max_unconfirmed_bytes, unsigned copy_lanes, uint64_t progress_spin_us,
-                       uint64_t keepalive_ms, bool prewarm) {
+                       uint64_t keepalive_ms, bool prewarm, bool prefault) {
              akv::EngineConfig cfg;
              cfg.transport = transport;
              cfg.max_inflight_bytes = max_inflight_bytes;
              cfg.chunk_bytes = chunk_bytes;
              cfg.direct_copy = direct_copy;
              cfg.prewarm = prewarm;
+             cfg.prefault = prefault;
              cfg.max_unconfirmed_bytes = max_unconfirmed_bytes;
              cfg.copy_lanes = copy_lanes;
              if (progress_spin_us > 100000) throw akv::InvalidArgument("progress_spin_us must be <= 100000");
@@ -241,7 +252,8 @@ void bind_engine_setup(py::class_<PyEngine>& cls) {
            py::arg("chunk_bytes") = 1ull << 20,
            py::arg("ucx_options") = std::map<std::string, std::string>{}, py::arg("direct_copy") = true,
            py::arg("max_unconfirmed_bytes") = 2ull << 20, py::arg("copy_lanes") = 0u,
-           py::arg("progress_spin_us") = 100u, py::arg("keepalive_ms") = 0u, py::arg("prewarm") = false)
+           py::arg("progress_spin_us") = 100u, py::arg("keepalive_ms") = 0u, py::arg("prewarm") = false,
+           py::arg("prefault") = false)
       .def_property_readonly("copy_lanes", [](const PyEngine& e) { return e.copy_lanes(); })
       .def_property_readonly("progress_spin_us", [](const PyEngine& e) { return e.progress_spin_us(); })
       .def_property_readonly("event_fd", &Engine::event_fd)

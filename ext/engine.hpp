@@ -45,6 +45,9 @@ struct EngineConfig {
   // Select UCX's protocols at start, over an endpoint to a helper worker
   // (prewarm.cpp), instead of in the first link.
   bool prewarm = false;
+  // Fault in every page of a same-host peer's region when its key is
+  // unpacked (mapped), as allocate/register do for ours from Python.
+  bool prefault = false;
   // How long the progress thread keeps polling after its last work before
   // it sleeps: a caller that awaits each small transfer then finds it
   // awake. Idle, it sleeps at once.

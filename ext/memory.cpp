@@ -62,6 +62,36 @@ void quarantine_region(Region& r) {
   r.quarantined = true;
 }
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+bool prefault(void* addr, uint64_t len, Prefault what) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  uint64_t begin = reinterpret_cast<uint64_t>(addr) / page * page;
+  uint64_t end = (reinterpret_cast<uint64_t>(addr) + len + page - 1) / page * page;
+  if (len == 0 || end <= begin) return false;
+  void* p = reinterpret_cast<void*>(begin);
+  if (what == Prefault::kMapped) return ::madvise(p, end - begin, MADV_POPULATE_READ) == 0;
+  if (what == Prefault::kAllocated) {
+    // Huge pages where the system allows them for this memory (shmem's
+    // transparent huge pages set to "advise"): 512 times fewer pages to
+    // make here, and for every peer that maps them.
+    (void)::madvise(p, end - begin, MADV_HUGEPAGE);
+  }
+  if (::madvise(p, end - begin, MADV_POPULATE_WRITE) == 0) return true;
+  if (errno == EINVAL && what == Prefault::kAllocated) {
+    // A kernel before 5.14: write the zeros the pages hold already.
+    auto* bytes = static_cast<volatile uint8_t*>(addr);
+    for (uint64_t off = 0; off < len; off += page) bytes[off] = 0;
+    return true;
+  }
+  return ::madvise(p, end - begin, MADV_POPULATE_READ) == 0;  // read-only user memory
+}
+
 std::string pack_rkey(ucp_context_h ctx, const Region& r) {
   void* buf = nullptr;
   size_t size = 0;

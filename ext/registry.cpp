@@ -71,7 +71,8 @@ uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& key, uint64_t ba
   // A peer chose these bytes: walked with bounds, and padded, before UCX
   // reads them (peer_input.hpp).
   check_packed_rkey(key);
-  return call<uint64_t>([this, ep_id, packed = padded_rkey(key), base, len]() {
+  uint8_t* mapped_at = nullptr;
+  uint64_t key_id = call<uint64_t>([this, ep_id, packed = padded_rkey(key), base, len, &mapped_at]() {
     auto it = eps_.find(ep_id);
     if (it == eps_.end()) throw InvalidArgument("unknown endpoint id");
     Endpoint* ep = it->second.get();
@@ -103,6 +104,7 @@ uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& key, uint64_t ba
       // Then a transfer is one memcpy on the progress thread, whatever lane
       // UCX would have picked.
       if (cfg_.direct_copy) rk->mapped = static_cast<uint8_t*>(mapped);
+      mapped_at = static_cast<uint8_t*>(mapped);
     }
     rk->id = next_rkey_++;
     rk->ep_id = ep_id;
@@ -117,6 +119,10 @@ uint64_t Engine::rkey_unpack(uint64_t ep_id, const std::string& key, uint64_t ba
     rkeys_[id] = std::move(rk);
     return id;
   });
+  // The peer's pages in our page tables now, on the caller's thread (the
+  // progress thread carries on): a first transfer faulted each of them in.
+  if (cfg_.prefault && mapped_at != nullptr) prefault(mapped_at, len, Prefault::kMapped);
+  return key_id;
 }
 
 void Engine::rkey_release(uint64_t rkey_id) {

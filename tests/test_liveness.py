@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 import aiokvcache as kv
-from aiokvcache.testing import cluster_info, options
+from aiokvcache.testing import PeerProcess, cluster_info, options
 from support.harness import AsyncPeer
 
 S = kv.LLMStatusCode
@@ -133,3 +133,61 @@ async def test_a_peer_starved_of_the_gil_is_not_declared_dead(transport: str) ->
             )
         finally:
             prompt.cache_manager.deallocate_blocks_cache(src)
+
+
+async def test_a_congested_link_that_moves_bytes_stays_up() -> None:
+    """A tcp link with 8 KiB socket buffers (a congested link: the keep-alives
+    queue behind bulk data on the same connection) pushing every layer in
+    flight, round after round, for 4x ``peer_timeout``: no side declares the
+    other silent, every push lands, the link is up after. A frozen peer is
+    still found within the bounds above (test_a_frozen_peer_breaks_the_link...)."""
+    env = dict(os.environ, UCX_TCP_SNDBUF="8k", UCX_TCP_RCVBUF="8k")
+    os.environ.update(UCX_TCP_SNDBUF="8k", UCX_TCP_RCVBUF="8k")
+    layers, mib = 16, 4
+    try:
+        async with kv.LLMDataDist(kv.LLMRole.DECODER, 2) as dec:
+            await dec.init(
+                options("tcp", listen=True, peer_timeout=PEER_TIMEOUT_MS, sync_kv_timeout=30_000)
+            )
+            dst = dec.cache_manager.allocate_cache(
+                kv.CacheDesc(2 * layers, [1, mib << 20], kv.DataType.DT_UINT8, kv.Placement.HOST)
+            )
+            async with PeerProcess(
+                "prefill",
+                "tcp",
+                env=env,
+                options={"sync_kv_timeout": 30_000, "peer_timeout": PEER_TIMEOUT_MS},
+            ) as pre:
+                linked = await pre.link(dec.listen_address, 2)
+                assert linked["status"] == "LLM_SUCCESS", linked
+                await pre.alloc("src", 2 * layers, mib << 20)
+                seconds = 4 * PEER_TIMEOUT_MS / 1000
+                got = await pre.call(
+                    "rounds",
+                    60,
+                    src="src",
+                    seconds=seconds,
+                    cluster_id=2,
+                    cache_id=dst.cache_id,
+                    slot=0,
+                    call_timeout=30,
+                )
+                assert got["failed"] == 0 and got["pushes"] > 0, got
+                assert got["seconds"] >= seconds, got
+                link = dec._links.get(1)
+                assert link is not None and not link.broken, "the decode dropped a live link"
+                # ... and the prefill still has its link: one more round lands.
+                again = await pre.call(
+                    "rounds",
+                    60,
+                    src="src",
+                    seconds=0.01,
+                    cluster_id=2,
+                    cache_id=dst.cache_id,
+                    slot=0,
+                    call_timeout=30,
+                )
+                assert again["failed"] == 0 and again["pushes"] > 0, again
+    finally:
+        for name in ("UCX_TCP_SNDBUF", "UCX_TCP_RCVBUF"):
+            os.environ.pop(name, None)

@@ -27,6 +27,7 @@ async def _decode(args: argparse.Namespace) -> None:
     async with LLMDataDist(LLMRole.DECODER, bench.DECODER_ID) as dd:
         await dd.init(bench.engine_options(args.transport, True, args.max_inflight))
         cm = dd.cache_manager
+        began = time.monotonic()
         if shape.block_tokens:
             cache = cm.allocate_blocks_cache(shape.desc, BlocksCacheKey(bench.DECODER_ID))
         else:
@@ -40,7 +41,8 @@ async def _decode(args: argparse.Namespace) -> None:
                 arrivals.setdefault(str(note.tag), {})[note.layer] = time.monotonic()
 
         recorder = asyncio.create_task(record())
-        say({"address": dd.listen_address, "cache_id": cache.cache_id})
+        alloc_s = time.monotonic() - began
+        say({"address": dd.listen_address, "cache_id": cache.cache_id, "alloc_s": alloc_s})
 
         async def handle(req: dict[str, Any]) -> dict[str, Any]:
             if req["op"] == "wait":

@@ -56,6 +56,10 @@ def ucx_log_emit(level: int, text: str) -> None:
     """Emit one line through UCX's own log dispatcher (as UCX would), at a ucs_log_level_t."""
 
 def ucs_status_string(status: int) -> str: ...
+def prefault(address: int, length: int, allocated: bool = False) -> bool:
+    """Fault in every page of [address, address + length) (``allocated``: memory
+    just allocated, whose pages are made); False when nothing could be done."""
+
 def buffer_from_address(address: int, length: int, readonly: bool = False) -> memoryview: ...
 
 class Engine:
@@ -71,6 +75,7 @@ class Engine:
         progress_spin_us: int = 100,
         keepalive_ms: int = 0,
         prewarm: bool = False,
+        prefault: bool = False,
     ) -> None: ...
     @property
     def copy_lanes(self) -> int: ...

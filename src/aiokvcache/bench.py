@@ -439,6 +439,13 @@ def _table(summary: dict[str, Any], verified: bool) -> str:
     for r in [head, *rows]:
         cells = [r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, 5)]
         lines.append("  " + "  ".join(cells).rstrip())
+    alloc = summary.get("allocate_s")
+    if alloc:
+        lines.append(
+            f"\n  allocate_cache took {ms(alloc['prompt'])} ms here and {ms(alloc['decode'])} ms "
+            "on the decode side:\n  their pages are faulted in then, not in the cold round "
+            "(aiokvcache.prefault)"
+        )
     return "\n".join(lines)
 
 
@@ -551,18 +558,21 @@ def header(cond: dict[str, Any]) -> str:
 PushLayer = Callable[[int, str], Awaitable[None]]
 
 
-def _source_cache(cm: CacheManager, shape: Shape) -> Cache:
-    """The cache pushed from, filled with seeded random bytes."""
+def _source_cache(cm: CacheManager, shape: Shape) -> tuple[Cache, float]:
+    """The cache pushed from, filled with seeded random bytes, and the
+    seconds its allocation took."""
+    began = time.monotonic()
     if shape.block_tokens:
         src = cm.allocate_blocks_cache(shape.desc)
     else:
         src = cm.allocate_cache(shape.desc)
+    allocated = time.monotonic() - began
     rng = np.random.default_rng(42)
     for t in src.tensors:
         t.view(np.uint8)[...] = rng.integers(0, 256, t.nbytes, dtype=np.uint8).reshape(
             t.view(np.uint8).shape
         )
-    return src
+    return src, allocated
 
 
 def _layer_pusher(cm: CacheManager, shape: Shape, src: Cache, peer: JsonPeer) -> PushLayer:
@@ -622,10 +632,13 @@ def _report(
     total: int,
     verified: bool,
     phases: dict[str, Any] | None = None,
+    allocate_s: dict[str, float] | None = None,
 ) -> None:
     """The summary (a table or JSON), the plot asked for, and with --metrics
-    the phase table."""
+    the phase table. ``allocate_s``: how long each side's allocate_cache took."""
     summary = summarize(rounds, total)
+    if allocate_s is not None:
+        summary["allocate_s"] = allocate_s
     if args.plot:
         piped = [p for r in rounds[1:] for p in r if p.kind == "pipelined"]
         median = sorted(piped, key=lambda p: p.wall)[len(piped) // 2]
@@ -672,12 +685,13 @@ async def _bench(args: argparse.Namespace) -> int:
             if per[0] != LLMStatusCode.LLM_SUCCESS:
                 raise make_error(per[0], f"cannot link to the decode process at {peer.address}")
             cm = dd.cache_manager
-            src = _source_cache(cm, shape)
+            src, allocated = _source_cache(cm, shape)
+            allocate_s = {"prompt": allocated, "decode": float(peer.hello["alloc_s"])}
             rounds = await _rounds(args, shape, peer, _layer_pusher(cm, shape, src, peer))
             mine = digest(src, slice(None) if shape.block_tokens else 0)
             verified = (await asyncio.to_thread(peer.call, "digest"))["sha"] == mine
     phases = _metrics_off(args, records, registry)
-    _report(args, cond, rounds, shape.layer_bytes * shape.layers, verified, phases)
+    _report(args, cond, rounds, shape.layer_bytes * shape.layers, verified, phases, allocate_s)
     return 0 if verified else 1
 
 

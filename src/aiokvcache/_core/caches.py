@@ -175,6 +175,10 @@ class LocalCaches:
             raise make_error(LLMStatusCode.LLM_ENGINE_FINALIZED, "engine is finalized") from exc
         except native.NativeError as exc:
             raise make_error(LLMStatusCode.LLM_OUT_OF_MEMORY, f"{what} failed: {exc}") from exc
+        if st.options.prefault:
+            # Its pages now, not in its first transfer (both sides faulted
+            # each one in then: about 25x slower than the next).
+            native.prefault(base, total, allocated=True)
         addrs = [base + i * desc.size for i in range(desc.num_tensors)]
         regions = [(region, base, total)]
 
@@ -196,6 +200,9 @@ class LocalCaches:
         """User memory (addresses or buffer objects, one per tensor) as a new cache."""
         addr_list, owners, exports = _user_memory(desc, addrs)
         regions = _register_regions(self.state.engine, desc.size, addr_list, exports)
+        if self.state.options.prefault:
+            for a in addr_list:  # the user's pages, as allocate does for ours
+                native.prefault(a, desc.size)
         arrays = _views(desc, addr_list)
 
         def record(cache_id: int) -> LocalCache:

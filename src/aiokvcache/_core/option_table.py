@@ -34,6 +34,7 @@ KEY_COPY_LANES = "aiokvcache.copyLanes"
 KEY_PROGRESS_SPIN_US = "aiokvcache.progressSpinUs"
 KEY_DIRECT_COPY = "aiokvcache.directCopy"
 KEY_PREWARM = "aiokvcache.prewarm"
+KEY_PREFAULT = "aiokvcache.prefault"
 KEY_HANDSHAKE_TIMEOUT = "aiokvcache.handshakeTimeout"
 KEY_MAX_CONNECTIONS = "aiokvcache.maxConnections"
 KEY_PEER_TIMEOUT = "aiokvcache.peerTimeout"
@@ -656,6 +657,19 @@ OPTIONS: tuple[Option, ...] = (
         "the engine's own UCX context (default on): UCX selects and caches its protocols then, "
         "not in the first link (about 40 ms of CPU over tcp here, against 8-10 for a later "
         "link); init takes that much longer.",
+        'on (`"1"`)',
+        ours=True,
+    ),
+    _flag(
+        KEY_PREFAULT,
+        "prefault",
+        "prefault",
+        True,
+        "Fault in every page of a cache when it is allocated or registered, and of a same-host "
+        "peer's cache when its key is installed (default on): a cache's first transfer "
+        "otherwise faults each page in on both sides (25x slower than the next, 512 MiB over "
+        "shared memory here); the allocation takes that time instead (its memory is committed "
+        "then).",
         'on (`"1"`)',
         ours=True,
     ),

@@ -109,6 +109,7 @@ class Runtime:
                 keepalive_ms=opts.peer_timeout_ms // 4,
                 direct_copy=opts.direct_copy,
                 prewarm=opts.prewarm,
+                prefault=opts.prefault,
                 ucx_options=_ucx_options(opts),
             )
         except (native.NativeError, ValueError) as exc:
