@@ -102,6 +102,11 @@ class JobGroup:
     #: When this loop read the group's last completion (monotonic ns), while
     #: metrics are on (aiokvcache.metrics); else 0.
     seen_ns: int = 0
+    #: The deadlines its jobs were given: the call's ``timeout=`` (seconds,
+    #: None: none) and the longest of the jobs' own (ms, 0: none). A job that
+    #: timed out ran into the earlier of the two (see submit_group).
+    call_timeout: float | None = None
+    job_timeout_ms: int = 0
     _released: Waiter[None] | None = None
 
     @property
@@ -291,14 +296,15 @@ class Bridge:
                 "aiokvcache transfers must run on the event loop that ran init(); "
                 f"this is {self._side.describe_current()}"
             )
+        if not isinstance(jobs, list):
+            jobs = list(jobs)
+        own_ms = max((j[4] for j in jobs), default=0)  # the jobs' own deadlines
         if timeout is not None:
             cap = max(1, math.ceil(timeout * 1000))
             jobs = [
                 (op, ep, sg, pl, cap if t <= 0 else min(t, cap), *rest)
                 for op, ep, sg, pl, t, *rest in jobs
             ]
-        elif not isinstance(jobs, list):
-            jobs = list(jobs)
         if not checked:
             for i, (op, _ep, segs, payload, *_rest) in enumerate(jobs):
                 _check_job(i, op, segs, payload)
@@ -306,6 +312,9 @@ class Bridge:
             raise native.EngineClosedError("the engine is closed")
         make = self._new_waiter
         group = JobGroup([None] * len(jobs), len(jobs), make(), make)
+        # What is left of a call's timeout (runner.TimeLeft) knows the whole.
+        group.call_timeout = getattr(timeout, "whole", timeout)
+        group.job_timeout_ms = int(own_ms)
         if not jobs:
             group.first.set_result(None)
             return group

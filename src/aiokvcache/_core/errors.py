@@ -20,6 +20,7 @@ __all__ = [
     "LLMStatusCode",
     "LLMTimeoutError",
     "Status",
+    "landed_text",
     "make_error",
     "param_invalid",
 ]
@@ -99,6 +100,15 @@ class LLMException(RuntimeError):
     _default_status = LLMStatusCode.LLM_FAILED
     #: When a call of several jobs failed: each job's native result, in order.
     results: list[Any] | None = None
+    #: **[ours]** When a transfer call failed: the destination layers whose
+    #: bytes had landed (a frozenset of layer indices, empty when none);
+    #: None where the call moves no layers.
+    landed: frozenset[int] | None = None
+    #: **[ours]** When a deadline ended the call: which one,
+    #: ``"timeout=30 s"`` (the call's ``timeout=``) or
+    #: ``"sync_kv_timeout=1000 ms"`` (each layer job's own, from the
+    #: options); None otherwise.
+    deadline: str | None = None
 
     def __init__(self, message: str = "", status_code: int | None = None) -> None:
         super().__init__(message)
@@ -177,6 +187,14 @@ def make_error(code: int, message: str) -> LLMException:
     status = _coerce_status(code)
     cls = _ERROR_CLASSES.get(status, LLMException)
     return cls(message, status)
+
+
+def landed_text(layers: Any) -> str:
+    """What landed, as every message writes it: ``"layers 0, 1, 2"`` or ``"no layer"``."""
+    ordered = sorted(layers)
+    if not ordered:
+        return "no layer"
+    return ("layer " if len(ordered) == 1 else "layers ") + ", ".join(map(str, ordered))
 
 
 def param_invalid(message: str) -> LLMException:

@@ -61,7 +61,8 @@ class Target:
     remotes: list[RemoteCache]
     tag: str | bytes | None
     block_list: bytes | bool | None = False  # False: not a blocks destination
-    groups: list[tuple[JobGroup, str, list[int]]] = field(default_factory=list)
+    #: (group, destination layer, its job ids), one per layer sent.
+    groups: list[tuple[JobGroup, int, list[int]]] = field(default_factory=list)
     error: LLMException | None = None
     stopped: bool = False
     cancelled_rest: bool = False

@@ -23,7 +23,14 @@ from .. import _telemetry
 from .._bridge import OP_PUT
 from .._loopside import TaskHandle
 from . import planner as blocks
-from .errors import LLMException, LLMStatusCode, LLMTimeoutError, make_error, param_invalid
+from .errors import (
+    LLMException,
+    LLMStatusCode,
+    LLMTimeoutError,
+    landed_text,
+    make_error,
+    param_invalid,
+)
 from .layerprep import Config, Prepare, Target, describe
 from .runner import time_left
 from .state import LocalCache
@@ -318,7 +325,7 @@ class _Pipeline:
                 except LLMException as exc:  # a cache went away: this destination stops
                     t.error = t.error or exc
                     continue
-                t.groups.append((group, f"layer {spec.dst_layer}", group.job_ids))
+                t.groups.append((group, spec.dst_layer, group.job_ids))
                 t.watch(group)
 
     def _check_failed(self, t: Target) -> bool:
@@ -335,9 +342,9 @@ class _Pipeline:
 
     async def _wait_all(self) -> None:
         for t in self.targets:
-            for g, label, _ in t.groups:
+            for g, layer, _ in t.groups:
                 try:
-                    await self.runner.wait(g, [label])
+                    await self.runner.wait(g, [f"layer {layer}"])
                 except LLMException as exc:
                     if t.error is None:
                         t.error = self.runner.explain(exc, self.src, t.remotes)
@@ -366,10 +373,11 @@ class _Pipeline:
 
     # ------------------------------------------------------------ results
 
-    def _landed(self, t: Target) -> list[str]:
+    def _landed(self, t: Target) -> list[int]:
+        """The destination layers of ``t`` whose bytes landed."""
         return [
-            label
-            for g, label, _ in t.groups
+            layer
+            for g, layer, _ in t.groups
             if g.results and all(r is not None and r.ok for r in g.results)
         ]
 
@@ -408,6 +416,6 @@ class _Pipeline:
                 state = f"{t.error.status_code.name}: {t.error.message}"
             else:
                 state = "stopped" if t.stopped else "ok"
-            landed = ", ".join(self._landed(t)) or "none"
+            landed = landed_text(self._landed(t))
             parts.append(f"{describe(t.index, t.config)}: {state} (landed: {landed})")
         return "; ".join(parts)

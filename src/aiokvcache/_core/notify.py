@@ -24,7 +24,7 @@ import numpy.typing as npt
 from .._loader import native
 from .._loopside import LoopSide, Waiter
 from . import control
-from .errors import LLMStatusCode, LLMTimeoutError, make_error, param_invalid
+from .errors import LLMStatusCode, LLMTimeoutError, landed_text, make_error, param_invalid
 from .planner import runs
 
 __all__ = [
@@ -351,10 +351,13 @@ class Receiver:
                 async with self._side.deadline(timeout):
                     await fut
             except TimeoutError:
-                have = sorted(self._landed(self._records.get(tag), src) & want)
-                raise LLMTimeoutError(
-                    f"wait_for_layers({tag!r}) timed out; landed: {have or 'none'}"
-                ) from None
+                have = frozenset(self._landed(self._records.get(tag), src) & want)
+                exc = LLMTimeoutError(
+                    f"wait_for_layers({tag!r}) timed out: its timeout={timeout:g} s passed; "
+                    f"landed: {landed_text(have)}"
+                )
+                exc.landed, exc.deadline = have, f"timeout={timeout:g} s"
+                raise exc from None
             finally:
                 waiters = self._waiters.get(tag, [])
                 if entry in waiters:

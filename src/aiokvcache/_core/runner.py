@@ -17,7 +17,7 @@ from typing import Any
 from .. import _telemetry
 from .._bridge import Bridge, BridgeError, GroupFailed, JobGroup, JobResult, Jobs
 from .._loader import native
-from .errors import InternalError, LLMException, LLMStatusCode, make_error
+from .errors import InternalError, LLMException, LLMStatusCode, landed_text, make_error
 from .state import Lease, LocalCache, RemoteCache, State
 
 __all__ = [
@@ -62,34 +62,77 @@ def check_timeout(timeout: Any) -> float | None:
     return None if value >= MAX_TIMEOUT_S else value
 
 
+class TimeLeft(float):
+    """What is left of a call's ``timeout=`` (seconds), knowing the whole of it
+    (``whole``): a timeout's message names the call's, not what was left."""
+
+    whole: float
+
+
 def time_left(timeout: float | None, start: float, clock: Callable[[], float]) -> float | None:
     """What is left of ``timeout`` (seconds) since loop time ``start`` by the
     loop's ``clock`` (read only when there is a timeout); never 0."""
     if timeout is None:
         return None
-    return max(timeout - (clock() - start), 1e-6)
+    left = TimeLeft(max(timeout - (clock() - start), 1e-6))
+    left.whole = getattr(timeout, "whole", timeout)
+    return left
+
+
+def _deadline(group: JobGroup, *, timed_out: bool) -> tuple[str, str]:
+    """Which deadline ended ``group`` (its ``LLMException.deadline``) and how a
+    message says so. A job's native deadline is the earlier of its own
+    (sync_kv_timeout) and the call's ``timeout=`` (Bridge.submit_group)."""
+    call, own_ms = group.call_timeout, group.job_timeout_ms
+    if call is not None and (timed_out or own_ms <= 0 or call * 1000 <= own_ms):
+        return f"timeout={call:g} s", f"the call's timeout={call:g} s passed"
+    whole = "" if call is None else f" (the call's timeout={call:g} s had not)"
+    return (
+        f"sync_kv_timeout={own_ms} ms",
+        f"its sync_kv_timeout of {own_ms} ms per layer job passed{whole}",
+    )
+
+
+def _layers(names: Sequence[str], indices: Iterable[int]) -> frozenset[int] | None:
+    """The layer numbers of jobs labelled ``"layer N"`` (None: not layer jobs)."""
+    layers = set()
+    for i in indices:
+        head, _, number = names[i].partition(" ")
+        if head != "layer" or not number.isdigit():
+            return None
+        layers.add(int(number))
+    return frozenset(layers)
 
 
 def failure(group: JobGroup, labels: Sequence[str] | None, *, timed_out: bool) -> LLMException:
-    """The error a failed group raises: the root cause, then what landed."""
+    """The error a failed group raises: the root cause (naming the deadline,
+    when one ended it), then what landed (also as ``exc.landed``)."""
     names = list(labels) if labels is not None else [f"job {i}" for i in range(len(group.results))]
-    landed = [names[i] for i, r in enumerate(group.results) if r is not None and r.ok]
+    ok = [i for i, r in enumerate(group.results) if r is not None and r.ok]
     failed = [(names[i], r) for i, r in enumerate(group.results) if r is not None and not r.ok]
     # The root cause first: a timeout or link failure, not the jobs we
     # cancelled because of it.
     failed.sort(key=lambda item: item[1].status == native.ST_CANCELLED)
-    if timed_out:
+    deadline = None
+    if timed_out or (failed and failed[0][1].status == native.ST_TIMEOUT):
         code = LLMStatusCode.LLM_TIMEOUT
-        reason = "timed out"
+        deadline, why = _deadline(group, timed_out=timed_out)
+        reason = f"timed out: {why}" if timed_out else f"{failed[0][0]} timed out: {why}"
     elif failed:
         code = status_code(failed[0][1].status)
         reason = f"{failed[0][0]} failed: {failed[0][1].describe()}"
     else:  # pragma: no cover - a failure without a failed job
         code = LLMStatusCode.LLM_FAILED
         reason = "failed"
-    landed_text = ", ".join(landed) if landed else "none"
-    exc = make_error(code, f"{reason}; landed: {landed_text}")
+    landed = _layers(names, range(len(names)))
+    if landed is not None:
+        landed = _layers(names, ok)
+        what = landed_text(landed)
+    else:
+        what = ", ".join(names[i] for i in ok) or "none"
+    exc = make_error(code, f"{reason}; landed: {what}")
     exc.results = list(group.results)
+    exc.landed, exc.deadline = landed, deadline
     return exc
 
 
@@ -228,18 +271,14 @@ class Runner:
         if code not in (LLMStatusCode.LLM_FAILED, LLMStatusCode.LLM_PARAM_INVALID):
             return exc
         if any(not rc.valid for rc in remotes):
-            return make_error(
-                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                f"the remote cache was deallocated during the transfer; {exc.message}",
-            )
-        if not local.valid:
-            return make_error(
-                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                f"the local cache was deallocated during the transfer; {exc.message}",
-            )
-        if code == LLMStatusCode.LLM_PARAM_INVALID:
-            return make_error(
-                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                f"destination cache went away: {exc.message}",
-            )
-        return exc
+            why = "the remote cache was deallocated during the transfer"
+        elif not local.valid:
+            why = "the local cache was deallocated during the transfer"
+        elif code == LLMStatusCode.LLM_PARAM_INVALID:
+            why = "destination cache went away:"
+        else:
+            return exc
+        sep = " " if why.endswith(":") else "; "
+        gone = make_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"{why}{sep}{exc.message}")
+        gone.results, gone.landed, gone.deadline = exc.results, exc.landed, exc.deadline
+        return gone

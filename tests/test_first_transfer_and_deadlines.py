@@ -1,0 +1,148 @@
+"""A cache's first transfer runs at speed, and a failed transfer says which
+deadline ended it and what landed.
+
+* ``aiokvcache.prefault`` (default on): allocate_cache and register_cache
+  fault in the cache's pages, and installing a same-host peer's cache maps all
+  of it, so the first transfer does not (it was 15-40x slower than the next).
+  Checked by what is resident, never by timing.
+* A timed-out transfer names its deadline: ``exc.deadline`` is
+  ``"timeout=… s"`` (the call's) or ``"sync_kv_timeout=… ms"`` (each layer
+  job's), and ``exc.landed`` holds the destination layers that landed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import aiokvcache as kv
+from aiokvcache.testing import PeerProcess, cluster_info
+from support.harness import rss_kb
+from support.instances import instance
+
+MiB = 1 << 20
+
+
+def u8(tensors: int, nbytes: int) -> kv.CacheDesc:
+    return kv.CacheDesc(tensors, [1, nbytes], kv.DataType.DT_UINT8, kv.Placement.HOST)
+
+
+# ------------------------------------------------------------------ prefault
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+async def test_allocate_cache_faults_its_pages_in(prefault: bool) -> None:
+    """With prefault on, the cache is resident once allocate_cache returns
+    (its memory committed then); off, it is not until it is written."""
+    async with instance("shm", 1, listen=False, prefault=prefault) as dd:
+        before = rss_kb(os.getpid())
+        cache = dd.cache_manager.allocate_cache(u8(4, 16 * MiB))
+        grew = rss_kb(os.getpid()) - before
+        if prefault:
+            assert grew >= 60 * 1024, f"{grew} KiB resident after allocating 64 MiB"
+        else:
+            assert grew < 16 * 1024, f"{grew} KiB resident after allocating 64 MiB"
+        dd.cache_manager.deallocate_cache(cache)
+
+
+async def test_register_cache_faults_the_users_pages_in_without_changing_them() -> None:
+    """register_cache faults the user's untouched pages in (MADV_POPULATE_WRITE:
+    nothing written), and their bytes stay what they were."""
+    async with instance("shm", 1, listen=False) as dd:
+        buf = np.empty((2, 16 * MiB), np.uint8)  # untouched: not resident yet
+        buf[:, :16] = 7  # ... but for a first page with bytes of ours
+        before = rss_kb(os.getpid())
+        cache = dd.cache_manager.register_cache(u8(2, 16 * MiB), [buf[0], buf[1]])
+        grew = rss_kb(os.getpid()) - before
+        assert grew >= 30 * 1024, f"{grew} KiB resident after registering 32 MiB"
+        assert (buf[:, :16] == 7).all() and not buf[:, 16:].any()
+        dd.cache_manager.unregister_cache(cache.cache_id)
+
+
+async def test_a_same_host_peers_cache_is_mapped_whole_at_its_first_lookup() -> None:
+    """Pushing one layer of 16 into a same-host decoder's cache maps all of its
+    64 MiB into this process at the lookup (resident here), so the first push
+    of every other layer finds its pages mapped already."""
+    async with (
+        PeerProcess("decoder", "shm") as dec,
+        instance("shm", 1, listen=False) as dd,
+    ):
+        made = await dec.alloc("dst", 32, 2 * MiB)  # 16 layers of (K, V)
+        rc, per = await dd.link_clusters([cluster_info(dec.address, 2)], timeout=10_000)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        cm = dd.cache_manager
+        src = cm.allocate_cache(u8(2, 2 * MiB))
+        before = rss_kb(os.getpid())
+        key = kv.CacheKeyByIdAndIndex(2, made["cache_id"], 0)
+        await cm.push_cache(key, src, dst_layer_range=range(0, 1), timeout=30)
+        grew = rss_kb(os.getpid()) - before
+        assert grew >= 60 * 1024, f"{grew} KiB resident after the first one-layer push"
+
+
+# ------------------------------------------------------------------ deadlines
+
+
+async def frozen_push(sync_kv_timeout: int, timeout: float) -> kv.LLMException:
+    """Push 4 layers to a decoder over tcp while it is frozen: the error."""
+    async with (
+        PeerProcess("decoder", "tcp") as dec,
+        instance("tcp", 1, listen=False, sync_kv_timeout=sync_kv_timeout) as dd,
+    ):
+        made = await dec.alloc("dst", 8, MiB)
+        rc, per = await dd.link_clusters([cluster_info(dec.address, 2)], timeout=10_000)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        cm = dd.cache_manager
+        src = cm.allocate_cache(u8(8, MiB))
+        key = kv.CacheKeyByIdAndIndex(2, made["cache_id"], 0)
+        await cm.push_cache(key, src, timeout=30)  # the lookup done, its keys known
+        dec.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(kv.LLMTimeoutError) as caught:
+                await cm.push_cache(key, src, timeout=timeout)
+        finally:
+            dec.signal(signal.SIGCONT)
+        await asyncio.sleep(0.2)
+        return caught.value
+
+
+async def test_a_layer_jobs_own_deadline_is_named_as_such() -> None:
+    """sync_kv_timeout ends the call long before its timeout=: the message and
+    ``.deadline`` say it was the per-layer-job deadline, and ``.landed`` is
+    the set of layers whose bytes landed (the peer is frozen: none)."""
+    exc = await frozen_push(sync_kv_timeout=300, timeout=30)
+    assert exc.deadline == "sync_kv_timeout=300 ms", exc
+    assert "its sync_kv_timeout of 300 ms per layer job passed" in exc.message, exc
+    assert "the call's timeout=30 s had not" in exc.message, exc
+    assert exc.landed == frozenset(), exc
+    assert exc.message.endswith("landed: no layer"), exc
+
+
+async def test_the_calls_own_timeout_is_named_as_such() -> None:
+    """timeout= ends the call first: ``.deadline`` is ``"timeout=0.5 s"``."""
+    exc = await frozen_push(sync_kv_timeout=60_000, timeout=0.5)
+    assert exc.deadline == "timeout=0.5 s", exc
+    assert "the call's timeout=0.5 s passed" in exc.message, exc
+    assert exc.landed == frozenset(), exc
+
+
+def test_what_landed_is_written_one_way() -> None:
+    assert kv.LLMException("x").landed is None and kv.LLMException("x").deadline is None
+    from aiokvcache._core.errors import landed_text
+
+    assert landed_text([]) == "no layer"
+    assert landed_text({3}) == "layer 3"
+    assert landed_text([2, 0, 1]) == "layers 0, 1, 2"
+
+
+async def test_a_failed_waits_error_says_what_landed_and_its_deadline() -> None:
+    """wait_for_layers' timeout: ``.landed`` (the awaited layers that arrived)
+    and ``.deadline``, as a transfer's."""
+    async with instance("shm", 2) as dd:
+        with pytest.raises(kv.LLMTimeoutError) as caught:
+            await dd.cache_manager.wait_for_layers("nothing", [0, 1], timeout=0.2)
+    assert caught.value.landed == frozenset() and caught.value.deadline == "timeout=0.2 s"
+    assert "landed: no layer" in caught.value.message
