@@ -44,6 +44,7 @@ struct Completion {
   // kJob: when the job's last operation was posted and when it was reported
   // (CLOCK_MONOTONIC ns, Python's time.monotonic_ns()); 0 when it never got
   // that far. What aiokvcache.metrics reads a transfer's phases from.
+  // kNotify: posted_ns is the id of the endpoint the notification came on.
   uint64_t posted_ns = 0;
   uint64_t done_ns = 0;
 };

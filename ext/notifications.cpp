@@ -28,8 +28,10 @@ ucs_status_t Engine::on_am(void* arg, const void* header, size_t header_length, 
   }
   self->stats_.notifications_received.fetch_add(1);
   self->notes_queued_.fetch_add(1);
+  // posted_ns carries the endpoint it arrived on: a link made anew since
+  // (the peer restarted) is another endpoint, whatever the cluster id says.
   self->cq_.push(Completion{EntryKind::kNotify, key->peer_id, Status::kOK, 0, length,
-                            std::string(static_cast<const char*>(data), length)});
+                            std::string(static_cast<const char*>(data), length), key->ep_id});
   return UCS_OK;
 }
 

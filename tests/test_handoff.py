@@ -363,3 +363,23 @@ def test_registration_is_bound_to_its_first_sender_and_counts_across_parts() -> 
         r.add(5, 1, 3, [[0, 5]])
     assert r.add(5, 1, 3, [[6, 2]]) is None  # the refused part left nothing behind
     assert r.add(5, 2, 3, [[8, 2]]) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_a_request_id_handed_over_again_is_a_new_hand_over() -> None:
+    """A released request id handed over again (a resubmitted request, or
+    vLLM without request id randomization) is held, granted and reported
+    sent like any other; a late claim with the first hand-over's key is
+    still refused (before, the second hold was ignored: never reported sent,
+    every claim refused)."""
+    h = holds()
+    assert hold(h, "r", 10, 0) is False
+    assert claim(h, 1, "r", "n1", now=1).kind == "grant"
+    assert h.done(1, "r", "n1") is True  # the first hand-over: read, released
+    until2 = UNTIL + 1
+    assert h.hold("r", BLOCKS, 10, until2, 2) is False  # held again
+    assert h.held("r")
+    a = claim(h, 1, "r", "n2", now=3, key=key("r", until=until2), until_ms=until2)
+    assert a.kind == "grant", a
+    stale = claim(h, 1, "r", "n3", now=3)  # the first hand-over's params
+    assert stale.kind == "refused", stale
+    assert h.done(1, "r", "n2") is True  # reported sent again

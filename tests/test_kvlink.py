@@ -8,41 +8,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
-from aiokvcache.integrations._kvlink import TransferAgent, cluster_id_for
+from aiokvcache.integrations._kvlink import cluster_id_for
 from aiokvcache.integrations._kvtypes import KVLayout, Peer, block_runs
-from aiokvcache.integrations._results import TransferResults
-
-LAYERS, BLOCKS, BLOCK_BYTES, BS = 3, 16, 256, 4
-
-
-class Side:
-    def __init__(self, name: str, transport: str, **kw: float) -> None:
-        self.kv = [np.zeros((BLOCKS, BLOCK_BYTES), np.uint8) for _ in range(LAYERS)]
-        layout = KVLayout(
-            LAYERS, 1, BLOCKS, BLOCK_BYTES, BS, tuple(a.ctypes.data for a in self.kv), "u8"
-        )
-        self.agent = TransferAgent(cluster_id_for(name, 0), layout, transport=transport, **kw)
-        host, port = self.agent.start().rsplit(":", 1)
-        self.peer = Peer(host, int(port), self.agent.cluster_id)
-        self.got = TransferResults()
-
-    def poll(self) -> TransferResults:
-        r = self.agent.take_results()
-        self.got.finished_sending |= r.finished_sending
-        self.got.finished_recving |= r.finished_recving
-        self.got.failed_recving |= r.failed_recving
-        self.got.invalid_block_ids |= r.invalid_block_ids
-        return self.got
-
-
-def wait_for(cond: object, timeout: float = 20.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
+from support.agent_pair import BLOCK_BYTES, BS, LAYERS, Side, fill, same, wait_for
 
 
 @pytest.fixture
@@ -54,16 +24,6 @@ def sides(transport: str) -> Iterator[tuple[Side, Side]]:
     finally:
         d.agent.close()
         p.agent.close()
-
-
-def fill(side: Side, blocks: list[int], seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for layer in side.kv:
-        layer[blocks] = rng.integers(1, 255, (len(blocks), BLOCK_BYTES), np.uint8)
-
-
-def same(p: Side, pb: list[int], d: Side, db: list[int]) -> bool:
-    return all(np.array_equal(pl[pb], dl[db]) for pl, dl in zip(p.kv, d.kv, strict=True))
 
 
 def test_block_runs_and_cluster_ids() -> None:
@@ -152,7 +112,7 @@ def test_push_layer_by_layer(sides: tuple[Side, Side], order: str) -> None:
     pblocks, dblocks = [2, 3, 4], [9, 1, 12]
     fill(p, pblocks, 3)
     if order == "decode-first":
-        d.agent.expect_push("d-req", p.peer, "x1", dblocks)
+        d.agent.expect_push("d-req", p.peer, "x1", dblocks, key=p.agent.push_key("x1"))
         time.sleep(0.2)  # the registration arrives before P computes anything
     # Two prefill chunks: tokens [0, 6) then [6, 10) (blocks of 4 tokens).
     p.agent.push_step("x1", "p-req", pblocks, BS, 6, final=False)
@@ -163,7 +123,7 @@ def test_push_layer_by_layer(sides: tuple[Side, Side], order: str) -> None:
         p.agent.layer_saved(["x1"], layer)
     p.agent.push_release("x1", "p-req")
     if order == "prefill-first":
-        d.agent.expect_push("d-req", p.peer, "x1", dblocks)
+        d.agent.expect_push("d-req", p.peer, "x1", dblocks, key=p.agent.push_key("x1"))
     wait_for(lambda: "d-req" in d.poll().finished_recving)
     assert not d.got.failed_recving
     assert same(p, pblocks, d, dblocks)
@@ -194,7 +154,7 @@ def test_push_released_before_any_step_frees_at_once(sides: tuple[Side, Side]) -
 def test_push_nobody_computes_fails_on_time_and_frees(sides: tuple[Side, Side]) -> None:
     p, d = sides
     t0 = time.monotonic()
-    d.agent.expect_push("d-req", p.peer, "x2", [1, 2])
+    d.agent.expect_push("d-req", p.peer, "x2", [1, 2], key=p.agent.push_key("x2"))
     wait_for(lambda: "d-req" in d.poll().finished_recving, timeout=30)
     took = time.monotonic() - t0
     assert d.got.failed_recving == {"d-req"}

@@ -44,6 +44,7 @@ from support.kvlink_harness import (
     UNTIL,
     Recorder,
     make_agent,
+    reg_args,
     until,
 )
 
@@ -96,7 +97,7 @@ async def test_a_failed_layer_is_never_reported_pushed() -> None:
             raise RuntimeError("link failed")
 
     rec.push = push
-    agent.deliver(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
+    agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0]))
     agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 12, True)
     for layer in range(LAYERS):
         agent.push_sender.layer_saved(["x"], layer)
@@ -109,8 +110,8 @@ async def test_a_failed_layer_is_never_reported_pushed() -> None:
 
 async def test_a_cancel_from_a_cluster_that_did_not_register_is_ignored() -> None:
     agent, rec = await make_agent()
-    agent.deliver(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
-    agent.deliver(EVIL, "cancel", ["x"])
+    agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0]))
+    agent.deliver(EVIL, "cancel", ["x", "n1"])
     agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 12, True)
     for layer in range(LAYERS):
         agent.push_sender.layer_saved(["x"], layer)
@@ -120,14 +121,16 @@ async def test_a_cancel_from_a_cluster_that_did_not_register_is_ignored() -> Non
 
 async def test_a_registration_part_from_another_cluster_cannot_redirect_the_push() -> None:
     agent, rec = await make_agent()
-    agent.deliver(D_ID, "reg", ["x", 0, 2, [[10, 2]], 0, 5.0])
-    agent.deliver(EVIL, "reg", ["x", 1, 2, [[40, 1]], 0, 5.0])  # completes it, from elsewhere
+    agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 2, [[10, 2]], 0, 5.0]))
+    agent.deliver(
+        EVIL, "reg", reg_args(agent, ["x", 1, 2, [[40, 1]], 0, 5.0])
+    )  # completes it, from elsewhere
     agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 12, True)
     for layer in range(LAYERS):
         agent.push_sender.layer_saved(["x"], layer)
     await settle()
     assert not rec.pushes and "pushed" not in rec.kinds(), rec.sent
-    agent.deliver(D_ID, "reg", ["x", 1, 2, [[20, 1]], 0, 5.0])
+    agent.deliver(D_ID, "reg", reg_args(agent, ["x", 1, 2, [[20, 1]], 0, 5.0]))
     await until(lambda: "pushed" in rec.kinds(D_ID))
     assert {c for c, _ in rec.pushes} == {D_ID}
     assert not [m for c, m in rec.sent if c == EVIL]
@@ -135,7 +138,7 @@ async def test_a_registration_part_from_another_cluster_cannot_redirect_the_push
 
 async def test_decode_first_registered_then_released_before_any_step_is_reported_sent() -> None:
     agent, _ = await make_agent()
-    agent.deliver(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
+    agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0]))
     agent.push_sender.release("x", "p-req", True)  # the engine never stepped it here
     await until(lambda: "p-req" in sent_rids(agent), timeout=3)
 
@@ -144,7 +147,7 @@ async def test_a_huge_registration_is_refused_before_anything_is_built() -> None
     agent, rec = await make_agent()
     tracemalloc.start()
     try:
-        agent.deliver(D_ID, "reg", ["x", 0, 1, [[0, 20_000_000]], 0, 5.0])
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[0, 20_000_000]], 0, 5.0]))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -158,7 +161,7 @@ async def test_registrations_nobody_computes_are_bounded_and_reaped(
     monkeypatch.setattr(_kvlink, "MAX_UNKNOWN", 50, raising=False)
     agent, _ = await make_agent(timeout=0.5, grace=0.3)
     for i in range(80):
-        agent.deliver(EVIL, "reg", [f"x{i}", 0, 1, [[i % BLOCKS, 1]], 0, 5.0])
+        agent.deliver(EVIL, "reg", reg_args(agent, [f"x{i}", 0, 1, [[i % BLOCKS, 1]], 0, 5.0]))
     assert len(agent.push_sender.transfers) <= 50
     await until(lambda: not agent.push_sender.transfers, timeout=5)
 
@@ -308,8 +311,8 @@ def test_pushed_counts_from_a_peer_are_trusted_only_as_counts() -> None:
     # falls back to its own blocks' figures.
     from aiokvcache.integrations._wire import Pushed, decode
 
-    assert decode(Pushed("x", 4096, 12).encode()) == Pushed("x", 4096, 12)
-    assert decode('["aiokv","pushed","x"]') == Pushed("x", -1, -1)
-    for bad in ('true', '-1', '1.5', '"7"', '[1]', str(2**63), '{"a":1}'):
-        m = decode(f'["aiokv","pushed","x",{bad},{bad}]')
+    assert decode(Pushed("x", "n", 4096, 12).encode()) == Pushed("x", "n", 4096, 12)
+    assert decode('["aiokv","pushed","x","n"]') == Pushed("x", "n", -1, -1)
+    for bad in ("true", "-1", "1.5", '"7"', "[1]", str(2**63), '{"a":1}'):
+        m = decode(f'["aiokv","pushed","x","n",{bad},{bad}]')
         assert (m.nbytes, m.segments) == (-1, -1), bad

@@ -119,9 +119,7 @@ async def sound(victim: AsyncPeer | PeerProcess, run: Run, vitals: Vitals, log: 
     """The victim lives, nothing reached its service loops (nor did it log a
     traceback), it grew within bounds. ``log``: its stderr, quoted if it died."""
     if victim.returncode is not None:
-        raise AssertionError(
-            f"the victim died ({victim.returncode})\n{run.report()}\n{tail(log)}"
-        )
+        raise AssertionError(f"the victim died ({victim.returncode})\n{run.report()}\n{tail(log)}")
     health = await victim.call("health")
     assert not health.get("service_errors"), f"{health}\n{run.report()}"
     assert not health.get("loop_errors"), f"{health}\n{run.report()}"
@@ -692,13 +690,13 @@ def connector_messages(key: str, until_ms: int) -> list[list[Any]]:
         w.Claim("r1", "n1", key, 5.0, 0, 4, 4, digest, until_ms),
         w.Done("r1", "n1"),
         w.Free("r1", key, 4, digest, until_ms),
-        w.Reg("x1", 0, 1, [[0, 4]], 0, 5.0),
-        w.Cancel("x1"),
+        w.Reg("x1", 0, 1, [[0, 4]], 0, 5.0, "n1", "k" * 32, "0" * 16),
+        w.Cancel("x1", "n1"),
         w.Grant("r9", "n9"),
         w.Refused("r9", "n9", "no"),
         w.Layer("x2"),
-        w.Pushed("x2", 1024, 2),
-        w.PushFail("x2", "why"),
+        w.Pushed("x2", "n2", 1024, 2),
+        w.PushFail("x2", "n2", "why"),
     ]
     return [json.loads(msg.encode()) for msg in msgs]
 

@@ -24,7 +24,9 @@ from support.kvlink_harness import (
     P_ID,
     UNTIL,
     close_agent,
+    load_nonce,
     make_agent,
+    reg_args,
     until,
 )
 
@@ -45,7 +47,7 @@ async def test_an_aborted_push_is_reported_sent_exactly_once() -> None:
     # D's side is slow or dead: the pushfail notification takes a while.
     rec.notify_delay = lambda msg: 0.3 if msg[0] == "pushfail" else 0.0
     try:
-        agent.deliver(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0]))
         agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 8, False)  # first chunk
         for layer in range(LAYERS):
             agent.push_sender.layer_saved(["x"], layer)
@@ -87,7 +89,8 @@ async def test_an_aborted_push_load_is_not_reported_before_the_prefill_stopped()
             "the blocks were given back while the prefill may still push into them"
         )
         # P's word that its pushes are quiescent (its answer to the cancel).
-        agent.deliver(P_ID, "pushfail", ["x", "the decode side cancelled it"])
+        nonce = load_nonce(rec, P_ID, "x")
+        agent.deliver(P_ID, "pushfail", ["x", nonce, "the decode side cancelled it"])
         await until(lambda: "d-req" in agent.take_results().finished_recving, timeout=2)
     finally:
         await close_agent(agent)
@@ -135,7 +138,9 @@ def test_a_stale_claim_after_the_released_memory_evicted_it_is_refused() -> None
 async def test_a_push_to_a_decode_side_with_more_blocks_than_the_prefill_lands() -> None:
     agent, rec = await make_agent(blocks=BLOCKS)  # P: 64 blocks; D has 256
     try:
-        agent.deliver(D_ID, "reg", ["x", 0, 1, [[100, 3]], 0, 5.0])  # D's blocks 100..102
+        agent.deliver(
+            D_ID, "reg", reg_args(agent, ["x", 0, 1, [[100, 3]], 0, 5.0])
+        )  # D's blocks 100..102
         agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 12, True)
         for layer in range(LAYERS):
             agent.push_sender.layer_saved(["x"], layer)
@@ -169,7 +174,9 @@ async def test_a_long_prefill_is_still_pushed_when_the_decode_side_registers_aft
             agent.push_sender.layer_saved(["x"], layer)
         agent.push_sender.release("x", "p-req", False)  # finished: the proxy now calls D
         await asyncio.sleep(0.05)
-        agent.deliver(D_ID, "reg", ["x", 0, 1, [[10, 3]], 0, 5.0])  # D registers at once
+        agent.deliver(
+            D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0])
+        )  # D registers at once
         await asyncio.sleep(0.3)  # well within P's timeout from the registration
         assert "pushed" in rec.kinds(D_ID), (
             f"D registered right after the prefill ended and got {rec.kinds(D_ID)}"

@@ -30,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import secrets
 import signal
 import socket
 import sys
@@ -589,12 +590,15 @@ def disaggregated(
         out["sent"] = sent
         return out
     # decode-first (push): D registers its blocks, then P computes and pushes
-    # each layer as it is done. The client names each transfer and knows
-    # where P's worker listens (fixed port and cluster id).
+    # each layer as it is done. The client names each transfer, gives both
+    # requests a secret push key of its choosing (only a decode holding it may
+    # register for the pushes) and knows where P's worker listens (fixed port
+    # and cluster id).
     assert mode == "push" and p_address is not None and p.connector == "aiokv"
     host, port, cid = p_address
     stamp = f"{os.getpid()}-{time.monotonic_ns()}"
     xids = [f"{stamp}-{i}" for i in range(len(ps))]
+    keys = {x: secrets.token_hex(16) for x in xids}
     start(
         d,
         ps,
@@ -607,6 +611,7 @@ def disaggregated(
                 "remote_port": port,
                 "remote_cluster_id": cid,
                 "aiokv_transfer_id": x,
+                "aiokv_transfer_key": keys[x],
                 "remote_request_id": x,
             }
             for x in xids
@@ -616,7 +621,15 @@ def disaggregated(
         p,
         ps,
         1,
-        [{"do_remote_decode": True, "transfer_mode": "push", "aiokv_transfer_id": x} for x in xids],
+        [
+            {
+                "do_remote_decode": True,
+                "transfer_mode": "push",
+                "aiokv_transfer_id": x,
+                "aiokv_transfer_key": keys[x],
+            }
+            for x in xids
+        ],
     )
     pre = p.result()
     prefill_done = time.monotonic()

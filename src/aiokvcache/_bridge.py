@@ -178,7 +178,8 @@ class Bridge:
         self._closed = False
         #: Called with (the sending link's cluster id, payload) for each
         #: notification a linked peer sent us.
-        self.on_notify: Callable[[int, bytes], None] | None = None
+        #: (source cluster id, payload, id of the endpoint it came on)
+        self.on_notify: Callable[[int, bytes, int], None] | None = None
         #: Called with (endpoint id, UCX status) when an endpoint fails.
         self.on_endpoint_error: Callable[[int, int], None] | None = None
         self._side.watch_fd(self._fd, self._on_readable, self._busy)
@@ -239,7 +240,7 @@ class Bridge:
                     self._job_done(JobResult(ident, status, ucs, nbytes, posted, done))
                 elif kind == KIND_NOTIFY:
                     if self.on_notify is not None:
-                        self.on_notify(ident, payload)
+                        self.on_notify(ident, payload, posted)  # posted: the endpoint
                 elif kind == KIND_ENDPOINT:
                     if self.on_endpoint_error is not None:
                         self.on_endpoint_error(ident, ucs)

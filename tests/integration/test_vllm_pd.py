@@ -120,7 +120,8 @@ def test_decode_loaded_the_prefill_bytes(
     ps = [prompts[3], prompts[4]]  # 65 and 97 tokens: 3 and 4 blocks
     pre = pair.p.generate(ps, 1, [{"do_remote_decode": True}] * 2)
     params = [r["params"] for r in pre["rows"]]
-    blocks = [p["remote_block_ids"] for p in params]
+    # One list per KV cache group (vLLM's own shape); one group here.
+    blocks = [list(p["remote_block_ids"][0]) for p in params]
     sent = pair.p.digests(blocks)
     before = set(pair.d.digests())
     out = pair.d.generate(ps, MAX_TOKENS, params)
@@ -322,6 +323,7 @@ def test_prefill_killed_while_its_pushes_move(tmp_path_factory: pytest.TempPathF
                     "remote_port": port,
                     "remote_cluster_id": cid,
                     "aiokv_transfer_id": f"kill-{stamp}-{i}",
+                    "aiokv_transfer_key": f"key-{stamp}-{i}",
                 }
                 for i in range(len(ps))
             ],
@@ -331,8 +333,13 @@ def test_prefill_killed_while_its_pushes_move(tmp_path_factory: pytest.TempPathF
             ps,
             1,
             [
-                {"do_remote_decode": True, "transfer_mode": "push", "aiokv_transfer_id": x}
-                for x in (f"kill-{stamp}-{i}" for i in range(len(ps)))
+                {
+                    "do_remote_decode": True,
+                    "transfer_mode": "push",
+                    "aiokv_transfer_id": f"kill-{stamp}-{i}",
+                    "aiokv_transfer_key": f"key-{stamp}-{i}",
+                }
+                for i in range(len(ps))
             ],
         )
         time.sleep(0.4 * prefill)

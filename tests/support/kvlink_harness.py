@@ -91,3 +91,30 @@ async def until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < end, "timed out"
         await asyncio.sleep(0.01)
+
+
+def reg_args(
+    agent: TransferAgent,
+    fields: list[Any],
+    nonce: str = "n1",
+    key: str | None = None,
+    layout: str | None = None,
+) -> list[Any]:
+    """A registration part's fields (``[xid, part, parts, runs, first, ttl]``)
+    completed as a decode handed the request's params would send them: load
+    ``nonce``, the transfer's push key (or ``key``) and ``agent``'s layout
+    digest (or ``layout``)."""
+    xid = str(fields[0])
+    return [
+        *fields,
+        nonce,
+        agent.push_key(xid) if key is None else key,
+        agent.layout.digest() if layout is None else layout,
+    ]
+
+
+def load_nonce(rec: Recorder, to: int, xid: str) -> str:
+    """The nonce of the last load a decode agent registered for ``xid`` with ``to``."""
+    regs = [m for c, m in rec.sent if c == to and m[0] == "reg" and m[1] == xid]
+    assert regs, f"no registration of {xid} sent to cluster {to}: {rec.sent}"
+    return str(regs[-1][7])

@@ -314,9 +314,7 @@ async def _agent(args: argparse.Namespace) -> None:
 
     kv = [np.zeros((AGENT_BLOCKS, AGENT_BLOCK_BYTES), np.uint8) for _ in range(AGENT_LAYERS)]
     layout = agent_layout(tuple(a.ctypes.data for a in kv))
-    agent = TransferAgent(
-        args.cluster_id, layout, transport=args.transport, timeout=5.0, grace=1.0
-    )
+    agent = TransferAgent(args.cluster_id, layout, transport=args.transport, timeout=5.0, grace=1.0)
     address = await asyncio.to_thread(agent.start)
     errors: list[str] = []
     loop = agent._loop
@@ -341,7 +339,13 @@ async def _agent(args: argparse.Namespace) -> None:
         if op == "expect_push":  # D: wait for a push transfer from a peer
             host, port = str(req["address"]).rsplit(":", 1)
             peer = Peer(host, int(port), int(req["cluster_id"]))
-            agent.expect_push(str(req["req_id"]), peer, str(req["xid"]), req["blocks"])
+            agent.expect_push(
+                str(req["req_id"]),
+                peer,
+                str(req["xid"]),
+                req["blocks"],
+                key=str(req.get("key", "")),
+            )
             return {"expecting": True}
         if op == "results":
             got = agent.take_results()

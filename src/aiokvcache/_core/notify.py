@@ -190,7 +190,7 @@ class _Subscription:
 
     def __init__(self, side: LoopSide) -> None:
         self.side = side
-        self.items: collections.deque[Notification] = collections.deque()
+        self.items: collections.deque[tuple[Notification, int]] = collections.deque()
         self.waiters: list[Waiter[None]] = []
         self.closed = False
 
@@ -199,12 +199,13 @@ class _Subscription:
             if not w.done():
                 w.set_result(None)
 
-    def put(self, note: Notification) -> bool:
-        """Queue ``note``; False when the oldest had to go to make room."""
+    def put(self, note: Notification, ep: int = 0) -> bool:
+        """Queue ``note`` (``ep``: the endpoint it came on); False when the
+        oldest had to go to make room."""
         kept = len(self.items) < MAX_QUEUED_NOTIFICATIONS
         if not kept:
             self.items.popleft()
-        self.items.append(note)
+        self.items.append((note, ep))
         if self.waiters:
             self._wake()
         return kept
@@ -214,7 +215,7 @@ class _Subscription:
         self.closed = True
         self._wake()
 
-    async def get(self) -> Notification:
+    async def get(self) -> tuple[Notification, int]:
         while not self.items:
             if self.closed:
                 raise StopAsyncIteration
@@ -247,6 +248,14 @@ class Notifications:
         return self
 
     async def __anext__(self) -> Notification:
+        return (await self._sub.get())[0]
+
+    async def next_with_link(self) -> tuple[Notification, int]:
+        """The next notification and the id of the endpoint of the link it
+        came on (not public: the vLLM connector binds what a peer registers
+        to that link, so that a message that waited while the link was made
+        anew never counts for the new one). Raises ``StopAsyncIteration`` at
+        the end."""
         return await self._sub.get()
 
     def close(self) -> None:
@@ -294,9 +303,10 @@ class Receiver:
         """Tags with a record."""
         return len(self._records)
 
-    def on_notify(self, src: int, data: bytes) -> None:
+    def on_notify(self, src: int, data: bytes, ep: int = 0) -> None:
         """The bridge's callback for every notification a linked peer sent:
-        ``src`` is the cluster id of the link it arrived on."""
+        ``src`` is the cluster id of the link it arrived on, ``ep`` the id of
+        that link's endpoint (see :meth:`Notifications.next_with_link`)."""
         try:
             note = parse_notification(src, data)
         except (control.ProtocolError, ValueError):
@@ -306,7 +316,7 @@ class Receiver:
         if note.layer >= 0:
             self._record(note)
         for q in self._subscribers:
-            if not q.put(note):
+            if not q.put(note, ep):
                 self.dropped_notifications += 1
 
     @staticmethod

@@ -32,6 +32,10 @@ __all__ = ["Receiver"]
 
 log = logging.getLogger("aiokvcache.vllm")
 
+#: How often a load waiting for the prefill's word that its pushes stopped
+#: looks whether the link to it is still there.
+_LINK_CHECK_S = 0.25
+
 
 class Receiver:
     """D: the engine's loads, each a task on the agent's loop thread (which
@@ -63,7 +67,7 @@ class Receiver:
         self.digests: dict[str, str] | None = {} if record_digests else None
         #: Loads cancelled because the engine aborted them, not yet reported.
         self.aborted: set[str] = set()
-        self._waits: dict[tuple[str, str], tuple[int, asyncio.Future[Any]]] = {}
+        self._waits: dict[tuple[str, ...], tuple[int, asyncio.Future[Any]]] = {}
         self._recvs: dict[str, asyncio.Task[None]] = {}  # request id -> its load
         self._closing = False
 
@@ -213,22 +217,40 @@ class Receiver:
 
     # ------------------------------------------------------------ push
 
-    async def expect_push(self, peer: Peer, xid: str, local_ids: list[int], first: int) -> None:
+    async def expect_push(
+        self,
+        peer: Peer,
+        xid: str,
+        local_ids: list[int],
+        first: int,
+        key: str = "",
+        layout: str | None = None,
+    ) -> None:
         """Register, wait for ``pushed``.
 
-        P's pushes are bounded by the deadline the registration carries (what
-        is left of D's ``timeout`` less a margin for the message's way and P's
-        cancel: ``min(grace, timeout / 4)``), D waits ``timeout``: by the time
-        D gives its blocks back, P's pushes have ended. An abort or a failure
-        before that tells P to stop and waits for its word that its pushes
-        are quiescent (or for that deadline)."""
+        The load has its own nonce (one transfer may feed several loads:
+        vLLM's ``n > 1`` children, a retry); the registration carries it,
+        the transfer's push ``key`` from the request's params, this side's KV
+        layout and P's deadline (what is left of D's ``timeout`` once linked,
+        less a margin for the message's way and P's cancel:
+        ``min(grace, timeout / 4)``). D waits ``timeout``. A load that ends
+        any other way (a timeout, an abort, P's failure) gives its blocks back
+        only once P answered that its pushes to it are quiescent, or once the
+        link to P was unlinked with P's confirmation (or cut off): never on a
+        clock alone, since P's Python may be starved past any deadline."""
+        if layout is not None and layout != self.layout.digest():
+            raise TransferFailed("the prefill instance's KV layout differs from ours", "layout")
+        nonce = secrets.token_hex(8)
         deadline = time.monotonic() + self.timeout
-        fut = self._expect(("pushed", xid), peer.cluster_id)
+        fut = self._expect(("pushed", xid, nonce), peer.cluster_id)
         registered = finished = False
         try:
             async with asyncio.timeout_at(asyncio.get_running_loop().time() + self.timeout):
+                # Linked first: the deadline the registration carries counts
+                # from its send, not from before a link set-up.
+                await self._links.link(peer)
                 registered = True
-                await self._register(peer, xid, local_ids, first, deadline)
+                await self._register(peer, xid, nonce, key, local_ids, first, deadline)
                 # Shielded: an abort must leave it for P's answer to the cancel.
                 answer = await asyncio.shield(fut)
             finished = True
@@ -241,8 +263,8 @@ class Receiver:
         finally:
             aborted = False
             if registered and not finished:
-                aborted = await self._stop_pushes(peer, xid, fut, deadline)
-            self._waits.pop(("pushed", xid), None)
+                aborted = await self._stop_pushes(peer, xid, nonce, fut, deadline)
+            self._waits.pop(("pushed", xid, nonce), None)
             if aborted:
                 raise asyncio.CancelledError
 
@@ -263,48 +285,76 @@ class Receiver:
         tally.segments += len(block_runs(local_ids)) * tensors
 
     async def _register(
-        self, peer: Peer, xid: str, local_ids: list[int], first: int, deadline: float
+        self,
+        peer: Peer,
+        xid: str,
+        nonce: str,
+        key: str,
+        local_ids: list[int],
+        first: int,
+        deadline: float,
     ) -> None:
-        """Send ``local_ids`` to ``peer`` for transfer ``xid``, in parts."""
+        """Send ``local_ids`` to ``peer`` for load ``nonce`` of transfer ``xid``, in parts."""
         margin = min(self.grace, self.timeout / 4)
         runs = block_runs(local_ids)
         step = RUNS_PER_PART
         parts = [runs[i : i + step] for i in range(0, len(runs), step)] or [[]]
+        digest = self.layout.digest()
         for i, part in enumerate(parts):
             left = deadline - time.monotonic() - margin
             if left <= 0:
                 raise TimeoutError
-            msg = Reg(xid, i, len(parts), part, first, left)
+            msg = Reg(xid, i, len(parts), part, first, left, nonce, key, digest)
             await self._links.send_to(peer, msg, deadline - time.monotonic())
 
     async def _stop_pushes(
-        self, peer: Peer, xid: str, fut: asyncio.Future[Any], deadline: float
+        self, peer: Peer, xid: str, nonce: str, fut: asyncio.Future[Any], deadline: float
     ) -> bool:
-        """Timed out or aborted: P stops; its word that it stopped (a
-        pushfail, once its pushes are quiescent) ends the wait, or its
-        deadline, which the registration bounded. An abort that comes
-        meanwhile does not end the wait (it is reported as one after it,
-        whence the result: whether one came); a shutdown does (the agent's
-        listener, which would take P's word, is gone, and finalize ends the
-        link)."""
-        self._spawn(self._links.send(peer.cluster_id, Cancel(xid)))
+        """Timed out, aborted or failed before P's answer: P stops; its word
+        that it stopped (a ``pushfail`` once its pushes to this load are
+        quiescent, or a ``pushed``) ends the wait. P bounds its pushes by the
+        registration's deadline, so its word comes by then unless its Python
+        is starved or it is frozen: past that deadline and ``grace`` this
+        side unlinks P, which its engine confirms only once its transfers
+        on the link were released (or the link is cut off). An abort that
+        comes meanwhile does not end the wait (it is reported as one after
+        it, whence the result: whether one came); a shutdown does (the
+        agent's listener, which would take P's word, is gone, and finalize
+        ends the link)."""
+        self._spawn(self._links.send(peer.cluster_id, Cancel(xid, nonce)))
         aborted = False
         while not fut.done() and not self._closing:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left = deadline + self.grace - time.monotonic()
+            if left <= 0 or not self._links.alive(peer.cluster_id):
+                # No word from P in time, or its link is gone (the peer dead,
+                # silent for peer_timeout, or unlinked): unlinked, confirmed.
+                log.warning(
+                    "aiokvcache: push %s: cluster %d did not confirm its pushes stopped: "
+                    "unlinking it",
+                    xid,
+                    peer.cluster_id,
+                )
+                unlink = asyncio.ensure_future(self._links.quiesce(peer.cluster_id))
+                while not unlink.done():
+                    try:
+                        await asyncio.shield(unlink)
+                    except asyncio.CancelledError:
+                        aborted = True
                 break
             try:
-                await asyncio.wait_for(asyncio.shield(fut), left)
+                await asyncio.wait_for(asyncio.shield(fut), min(left, _LINK_CHECK_S))
             except asyncio.CancelledError:
                 aborted = True
             except Exception:
-                break
+                continue
         return aborted
 
-    def drop_push(self, peer: Peer, xid: str) -> None:
+    def drop_push(self, peer: Peer, xid: str, key: str = "") -> None:
         """Tell ``peer`` this side will not take transfer ``xid``'s pushes."""
-        # An empty registration: nothing to push; P ends the transfer.
-        self._spawn(self._notice(peer, Reg(xid, 0, 1, [], 0, 1.0)))
+        # An empty registration, with the request's push key: nothing to
+        # push to this load; P reports the request sent once it takes no more.
+        msg = Reg(xid, 0, 1, [], 0, 1.0, secrets.token_hex(8), key, self.layout.digest())
+        self._spawn(self._notice(peer, msg))
 
     async def _notice(self, peer: Peer, msg: Free | Reg) -> None:
         with contextlib.suppress(Exception):
@@ -312,7 +362,7 @@ class Receiver:
 
     # ------------------------------------------------------------ answers
 
-    def _expect(self, key: tuple[str, str], src: int) -> asyncio.Future[Any]:
+    def _expect(self, key: tuple[str, ...], src: int) -> asyncio.Future[Any]:
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waits[key] = (src, fut)
         return fut
@@ -324,12 +374,12 @@ class Receiver:
         self._answer(src, ("grant", m.nonce), m.why)
 
     def on_pushed(self, src: int, m: Pushed) -> None:
-        self._answer(src, ("pushed", m.xid), m)
+        self._answer(src, ("pushed", m.xid, m.nonce), m)
 
     def on_pushfail(self, src: int, m: PushFail) -> None:
-        self._answer(src, ("pushed", m.xid), m.why)
+        self._answer(src, ("pushed", m.xid, m.nonce), m.why)
 
-    def _answer(self, src: int, key: tuple[str, str], value: Any) -> None:
+    def _answer(self, src: int, key: tuple[str, ...], value: Any) -> None:
         entry = self._waits.get(key)
         if entry is None:
             return

@@ -50,6 +50,7 @@ __all__ = [
     "Registration",
     "blocks_digest",
     "grant_key",
+    "push_key",
 ]
 
 
@@ -68,6 +69,15 @@ def grant_key(secret: bytes, rid: str, n: int, digest: str, until_ms: int) -> st
     secret is ``secret``, until ``until_ms`` (that worker's wall clock, in
     milliseconds: its scheduler, on the same host, sets it)."""
     msg = f"aiokv-grant\0{rid}\0{n}\0{digest}\0{until_ms}".encode()
+    return hmac.new(secret, msg, hashlib.blake2b).hexdigest()[:32]
+
+
+def push_key(secret: bytes, xid: str) -> str:
+    """The key that lets a decode instance register for push transfer ``xid``
+    (the transfer id as the prefill worker whose secret is ``secret`` knows
+    it, its rank's suffix included): what that worker's scheduler puts in the
+    request's params, one per worker."""
+    msg = f"aiokv-push\0{xid}".encode()
     return hmac.new(secret, msg, hashlib.blake2b).hexdigest()[:32]
 
 
@@ -126,8 +136,9 @@ class PullHolds:
         self._pending = 0  # records not yet handed over
         self._heap: list[tuple[float, int, str]] = []
         self._seq = 0
-        # Released ids -> when their key expires (ms), in release order.
-        self._released: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # Released hand-overs, (id, their key's expiry in ms), in release
+        # order: a request id handed over again is another hand-over.
+        self._released: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         #: Leases that ran out unread.
         self.expired = 0
 
@@ -157,9 +168,10 @@ class PullHolds:
     ) -> bool:
         """The engine handed ``rid`` over: hold ``blocks`` until every claim
         ended, or ``lease`` seconds with none. True when it is released at once
-        (its readers were already done). A repeated hold, or one for a request
-        already released, changes nothing."""
-        if rid in self._released:
+        (its readers were already done). A repeated hold, or one for a
+        hand-over already released, changes nothing (the same id handed over
+        again, with another key, is a new hand-over)."""
+        if (rid, until_ms) in self._released:
             return False
         h = self._holds.get(rid)
         if h is not None and h.known:
@@ -208,7 +220,7 @@ class PullHolds:
             )
         if not self._verify(rid, key, n, digest, until_ms):
             return self._refuse(src, rid, nonce, "wrong grant key")
-        if rid in self._released or wall_ms >= until_ms:
+        if (rid, until_ms) in self._released or wall_ms >= until_ms:
             return self._refuse(
                 src, rid, nonce, "the prefill instance's lease on its blocks expired"
             )
@@ -251,7 +263,7 @@ class PullHolds:
         """``src`` will not read ``rid`` after all (its request was aborted or
         found its prefix locally): release it as soon as no claim reads it.
         Needs the request's key. True when that released it now."""
-        if rid in self._released or not self._verify(rid, key, n, digest, until_ms):
+        if not self._verify(rid, key, n, digest, until_ms) or (rid, until_ms) in self._released:
             return False
         h = self._holds.get(rid)
         if h is None:
@@ -295,10 +307,10 @@ class PullHolds:
             else:
                 self._schedule(rid, h.created + self.pending_ttl)
         while self._released:
-            rid, until = next(iter(self._released.items()))
-            if until > wall_ms:
+            hid = next(iter(self._released))
+            if hid[1] > wall_ms:
                 break
-            del self._released[rid]
+            del self._released[hid]
         return released
 
     def next_deadline(self) -> float | None:
@@ -344,7 +356,7 @@ class PullHolds:
     def _release(self, rid: str, h: _Hold) -> None:
         if self._holds.pop(rid, None) is not None and not h.known:
             self._pending -= 1
-        self._released[rid] = h.until_ms
+        self._released[rid, h.until_ms] = None
 
 
 class Registration:

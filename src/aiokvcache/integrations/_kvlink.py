@@ -39,24 +39,29 @@ prefill side's state machines are in :mod:`._handoff`.
 
 *Push* (P writes D's blocks as each layer is computed)::
 
-    D -> P  ["aiokv","reg",xid,part,parts,runs,first,ttl]
-            D's block ids for transfer xid (for P's blocks first, first + 1...),
-            and D's deadline: P's pushes end within ttl seconds
+    D -> P  ["aiokv","reg",xid,part,parts,runs,first,ttl,nonce,key,layout]
+            load ``nonce``'s block ids for transfer xid (for P's blocks first,
+            first + 1...), D's deadline (P's pushes to it end within ttl
+            seconds), the transfer's push key and D's KV layout digest
     P       push_blocks(..., tag=["aiokv","kv",xid]) per layer, as layers are saved
-    P -> D  ["aiokv","pushed",xid]      every layer of xid landed
-         or ["aiokv","pushfail",xid,why]
-    D -> P  ["aiokv","cancel",xid]      D gave up (P stops and goes quiescent)
+    P -> D  ["aiokv","pushed",xid,nonce]      every layer landed in that load
+         or ["aiokv","pushfail",xid,nonce,why] that load ended without (quiescent)
+    D -> P  ["aiokv","cancel",xid,nonce]      D gave that load up
 
-  A transfer is bound to the link its first registration part came on:
-  parts and cancels from any other link are dropped. P reports ``pushed``
-  only once every layer's last push completed; a failed layer ends the
-  transfer at once. P bounds its pushes by the registration's ttl (D's
-  deadline less a margin) and its own ``timeout``; D waits ``timeout``, and
-  on an abort or a failure tells P to stop and waits for its word that its
-  pushes are quiescent (a ``pushfail``) or for that deadline. So by the time
-  D gives its blocks back to the engine P's pushes have ended (aiokvcache's
-  quiescence rule), except for a P that is frozen and resumes later, bounded
-  as the library bounds late writes.
+  A transfer feeds every load registered for it (vLLM's ``n > 1``
+  children and a proxy's retries carry the same params), each under its own
+  nonce, bound to the link its first part came on: P pushes to a load only
+  over that link (a decode restarted with the same cluster id links anew
+  and gets none of its predecessor's pushes). P accepts a load only with the
+  transfer's push key (a MAC of the transfer id by P's worker secret, which
+  P's scheduler puts in the request's params, or, decode first, the key the
+  client gave both requests) and only for P's own KV layout. P reports
+  ``pushed`` only once every layer's last push to that load completed; a
+  failed layer ends that load at once. D gives a load's blocks back only on
+  P's word: ``pushed``, or ``pushfail`` (sent once the load's pushes are
+  quiescent, also after D's ``cancel``); with no word by its deadline and
+  ``grace`` (P's Python starved, or P frozen) D unlinks P, which its engine
+  confirms only once its transfers on the link were released.
 """
 
 from __future__ import annotations
@@ -202,7 +207,12 @@ class TransferAgent:
         sides["spawn"] = self._spawn
         self.pull_server = PullServer(self.grant_secret, max_pending=MAX_UNKNOWN, **sides)
         self.push_sender = PushSender(
-            layout, timeout=self.timeout, grace=self.grace, max_unknown=MAX_UNKNOWN, **sides
+            layout,
+            timeout=self.timeout,
+            grace=self.grace,
+            max_unknown=MAX_UNKNOWN,
+            secret=self.grant_secret,
+            **sides,
         )
         self.receiver = Receiver(
             layout, timeout=self.timeout, grace=self.grace, record_digests=record_digests, **sides
@@ -367,10 +377,31 @@ class TransferAgent:
         block_size: int,
         end: int,
         final: bool,
+        client_key: str | None = None,
     ) -> None:
         """P: this engine step computes ``xid``'s tokens up to ``end``
-        (``final``: its last prefill chunk); ``blocks`` are all its block ids."""
-        self._post(self.push_sender.step, xid, req_id, list(blocks), block_size, end, final)
+        (``final``: its last prefill chunk); ``blocks`` are all its block ids.
+        ``client_key``: the push key a client gave both requests (decode
+        first), which registrations may carry instead of :meth:`push_key`."""
+        self._post(
+            self.push_sender.step, xid, req_id, list(blocks), block_size, end, final, client_key
+        )
+
+    def push_preempt(self, xids: Sequence[str], timeout: float = 10.0) -> None:
+        """P: the engine preempted these transfers' requests and reuses their
+        blocks next: blocks until every push from them is cancelled and
+        quiescent (the only call here that waits: vLLM asks it before the
+        step that overwrites the blocks)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        fut = asyncio.run_coroutine_threadsafe(self.push_sender.preempt(list(xids)), loop)
+        fut.result(timeout)
+
+    def push_key(self, xid: str) -> str:
+        """P: the push key of transfer ``xid`` (what its scheduler computes
+        from :attr:`grant_secret`): a decode registers for ``xid`` with it."""
+        return self.push_sender.key(xid)
 
     def layer_saved(self, xids: Sequence[str], layer: int) -> None:
         """P: layer ``layer`` of this step's tokens of each of ``xids`` is in
@@ -415,16 +446,26 @@ class TransferAgent:
         self._post(self.receiver.start, req_id, local_ids, pull)
 
     def expect_push(
-        self, req_id: str, peer: Peer, xid: str, local_ids: Sequence[int], first: int = 0
+        self,
+        req_id: str,
+        peer: Peer,
+        xid: str,
+        local_ids: Sequence[int],
+        first: int = 0,
+        *,
+        key: str = "",
+        layout: str | None = None,
     ) -> None:
         """D: register ``local_ids`` with ``peer`` for transfer ``xid`` (for the
-        request's blocks ``first``, ``first + 1``... on the prefill side) and
-        wait for its pushes."""
+        request's blocks ``first``, ``first + 1``... on the prefill side), with
+        the transfer's push ``key`` from the request's params, and wait for
+        its pushes; ``layout``: the prefill's KV layout digest, where the
+        params carry it."""
         self._post(
             self.receiver.start,
             req_id,
             local_ids,
-            self.receiver.expect_push(peer, xid, list(local_ids), int(first)),
+            self.receiver.expect_push(peer, xid, list(local_ids), int(first), key, layout),
         )
 
     def cancel_recv(self, req_id: str) -> None:
@@ -448,34 +489,41 @@ class TransferAgent:
         msg = Free(remote_req_id, key, len(ids), blocks_digest(ids), int(until_ms))
         self._post(self.receiver.free_remote, peer, msg)
 
-    def drop_push(self, peer: Peer, xid: str) -> None:
+    def drop_push(self, peer: Peer, xid: str, key: str = "") -> None:
         """D: this side will not take transfer ``xid``'s pushes (a local prefix
-        hit, an abort before the load began): ``peer`` stops and frees."""
-        self._post(self.receiver.drop_push, peer, xid)
+        hit, an abort before the load began): ``peer`` frees them once it takes
+        no more loads (``key``: the transfer's push key, from the params)."""
+        self._post(self.receiver.drop_push, peer, xid, key)
 
     # ------------------------------------------------------------ messages
 
     async def _listen(self) -> None:
         cm = self.links.cm
         assert cm is not None
-        async for note in cm.notifications():
+        notes = cm.notifications()
+        while True:
+            try:
+                note, ep = await notes.next_with_link()
+            except StopAsyncIteration:
+                return
             tag = note.tag
             if not isinstance(tag, str) or not tag.startswith(PREFIX):
                 continue
             try:
-                self._route(note.src_cluster_id, decode(tag))
+                self._route(note.src_cluster_id, decode(tag), ep)
             except Exception as exc:
                 self.stats["dropped_messages"] += 1
                 log.warning("aiokvcache: dropped a connector message %.100r: %s", tag, exc)
 
-    def deliver(self, src: int, op: str, args: list[Any]) -> None:
+    def deliver(self, src: int, op: str, args: list[Any], link: Any = None) -> None:
         """Handle message ``op`` with fields ``args`` from cluster ``src``, as
-        if it had come from that link (loop thread). Raises
-        :class:`ProtocolError` for one that does not decode."""
-        self._route(src, parse(op, args))
+        if it had come from that link (``link``: what :meth:`Links.current`
+        says of it) (loop thread). Raises :class:`ProtocolError` for one
+        that does not decode."""
+        self._route(src, parse(op, args), link)
 
-    def _route(self, src: int, m: Message) -> None:
-        """Hand ``m`` to the side it concerns."""
+    def _route(self, src: int, m: Message, link: Any = None) -> None:
+        """Hand ``m``, which came on ``link`` from ``src``, to the side it concerns."""
         match m:
             case Layer():
                 self.stats["layers_received"] += 1
@@ -490,7 +538,7 @@ class TransferAgent:
             case Refused():
                 self.receiver.on_refused(src, m)
             case Reg():
-                self.push_sender.on_register(src, m)
+                self.push_sender.on_register(src, m, link)
             case Pushed():
                 self.receiver.on_pushed(src, m)
             case PushFail():

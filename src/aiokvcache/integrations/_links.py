@@ -87,6 +87,35 @@ class Links:
         except Exception as exc:
             log.info("aiokvcache: notification to cluster %d lost: %s", cluster_id, exc)
 
+    def current(self, cluster_id: int) -> Any:
+        """The link to ``cluster_id`` as it is now: the id of its endpoint,
+        what a notification that came on it carries (``None`` when there is
+        none, or no engine: tests). A link made again after the peer
+        restarted, or after an unlink, is another."""
+        if self.dd is None:
+            return None
+        link = self.dd._links.get(cluster_id)
+        return None if link is None or link.broken else int(link.ep)
+
+    def alive(self, cluster_id: int) -> bool:
+        """Whether a link to ``cluster_id`` is up (always, without an engine: tests)."""
+        if self.dd is None:
+            return True
+        link = self.dd._links.get(cluster_id)
+        return link is not None and not link.broken
+
+    async def quiesce(self, cluster_id: int) -> None:
+        """Unlink ``cluster_id`` and have it confirm: its engine answers only
+        once its own transfers on the link were released, so nothing it
+        posted lands after this returns (or it is cut off: see the core's
+        retirement). The next send links anew."""
+        self._links.pop(cluster_id, None)
+        if self.dd is not None:
+            info = LLMClusterInfo()
+            info.remote_cluster_id = cluster_id
+            with contextlib.suppress(Exception):
+                await self.dd.unlink_clusters([info], timeout=int(self.link_timeout * 1000))
+
     async def _forget(self, cluster_id: int) -> None:
         """Drop our side of a link that went away, so that it is made afresh."""
         self._links.pop(cluster_id, None)

@@ -1,11 +1,12 @@
 """The prefill side of a push: each layer written into the decode side's
-registered blocks as soon as the engine saved it, and the transfer's end
-(``pushed`` or ``pushfail``) told to the decode side."""
+registered blocks as soon as the engine saved it, and each load's end
+(``pushed`` or ``pushfail``) told to the decode side that registered it."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import logging
 import math
 import time
@@ -15,13 +16,13 @@ from typing import Any
 
 from .. import BlocksCacheKey
 from ._calls import Tally, counting
-from ._handoff import ProtocolError, Registration
+from ._handoff import ProtocolError, Registration, push_key
 from ._kvtypes import RUNS_PER_PART, KVLayout, TransferFailed
 from ._links import Links
 from ._results import Results
 from ._wire import Cancel, Layer, Pushed, PushFail, Reg
 
-__all__ = ["MAX_ENDED", "MAX_UNKNOWN_BLOCKS", "PushSender"]
+__all__ = ["MAX_ENDED", "MAX_LOADS", "MAX_UNKNOWN_BLOCKS", "PushSender"]
 
 log = logging.getLogger("aiokvcache.vllm")
 
@@ -31,11 +32,44 @@ MAX_ENDED = 65536
 #: Block ids registrations of transfers not computed here may hold, in
 #: multiples of this side's block count.
 MAX_UNKNOWN_BLOCKS = 4
+#: Loads one transfer may feed (vLLM's ``n > 1`` children, a proxy's retries).
+MAX_LOADS = 16
+#: The longest load nonce accepted.
+MAX_NONCE = 64
+
+
+@dataclass
+class _Load:
+    """One decode load of a transfer: the blocks it registered on one link,
+    under its own nonce, and the pushes into them."""
+
+    src: int
+    nonce: str
+    registration: Registration
+    link: Any = None  # the link its parts came on (pushes go only over it)
+    reg_ids: list[int] | None = None  # D's blocks for the request's blocks first, first + 1...
+    key: Any = None  # the push key it registered with, until checked
+    waiting_key: bool = False  # registered with a key this side cannot check yet
+    first: int = 0
+    ttl: float = 0.0
+    deadline: float | None = None
+    pushed: dict[int, int] = field(default_factory=dict)  # layer -> tokens whose push started
+    landed: dict[int, int] = field(default_factory=dict)  # layer -> tokens whose push completed
+    tails: dict[int, asyncio.Task[None]] = field(default_factory=dict)
+    accepted: bool = False  # its key and layout held: it may be pushed to
+    ended: bool = False  # pushed or failed: nothing more will be written
+    quiescing: bool = False  # its pushes are being cancelled
+    tally: Tally | None = None  # what its push calls moved (their records)
+
+    def running(self) -> bool:
+        me = asyncio.current_task()
+        return self.quiescing or any(not t.done() and t is not me for t in self.tails.values())
 
 
 @dataclass
 class _PushState:
-    """P, push mode: one transfer ``xid``, fed step by step by the engine."""
+    """P, push mode: one transfer ``xid``, fed step by step by the engine,
+    and the loads registered for it."""
 
     xid: str
     req_id: str | None = None
@@ -44,32 +78,30 @@ class _PushState:
     step_end: int = 0  # token end of the step being computed
     final_end: int | None = None  # prompt length, once its last chunk is scheduled
     saved: dict[int, int] = field(default_factory=dict)  # layer -> tokens saved
-    pushed: dict[int, int] = field(default_factory=dict)  # layer -> tokens whose push started
-    landed: dict[int, int] = field(default_factory=dict)  # layer -> tokens whose push completed
-    tails: dict[int, asyncio.Task[None]] = field(default_factory=dict)
-    registration: Registration | None = None
-    reg_cluster: int | None = None
-    reg_ids: list[int] | None = None  # D's blocks for the request's blocks first, first + 1...
-    first: int = 0
-    deadline: float | None = None
-    ended: bool = False  # pushed or failed: nothing more will be written
+    loads: dict[tuple[int, str], _Load] = field(default_factory=dict)  # (src, nonce) ->
+    client_key: str | None = None  # decode-first: the key the client gave both requests
+    closed: bool = False  # takes no more loads
     released: bool = False  # the engine is done with the request (may report it)
     remote: bool = False  # created by a peer's registration, not by the engine
-    quiescing: bool = False  # its pushes are being cancelled
     reported: bool = False  # reported sent (once)
-    tally: Tally | None = None  # what its push calls moved (their records)
+
+    def registered(self) -> int:
+        return sum(ld.registration.count for ld in self.loads.values())
 
 
 class PushSender:
-    """P, push: the transfers the engine steps and the decode side registers
-    for. Runs on the agent's loop thread only.
+    """P, push: the transfers the engine steps and the loads the decode side
+    registers for them. Runs on the agent's loop thread only.
 
-    A transfer is bound to the link its first registration part came on.
-    ``pushed`` goes only once every layer's last push completed; a failed
-    layer ends the transfer at once. Pushes end by the registration's
-    deadline and ``timeout``. A request is reported sent once, when it ended,
-    the engine released it and none of its pushes runs. ``max_unknown``:
-    transfers a peer's registrations may create before the engine knows them.
+    A load is one registration: its own nonce, bound to the link its first
+    part came on, accepted only with the transfer's push key and the same KV
+    layout as this side's. ``pushed`` goes to a load only once every layer's
+    last push to it completed; a failed layer ends that load at once. A
+    load's pushes end by its registration's deadline and ``timeout``, or when
+    its link is gone. A request is reported sent once, when the engine
+    released it, it takes no more loads and none of its pushes runs.
+    ``max_unknown``: transfers a peer's registrations may create before the
+    engine knows them.
     """
 
     def __init__(
@@ -79,6 +111,7 @@ class PushSender:
         timeout: float,
         grace: float,
         max_unknown: int,
+        secret: bytes,
         links: Links,
         results: Results,
         stats: dict[str, int],
@@ -88,6 +121,7 @@ class PushSender:
         self.timeout = timeout
         self.grace = grace
         self.max_unknown = max_unknown
+        self._secret = secret
         self._links = links
         self._results = results
         self._stats = stats
@@ -102,10 +136,21 @@ class PushSender:
         """Transfers this side drives."""
         return len(self.transfers)
 
+    def key(self, xid: str) -> str:
+        """The push key of transfer ``xid`` (what this worker's scheduler computes)."""
+        return push_key(self._secret, xid)
+
     # ------------------------------------------------------------ the engine's inputs
 
     def step(
-        self, xid: str, req_id: str, blocks: list[int], bs: int, end: int, final: bool
+        self,
+        xid: str,
+        req_id: str,
+        blocks: list[int],
+        bs: int,
+        end: int,
+        final: bool,
+        client_key: str | None = None,
     ) -> None:
         """This engine step computes ``xid``'s tokens up to ``end`` (see
         ``TransferAgent.push_step``)."""
@@ -114,16 +159,22 @@ class PushSender:
         st.req_id, st.blocks, st.block_size, st.step_end = req_id, blocks, bs, end
         if final:
             st.final_end = end
+        if client_key:
+            st.client_key = str(client_key)
+        for ld in list(st.loads.values()):
+            if ld.waiting_key:  # its key can be checked now
+                self._accept(st, ld)
 
     def layer_saved(self, xids: list[str], layer: int) -> None:
         """Layer ``layer`` of this step's tokens of each of ``xids`` is in their blocks."""
         for xid in xids:
             st = self.transfers.get(xid)
-            if st is None or st.ended:
+            if st is None:
                 continue
             st.saved[layer] = st.step_end
-            if st.reg_ids is not None:
-                self._push_layer(st, layer)
+            for ld in list(st.loads.values()):
+                if ld.reg_ids is not None:
+                    self._push_layer(st, ld, layer)
 
     def release(self, xid: str, req_id: str, aborted: bool) -> None:
         """The engine finished ``req_id`` (see ``TransferAgent.push_release``)."""
@@ -137,96 +188,174 @@ class PushSender:
         st.req_id = req_id  # a registration may have made st before any step
         st.released = True
         self._unremote(st)
-        if not st.ended and (aborted or st.final_end is None):
+        if aborted or st.final_end is None:
             # Aborted, or finished before its last chunk was stepped here:
             # nothing more will be computed.
-            self._end(st, "the prefill request ended before its prefill did")
-        elif not st.ended and st.reg_ids is None:
-            # Computed; the decode side registers now (prefill first), or
-            # never: the blocks wait timeout + grace from here, not longer.
-            self._spawn(self._reap(st))
+            st.closed = True
+            for ld in st.loads.values():
+                self._end(st, ld, "the prefill request ended before its prefill did")
+        else:
+            self._maybe_close(st)
+            if not st.closed:
+                # Computed; the decode side registers now (prefill first),
+                # or never: the blocks wait timeout + grace from here, not
+                # longer (loads registered by then run to their deadlines).
+                self._spawn(self._reap(st))
         self._maybe_report(st)
+
+    async def preempt(self, xids: list[str]) -> None:
+        """The engine preempted these transfers' requests and frees their
+        blocks: every push from them is cancelled and quiescent when this
+        returns, and what was saved is forgotten (the recompute saves, and
+        pushes, every layer again). Their loads stay registered."""
+        tails: list[asyncio.Task[None]] = []
+        for xid in xids:
+            st = self.transfers.get(xid)
+            if st is None:
+                continue
+            st.saved.clear()
+            st.step_end, st.final_end = 0, None
+            for ld in st.loads.values():
+                if ld.ended:
+                    continue  # it has every layer already
+                tails += [t for t in ld.tails.values() if not t.done()]
+                ld.pushed.clear()
+                ld.landed.clear()
+                ld.tails.clear()
+        for t in tails:
+            t.cancel()
+        await asyncio.gather(*tails, return_exceptions=True)
 
     # ------------------------------------------------------------ the decode side's messages
 
-    def on_register(self, src: int, m: Reg) -> None:
-        if m.xid in self._ended and m.xid not in self.transfers:
+    def on_register(self, src: int, m: Reg, link: Any = None) -> None:
+        """A registration part from ``src``, which came on ``link`` (the link's
+        endpoint, see :meth:`Links.current`): the load is pushed to only over
+        that link, never over one made anew since the part arrived."""
+        nonce = m.nonce
+        if not nonce or len(nonce) > MAX_NONCE:
+            self._drop(src, m.xid, f"a registration's load nonce {nonce[:80]!r}")
+            return
+        st = self.transfers.get(m.xid)
+        if st is None and m.xid in self._ended:
             # Too late (the request ended here): tell D now, not at its deadline.
-            self._spawn(self._links.send(src, PushFail(m.xid, "the prefill request ended")))
+            self._fail_load(src, m.xid, nonce, "the prefill request ended")
             return
         st = self._state(m.xid, remote=True)
-        if st is None or st.ended or st.reg_ids is not None:
+        if st is None:
+            self._fail_load(src, m.xid, nonce, "too many transfers registered before their prefill")
             return
-        if st.registration is None:
-            st.registration = Registration(self.layout.num_blocks, RUNS_PER_PART)
+        ld = st.loads.get((src, nonce))
+        if ld is None:
+            if st.closed:
+                self._fail_load(src, m.xid, nonce, "the prefill request ended")
+                return
+            if len(st.loads) >= MAX_LOADS:
+                self._fail_load(src, m.xid, nonce, f"more than {MAX_LOADS} loads of one transfer")
+                return
+            reg = Registration(self.layout.num_blocks, RUNS_PER_PART)
+            ld = st.loads[src, nonce] = _Load(src, nonce, reg, link)
+        if ld.ended or ld.reg_ids is not None or ld.waiting_key:
+            return  # a duplicate
+        if link != ld.link:
+            self._refuse(st, ld, "registration parts came on two links")
+            return
         try:
-            ids = self._add_part(st, st.registration, src, m)
+            ids = self._add_part(st, ld, m)
         except ProtocolError as exc:
-            if st.registration.src in (None, src):
-                # The registrant's own message does not hold: end the transfer.
-                st.reg_cluster = src
-                self._end(st, f"bad registration: {exc}")
-            else:
-                self._stats["dropped_messages"] += 1
-                log.warning("aiokvcache: push %s: %s", m.xid, exc)
+            self._refuse(st, ld, f"bad registration: {exc}")
             return
         if ids is None:
             return
-        st.reg_cluster, st.first = src, m.first
-        if not ids:
+        ld.first, ld.ttl, ld.reg_ids = m.first, float(m.ttl), ids
+        if m.layout != self.layout.digest():
+            self._refuse(st, ld, "the decode instance's KV layout differs from the prefill's")
+            return
+        ld.key, ld.waiting_key = m.key, True
+        self._accept(st, ld)
+
+    def _accept(self, st: _PushState, ld: _Load) -> None:
+        """``ld`` is registered: check its key (now, or once the engine told
+        this side the client's key), then push to it."""
+        verdict = self._key_ok(st, ld.key)
+        if verdict is None:
+            return  # decode first, the engine has not stepped it yet
+        ld.key, ld.waiting_key = None, False
+        if not verdict:
+            self._refuse(st, ld, "wrong push key")
+            return
+        ld.accepted = True
+        assert ld.reg_ids is not None
+        if not ld.reg_ids:
             # D needs none of it (a local prefix hit, or it was aborted).
-            log.debug("push %s: the decode side takes nothing", m.xid)
-            st.ended = True
+            log.debug("push %s: load %s takes nothing", st.xid, ld.nonce)
+            ld.ended = True
+            self._maybe_close(st)
             self._maybe_report(st)
             return
-        st.reg_ids = ids
-        # P's pushes end by D's deadline (carried in the registration) or its own.
-        st.deadline = time.monotonic() + min(self.timeout, float(m.ttl))
-        self._spawn(self._deadline(st))
-        self._start_pushes(st)
+        # The load's pushes end by D's deadline (carried in the registration) or this side's.
+        ld.deadline = time.monotonic() + min(self.timeout, ld.ttl)
+        self._spawn(self._deadline(st, ld))
+        self._start_pushes(st, ld)
 
-    def _add_part(self, st: _PushState, reg: Registration, src: int, m: Reg) -> list[int] | None:
+    def _key_ok(self, st: _PushState, key: Any) -> bool | None:
+        """Whether ``key`` is ``st``'s push key: this worker's MAC of the
+        transfer id (the prefill's scheduler made it), or the key the client
+        gave both requests (decode first; ``None`` until the engine told
+        this side which)."""
+        if not isinstance(key, str) or not key:
+            return False
+        if hmac.compare_digest(key.encode(), push_key(self._secret, st.xid).encode()):
+            return True
+        if st.client_key is not None:
+            return hmac.compare_digest(key.encode(), st.client_key.encode())
+        return None if st.req_id is None else False
+
+    def _add_part(self, st: _PushState, ld: _Load, m: Reg) -> list[int] | None:
         """Check and add one registration part; the whole id list once the
         last part is in. Raises :class:`ProtocolError` for one that does not hold."""
+        reg = ld.registration
         before = reg.count
         first, ttl = m.first, m.ttl
         if not (type(first) is int and 0 <= first < self.layout.num_blocks):
             raise ProtocolError(f"a registration's first block index {first!r}")
         if not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and ttl > 0):
             raise ProtocolError(f"a registration's deadline {ttl!r}")
-        ids = reg.add(src, m.part, m.parts, m.runs)
+        ids = reg.add(ld.src, m.part, m.parts, m.runs)
         if st.remote:
             self._remote_ids += reg.count - before
             if self._remote_ids > MAX_UNKNOWN_BLOCKS * self.layout.num_blocks:
                 raise ProtocolError("too many blocks registered for transfers not computed")
         return ids
 
-    def _start_pushes(self, st: _PushState) -> None:
-        """``st`` is registered: push what the engine saved so far."""
+    def _start_pushes(self, st: _PushState, ld: _Load) -> None:
+        """``ld`` is registered: push what the engine saved so far."""
         layers = range(self.layout.num_layers)
         end = st.final_end
-        if end is not None and not st.pushed and all(st.saved.get(x, 0) >= end for x in layers):
+        if end is not None and not ld.pushed and all(st.saved.get(x, 0) >= end for x in layers):
             # The prefill is done (prefill first): every layer in one call,
             # one notification, instead of one per layer.
-            task = self._spawn(self._push_range(st, layers, 0, -(-end // st.block_size), end, None))
+            task = self._spawn(
+                self._push_range(st, ld, layers, 0, -(-end // st.block_size), end, None)
+            )
             for x in layers:
-                st.pushed[x] = end
-                st.tails[x] = task
+                ld.pushed[x] = end
+                ld.tails[x] = task
         else:
             for layer in sorted(st.saved):
-                self._push_layer(st, layer)
-        self._check_pushed(st)
+                self._push_layer(st, ld, layer)
+        self._check_pushed(st, ld)
 
     def on_cancel(self, src: int, m: Cancel) -> None:
         st = self.transfers.get(m.xid)
-        if st is None or st.ended:
-            return
-        bound = st.registration.src if st.registration is not None else None
-        if bound != src:
+        ld = None if st is None else st.loads.get((src, m.nonce))
+        if st is None or ld is None:
+            # Not a load of that cluster's (or one this side forgot: its
+            # pushes ended before; D's wait ends with the answer it got).
             self._stats["dropped_messages"] += 1
-            log.warning("aiokvcache: cluster %d cancelled push %s it did not register", src, m.xid)
+            log.info("aiokvcache: cluster %d cancelled a push %s it has no load of", src, m.xid)
             return
-        self._end(st, "the decode side cancelled it")
+        self._end(st, ld, "the decode side cancelled it")
 
     # ------------------------------------------------------------ transfers
 
@@ -245,76 +374,78 @@ class PushSender:
         return st
 
     def _unremote(self, st: _PushState) -> None:
-        """``st`` is the engine's now (or gone): its registration no longer
-        counts against what peers may make this side hold."""
+        """``st`` is the engine's now (or gone): its registrations no longer
+        count against what peers may make this side hold."""
         if st.remote:
             st.remote = False
             self._remote_xids.discard(st.xid)
-            if st.registration is not None:
-                self._remote_ids -= st.registration.count
+            self._remote_ids -= st.registered()
 
-    def _push_layer(self, st: _PushState, layer: int) -> None:
-        a, b = st.pushed.get(layer, 0), st.saved.get(layer, 0)
-        if b <= a or st.ended:
+    def _push_layer(self, st: _PushState, ld: _Load, layer: int) -> None:
+        a, b = ld.pushed.get(layer, 0), st.saved.get(layer, 0)
+        if b <= a or ld.ended:
             return
-        st.pushed[layer] = b
+        ld.pushed[layer] = b
         bs = st.block_size
         i0, i1 = a // bs, -(-b // bs)
-        prev = st.tails.get(layer)
-        st.tails[layer] = self._spawn(
-            self._push_range(st, range(layer, layer + 1), i0, i1, b, prev)
+        prev = ld.tails.get(layer)
+        ld.tails[layer] = self._spawn(
+            self._push_range(st, ld, range(layer, layer + 1), i0, i1, b, prev)
         )
 
     async def _push_range(
         self,
         st: _PushState,
+        ld: _Load,
         layers: range,
         i0: int,
         i1: int,
         end: int,
         prev: asyncio.Task[None] | None,
     ) -> None:
-        """Push blocks ``[i0, i1)`` of the request's list, ``layers``: those from
-        the decode side's first registered index on (before it, D has the
+        """Push blocks ``[i0, i1)`` of the request's list, ``layers``, to ``ld``:
+        those from its first registered index on (before it, D has the
         tokens in its own prefix cache)."""
         if prev is not None:
             # One layer's pushes in order: a re-pushed partial block must
             # not be overtaken by its older copy.
             await asyncio.gather(prev, return_exceptions=True)
-        if st.ended:
+        if ld.ended:
             return
-        assert self._links.cm is not None and st.reg_ids is not None
-        assert st.reg_cluster is not None
         try:
-            await self._write(st, layers, i0, i1)
+            await self._write(st, ld, layers, i0, i1)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._end(st, f"layers {layers.start}-{layers.stop - 1}: {exc}")
+            self._end(st, ld, f"layers {layers.start}-{layers.stop - 1}: {exc}")
             return
         for layer in layers:
-            st.landed[layer] = max(st.landed.get(layer, 0), end)
-        self._check_pushed(st)
+            ld.landed[layer] = max(ld.landed.get(layer, 0), end)
+        self._check_pushed(st, ld)
 
-    async def _write(self, st: _PushState, layers: range, i0: int, i1: int) -> None:
+    async def _write(self, st: _PushState, ld: _Load, layers: range, i0: int, i1: int) -> None:
         cm = self._links.cm
-        assert cm is not None and st.reg_ids is not None and st.reg_cluster is not None
-        j0 = max(i0, st.first)
-        if i1 - st.first > len(st.reg_ids) or i1 > len(st.blocks):
+        assert cm is not None and ld.reg_ids is not None
+        if self._links.current(ld.src) != ld.link:
+            # The decode instance that registered is gone (a restart with the
+            # same cluster id links anew): never write into its successor.
+            raise TransferFailed("the link the load was registered on is gone")
+        j0 = max(i0, ld.first)
+        if i1 - ld.first > len(ld.reg_ids) or i1 > len(st.blocks):
             raise TransferFailed(
-                f"{len(st.reg_ids)} destination blocks registered from block "
-                f"{st.first}, {i1 - st.first} needed"
+                f"{len(ld.reg_ids)} destination blocks registered from block "
+                f"{ld.first}, {i1 - ld.first} needed"
             )
         if j0 < i1:
-            left = None if st.deadline is None else max(0.001, st.deadline - time.monotonic())
-            if st.tally is None:
-                st.tally = Tally(self._results.called)
-            with counting(st.tally):
+            left = None if ld.deadline is None else max(0.001, ld.deadline - time.monotonic())
+            if ld.tally is None:
+                ld.tally = Tally(self._results.called)
+            with counting(ld.tally):
                 await cm.push_blocks(
-                    BlocksCacheKey(st.reg_cluster),
+                    BlocksCacheKey(ld.src),
                     self._links.cache,
                     st.blocks[j0:i1],
-                    st.reg_ids[j0 - st.first : i1 - st.first],
+                    ld.reg_ids[j0 - ld.first : i1 - ld.first],
                     src_layer_range=layers,
                     dst_layer_range=layers,
                     tensor_num_per_layer=self.layout.tensors_per_layer,
@@ -322,53 +453,84 @@ class PushSender:
                     timeout=left,
                 )
 
-    def _check_pushed(self, st: _PushState) -> None:
-        """Report ``pushed`` once every layer's pushes up to the prompt's end
-        completed (not merely started)."""
-        if st.ended or st.final_end is None or st.reg_ids is None:
+    def _check_pushed(self, st: _PushState, ld: _Load) -> None:
+        """Tell ``ld`` ``pushed`` once every layer's pushes up to the prompt's
+        end completed (not merely started)."""
+        if ld.ended or st.final_end is None or ld.reg_ids is None or ld.waiting_key:
             return
-        if any(st.landed.get(layer, 0) < st.final_end for layer in range(self.layout.num_layers)):
+        if any(ld.landed.get(layer, 0) < st.final_end for layer in range(self.layout.num_layers)):
             return
-        st.ended = True
-        assert st.reg_cluster is not None
+        ld.ended = True
         self._stats["pushes_sent"] += 1
-        moved = st.tally or Tally(self._results.called)
-        pushed = Pushed(st.xid, moved.nbytes, moved.segments)
-        self._spawn(self._links.send(st.reg_cluster, pushed))
+        moved = ld.tally or Tally(self._results.called)
+        self._spawn(
+            self._links.send(ld.src, Pushed(st.xid, ld.nonce, moved.nbytes, moved.segments))
+        )
+        self._maybe_close(st)
         self._maybe_report(st)
 
-    def _end(self, st: _PushState, why: str) -> None:
-        """End ``st`` now (nothing reports it pushed after this), then cancel
-        its pushes, wait until they are quiescent and tell D."""
-        if st.ended:
+    def _end(self, st: _PushState, ld: _Load, why: str) -> None:
+        """End load ``ld`` now (nothing tells it pushed after this), then
+        cancel its pushes, wait until they are quiescent and tell D."""
+        if ld.ended:
             return
-        st.ended = True
+        ld.ended = True
+        ld.key, ld.waiting_key = None, False
         self._stats["push_failures"] += 1
-        log.warning("aiokvcache: push %s failed: %s", st.xid, why)
-        st.quiescing = True
-        self._spawn(self._quiesce(st, why))
+        log.warning("aiokvcache: push %s to load %s failed: %s", st.xid, ld.nonce, why)
+        ld.quiescing = True
+        self._spawn(self._quiesce(st, ld, why))
 
-    async def _quiesce(self, st: _PushState, why: str) -> None:
+    async def _quiesce(self, st: _PushState, ld: _Load, why: str) -> None:
         try:
             tails = [
-                t for t in st.tails.values() if not t.done() and t is not asyncio.current_task()
+                t for t in ld.tails.values() if not t.done() and t is not asyncio.current_task()
             ]
             for t in tails:
                 t.cancel()
             await asyncio.gather(*tails, return_exceptions=True)
         finally:
-            st.quiescing = False
+            ld.quiescing = False
+        self._maybe_close(st)
         self._maybe_report(st)  # its blocks may go back: nothing writes from them any more
-        if st.reg_cluster is not None:
-            await self._links.send(st.reg_cluster, PushFail(st.xid, why[:512]))
+        await self._links.send(ld.src, PushFail(st.xid, ld.nonce, why[:512]))
+
+    def _refuse(self, st: _PushState, ld: _Load, why: str) -> None:
+        """A registration that does not hold (its parts, its layout, its key):
+        forgotten (it never was pushed to, and holds no place among the
+        transfer's loads) and answered."""
+        self._stats["refusals"] += 1
+        log.warning(
+            "aiokvcache: push %s: load %s of cluster %d refused: %s", st.xid, ld.nonce, ld.src, why
+        )
+        if st.loads.get((ld.src, ld.nonce)) is ld:
+            del st.loads[ld.src, ld.nonce]
+            if st.remote:
+                self._remote_ids -= ld.registration.count
+        ld.ended = True
+        self._fail_load(ld.src, st.xid, ld.nonce, why[:512])
+
+    def _fail_load(self, src: int, xid: str, nonce: str, why: str) -> None:
+        """Answer a registration this side takes no load for."""
+        self._spawn(self._links.send(src, PushFail(xid, nonce, why)))
+
+    def _drop(self, src: int, xid: str, why: str) -> None:
+        self._stats["dropped_messages"] += 1
+        log.warning("aiokvcache: push %s from cluster %d: %s", xid, src, why)
+
+    def _maybe_close(self, st: _PushState) -> None:
+        """A released transfer takes no more loads once it had one and every
+        load it has ended."""
+        loads = st.loads.values()
+        if st.released and any(ld.accepted for ld in loads) and all(ld.ended for ld in loads):
+            st.closed = True
 
     def _maybe_report(self, st: _PushState) -> None:
-        """Report the request sent, once: ended, released by the engine, and
-        no push of it running."""
-        if st.reported or not (st.ended and st.released and st.req_id is not None):
+        """Report the request sent, once: released by the engine, closed to
+        new loads, and no push of it running."""
+        if st.reported or not (st.closed and st.released and st.req_id is not None):
             return
-        me = asyncio.current_task()
-        if st.quiescing or any(not t.done() and t is not me for t in st.tails.values()):
+        if any(not ld.ended or ld.running() for ld in st.loads.values()):
             return  # _quiesce or the last push reports it
         st.reported = True
         self._results.sent(st.req_id)
@@ -385,23 +547,29 @@ class PushSender:
         while len(self._ended) > MAX_ENDED:
             self._ended.popitem(last=False)
 
-    async def _deadline(self, st: _PushState) -> None:
-        assert st.deadline is not None
-        await asyncio.sleep(max(0.0, st.deadline - time.monotonic()))
-        if not st.ended:
-            self._end(st, f"not pushed within {self.timeout:g} s")
+    async def _deadline(self, st: _PushState, ld: _Load) -> None:
+        assert ld.deadline is not None
+        await asyncio.sleep(max(0.0, ld.deadline - time.monotonic()))
+        if not ld.ended:
+            self._end(st, ld, f"not pushed within {min(self.timeout, ld.ttl):g} s")
 
     async def _reap(self, st: _PushState) -> None:
-        """A transfer only a peer's registration made (the engine never
+        """A transfer only a peer's registrations made (the engine never
         computed it here), or one the engine finished that nobody registered
         for, ends after timeout + grace."""
         await asyncio.sleep(self.timeout + self.grace)
         if self.transfers.get(st.xid) is not st:
             return
         if st.req_id is None:
-            self._end(st, "the prefill instance never computed it")
+            st.closed = True
+            for ld in st.loads.values():
+                self._end(st, ld, "the prefill instance never computed it")
             self._forget(st)
-        elif not st.ended and st.reg_ids is None and st.released:
-            st.ended = True
-            log.warning("aiokvcache: push %s: no decode instance registered for it", st.xid)
+        elif st.released and not st.closed:
+            st.closed = True
+            if not any(ld.accepted for ld in st.loads.values()):
+                log.warning("aiokvcache: push %s: no decode instance registered for it", st.xid)
+            for ld in list(st.loads.values()):
+                if not ld.accepted:
+                    self._refuse(st, ld, "not registered in time")
             self._maybe_report(st)

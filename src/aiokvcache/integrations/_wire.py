@@ -166,20 +166,26 @@ class Free(_Message):
 class Reg(_Message):
     """Part ``part`` of ``parts`` of D's block ids for push transfer ``xid``,
     as ``[start, count]`` ``runs``, for P's blocks ``first``, ``first + 1``...;
-    P's pushes end within ``ttl`` seconds."""
+    P's pushes end within ``ttl`` seconds. ``nonce`` names this load (one
+    transfer may feed several: vLLM's ``n > 1`` children, a proxy's retry),
+    ``key`` is the transfer's push key from the request's params (only a
+    decode handed them may register), ``layout`` D's KV layout digest."""
 
     OP = Op.REG
-    ARITY = 6
+    ARITY = 9
     xid: str
     part: Any
     parts: Any
     runs: Any
     first: Any
     ttl: Any
+    nonce: str
+    key: Any
+    layout: Any
 
     @classmethod
     def from_args(cls, a: list[Any]) -> Reg:
-        return cls(str(a[0]), *a[1:6])
+        return cls(str(a[0]), a[1], a[2], a[3], a[4], a[5], str(a[6]), a[7], a[8])
 
 
 @dataclass(frozen=True)
@@ -197,47 +203,52 @@ class Layer(_Message):
 
 @dataclass(frozen=True)
 class Pushed(_Message):
-    """Every layer of push transfer ``xid`` landed: ``nbytes`` and ``segments``
-    are what P's push calls moved, from their records (-1: not sent, or not a
-    count; they feed the decode side's metrics only)."""
+    """Every layer of push transfer ``xid`` landed for load ``nonce``:
+    ``nbytes`` and ``segments`` are what P's push calls moved, from their
+    records (-1: not sent, or not a count; they feed the decode side's
+    metrics only)."""
 
     OP = Op.PUSHED
-    ARITY = 1
+    ARITY = 2
     xid: str
+    nonce: str
     nbytes: int = -1
     segments: int = -1
 
     @classmethod
     def from_args(cls, a: list[Any]) -> Pushed:
-        return cls(str(a[0]), _count(a, 1), _count(a, 2))
+        return cls(str(a[0]), str(a[1]), _count(a, 2), _count(a, 3))
 
 
 @dataclass(frozen=True)
 class PushFail(_Message):
-    """Push transfer ``xid`` ended without landing, for ``why``; P's pushes of
-    it are quiescent."""
+    """Push transfer ``xid`` ended for load ``nonce`` without landing, for
+    ``why``; P's pushes to that load are quiescent."""
 
     OP = Op.PUSHFAIL
-    ARITY = 1
+    ARITY = 2
     xid: str
+    nonce: str
     why: str = "failed"
 
     @classmethod
     def from_args(cls, a: list[Any]) -> PushFail:
-        return cls(str(a[0]), _str(a, 1, "failed"))
+        return cls(str(a[0]), str(a[1]), _str(a, 2, "failed"))
 
 
 @dataclass(frozen=True)
 class Cancel(_Message):
-    """D gave push transfer ``xid`` up: P stops and goes quiescent."""
+    """D gave load ``nonce`` of push transfer ``xid`` up: P stops pushing to
+    it and answers ``pushfail`` once those pushes are quiescent."""
 
     OP = Op.CANCEL
-    ARITY = 1
+    ARITY = 2
     xid: str
+    nonce: str
 
     @classmethod
     def from_args(cls, a: list[Any]) -> Cancel:
-        return cls(str(a[0]))
+        return cls(str(a[0]), str(a[1]))
 
 
 Message = Claim | Grant | Refused | Done | Free | Reg | Layer | Pushed | PushFail | Cancel

@@ -15,12 +15,16 @@ returns the params a decode request passes back unchanged
 (``do_remote_prefill``, ``remote_block_ids``, ``remote_engine_id``,
 ``remote_request_id``, ``remote_host``, ``remote_port``, ``transfer_mode``
 and aiokvcache's own ``remote_cluster_id``, ``aiokv_peers``,
-``aiokv_layout``, ``aiokv_transfer_id``, ``aiokv_grant_keys``), so vLLM's
-disaggregated proxy and clients written for NixlConnector work unchanged.
-``aiokv_grant_keys`` (one per prefill worker) are MACs of the request id and
-its block list by a secret each prefill worker shares with its own scheduler
-only: only a decode instance handed the params can claim (or free) the
-request's blocks, and only those blocks.
+``aiokv_layout``, ``aiokv_transfer_id``, ``aiokv_grant_keys`` or
+``aiokv_push_keys``), so vLLM's disaggregated proxy and clients written for
+NixlConnector work unchanged (``remote_block_ids`` is one list per KV cache
+group, as theirs). ``aiokv_grant_keys`` (pull, one per prefill worker) are
+MACs of the request id and its block list by a secret each prefill worker
+shares with its own scheduler only: only a decode instance handed the params
+can claim (or free) the request's blocks, and only those blocks.
+``aiokv_push_keys`` (push) are MACs of the transfer id by the same secrets:
+only a decode handed the params can register for the pushes; decode first,
+the client gives both requests an ``aiokv_transfer_key`` of its choosing.
 
 - *pull* (default): the decode worker claims the prefill's blocks, reads
   them with ``pull_blocks`` and tells the prefill to free them.
@@ -28,9 +32,9 @@ request's blocks, and only those blocks.
   from ``save_kv_layer``, as soon as that layer is computed, once the decode
   registered its blocks; the decode side learns of each layer from
   aiokvcache's notifications. When the client sends the decode request
-  first (``do_remote_prefill`` with the prefill's address and an
-  ``aiokv_transfer_id`` it also gives the prefill request), pushes overlap
-  the prefill's computation layer by layer.
+  first (``do_remote_prefill`` with the prefill's address, an
+  ``aiokv_transfer_id`` and an ``aiokv_transfer_key`` it also gives the
+  prefill request), pushes overlap the prefill's computation layer by layer.
 
 The scheduler-side connector starts nothing; each worker-side connector owns
 one aiokvcache engine on its own thread (:mod:`._kvlink`). No method blocks
@@ -54,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -72,7 +77,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ._handoff import blocks_digest, grant_key
+from ._handoff import blocks_digest, grant_key, push_key
 from ._kvlink import TransferAgent, cluster_id_for
 from ._kvtypes import GRACE_S, Peer
 from ._vllm_layout import kv_layout
@@ -188,6 +193,8 @@ class _Recv:
     layout: str | None
     grant_keys: list[str] = field(default_factory=list)
     grant_until: int = 0
+    push_keys: list[str] = field(default_factory=list)  # push: one per prefill worker
+    transfer_key: str = ""  # push, decode first: the key the client gave both requests
 
 
 @dataclass
@@ -201,6 +208,8 @@ class _Drop:
     transfer_id: str
     grant_keys: list[str]
     grant_until: int
+    push_keys: list[str] = field(default_factory=list)
+    transfer_key: str = ""
 
     @classmethod
     def from_params(cls, params: dict[str, Any], mode: str) -> _Drop:
@@ -214,6 +223,8 @@ class _Drop:
             transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
             grant_keys=[str(k) for k in params.get("aiokv_grant_keys") or ()],
             grant_until=int(params.get("aiokv_grant_until") or 0),
+            push_keys=[str(k) for k in params.get("aiokv_push_keys") or ()],
+            transfer_key=str(params.get("aiokv_transfer_key") or ""),
         )
 
 
@@ -226,8 +237,12 @@ class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     drops: list[_Drop] = field(default_factory=list)  # D: KV not needed after all
     # P pull: req id -> (lease in s, block ids, grant keys' expiry in ms)
     holds: dict[str, tuple[float, list[int], int]] = field(default_factory=dict)
-    # P push: req id -> (transfer id, block ids, token end of this step, last chunk)
-    push_steps: dict[str, tuple[str, list[int], int, bool]] = field(default_factory=dict)
+    # P push: req id -> (transfer id, block ids, token end of this step, last chunk,
+    # the client's push key or "")
+    push_steps: dict[str, tuple[str, list[int], int, bool, str]] = field(default_factory=dict)
+    # P push: req ids preempted this step -> transfer id (their pushes stop before
+    # the step reuses their blocks; the recompute pushes them again)
+    push_preempted: dict[str, str] = field(default_factory=dict)
     # P push: req id -> (transfer id, aborted), once the engine finished the request
     push_release: dict[str, tuple[str, bool]] = field(default_factory=dict)
 
@@ -252,7 +267,8 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         # scheduler side
         self._peers: dict[int, AioKVHandshake] = {}
         self._staged = AioKVMetadata()
-        self._push_reqs: dict[str, tuple[Any, str]] = {}  # req id -> (request, transfer id)
+        # P push: req id -> (request, transfer id, the client's push key or "")
+        self._push_reqs: dict[str, tuple[Any, str, str]] = {}
         self._unreported_push: set[str] = set()
         self._loading: set[str] = set()  # D: loads started and not yet reported
         # worker side
@@ -328,8 +344,10 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         # Transfer ids are per tensor-parallel rank: rank r pushes to rank r.
         suffix = f"/{self._rank}"
         self._step_pushes = []
-        for rid, (xid, blocks, end, final) in meta.push_steps.items():
-            agent.push_step(xid + suffix, rid, blocks, self._block_size, end, final)
+        for rid, (xid, blocks, end, final, client_key) in meta.push_steps.items():
+            agent.push_step(
+                xid + suffix, rid, blocks, self._block_size, end, final, client_key or None
+            )
             self._step_pushes.append(xid + suffix)
         for rid, (xid, aborted) in meta.push_release.items():
             agent.push_release(xid + suffix, rid, aborted)
@@ -337,7 +355,15 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             log.debug("worker: load %s (%s, %d blocks)", rid, r.mode, len(r.local_block_ids))
             peer = self._rank_peer(r.peers)
             if r.mode == "push":
-                agent.expect_push(rid, peer, r.transfer_id + suffix, r.local_block_ids, r.first)
+                agent.expect_push(
+                    rid,
+                    peer,
+                    r.transfer_id + suffix,
+                    r.local_block_ids,
+                    r.first,
+                    key=self._push_key(r.push_keys, r.transfer_key),
+                    layout=r.layout,
+                )
             else:
                 agent.pull(
                     rid,
@@ -355,7 +381,8 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         for drop in meta.drops:
             peer = self._rank_peer(drop.peers)
             if drop.mode == "push":
-                agent.drop_push(peer, drop.transfer_id + suffix)
+                key = self._push_key(drop.push_keys, drop.transfer_key)
+                agent.drop_push(peer, drop.transfer_id + suffix, key)
             else:
                 key = self._rank_key(drop.grant_keys)
                 agent.free_remote(
@@ -365,6 +392,22 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     def _rank_key(self, keys: list[str]) -> str:
         """This rank's grant key (rank r claims from the prefill's rank r)."""
         return str(keys[self._rank]) if len(keys) > self._rank else ""
+
+    def _push_key(self, keys: list[str], transfer_key: str) -> str:
+        """This rank's push key: the prefill's scheduler's (prefill first), or
+        the one the client gave both requests (decode first)."""
+        return str(keys[self._rank]) if len(keys) > self._rank else transfer_key
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """P push: vLLM preempted these requests and frees their blocks for
+        this step: their pushes stop (quiescent) before this returns, and the
+        recompute pushes every layer again."""
+        agent = self._agent
+        meta = kv_connector_metadata
+        if agent is None or not isinstance(meta, AioKVMetadata) or not meta.push_preempted:
+            return
+        suffix = f"/{self._rank}"
+        agent.push_preempt([xid + suffix for xid in meta.push_preempted.values()])
 
     def _rank_peer(self, peers: list[list[Any]]) -> Peer:
         """This rank's peer among a request's prefill workers."""
@@ -512,16 +555,29 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 layout=params.get("aiokv_layout"),
                 grant_keys=[str(k) for k in params.get("aiokv_grant_keys") or ()],
                 grant_until=int(params.get("aiokv_grant_until") or 0),
+                push_keys=[str(k) for k in params.get("aiokv_push_keys") or ()],
+                transfer_key=str(params.get("aiokv_transfer_key") or ""),
             )
             self._loading.add(rid)
         elif params.get("do_remote_decode"):
-            if str(params.get("transfer_mode") or self._mode) == "push":
-                self._push_reqs[rid] = (request, str(params.get("aiokv_transfer_id") or rid))
+            if (
+                str(params.get("transfer_mode") or self._mode) == "push"
+                and rid not in self._push_reqs
+            ):
+                # The transfer's identity: the client's (decode first), else one
+                # of this hand-over's own, never the request id alone (an id
+                # handed over again is another transfer).
+                xid = str(params.get("aiokv_transfer_id") or f"{rid}@{secrets.token_hex(6)}")
+                key = str(params.get("aiokv_transfer_key") or "")
+                self._push_reqs[rid] = (request, xid, key)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta, self._staged = self._staged, AioKVMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
-        for rid, (request, xid) in self._push_reqs.items():
+        for rid in scheduler_output.preempted_req_ids or ():
+            if rid in self._push_reqs:
+                meta.push_preempted[rid] = self._push_reqs[rid][1]
+        for rid, (request, xid, key) in self._push_reqs.items():
             n = scheduled.get(rid)
             if not n:
                 continue
@@ -530,7 +586,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             kvm = self._kv_cache_manager
             assert kvm is not None  # bound by the scheduler before it schedules
             blocks = _flat(kvm.get_blocks(rid).get_block_ids())
-            meta.push_steps[rid] = (xid, blocks, min(end, prompt), end >= prompt)
+            meta.push_steps[rid] = (xid, blocks, min(end, prompt), end >= prompt, key)
         return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -569,7 +625,16 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             # Held until its pushes ended (quiescent), whether it finished or not.
             self._staged.push_release[rid] = (xid, not ok)
             self._unreported_push.add(rid)
-            return True, (self._params(request, ids, xid, mode) if ok else None)
+            if not ok:
+                return True, None
+            # Only a decode handed these params may register for the pushes.
+            keys = [
+                push_key(bytes.fromhex(self._peers[r].grant_secret), f"{xid}/{r}")
+                for r in sorted(self._peers)
+            ]
+            params_out = self._params(request, ids, xid, mode)
+            params_out["aiokv_push_keys"] = keys
+            return True, params_out
         if not ok or not ids:
             return False, None
         lease = float(self._cfg["kv_lease_duration"])
@@ -597,7 +662,8 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": ids,
+            # One list per KV cache group, as vLLM's own connectors give it.
+            "remote_block_ids": (ids,),
             "remote_engine_id": self._engine_id,
             "remote_request_id": request.request_id,
             "remote_host": first.host if first else None,

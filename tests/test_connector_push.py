@@ -1,0 +1,344 @@
+"""The vLLM connector's push mode (``integrations/_prefill_push.py`` and the
+push half of ``integrations/_decode.py``): each load of a transfer its own,
+the decode's blocks given back only on the prefill's word, the push key and
+the KV layout checked, a load bound to its link, preemption.
+
+Two kinds of test: a ``TransferAgent`` on the test's loop whose aiokvcache
+calls a :class:`Recorder` stands in for (support/kvlink_harness.py), and two
+real agents moving NumPy "KV caches" (support/agent_pair.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiokvcache.integrations._kvtypes import Peer
+from support.agent_pair import BS, LAYERS, Side, fill, same, wait_for
+from support.kvlink_harness import (
+    D_ID,
+    EVIL,
+    P_ID,
+    close_agent,
+    load_nonce,
+    make_agent,
+    reg_args,
+    until,
+)
+
+PEER = Peer("h", 1, P_ID)
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+def step_all(agent: Any, xid: str = "x", end: int = 12, key: str | None = None) -> None:
+    """The engine computes ``xid``'s 12 tokens (3 blocks) in one step, every layer."""
+    agent.push_sender.step(xid, "p-req", [1, 2, 3], BS, end, True, key)
+    for layer in range(LAYERS):
+        agent.push_sender.layer_saved([xid], layer)
+
+
+# ------------------------------------------------------------ loads of one transfer
+
+
+@pytest.fixture
+def sides(transport: str) -> Iterator[tuple[Side, Side]]:
+    p = Side("prefill", transport, timeout=5.0, grace=1.0)
+    d = Side("decode", transport, timeout=5.0, grace=1.0)
+    try:
+        yield p, d
+    finally:
+        d.agent.close()
+        p.agent.close()
+
+
+@pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
+def test_two_loads_of_one_transfer_each_hold_the_prefills_bytes(
+    sides: tuple[Side, Side], order: str
+) -> None:
+    """vLLM's ``n > 1`` children (and a proxy's retry) carry the same params:
+    two loads of one transfer on one decode worker. Each is its own load:
+    both end received, each holding the prefill's bytes (before, one ended
+    failed holding them and the other OK holding nothing)."""
+    p, d = sides
+    pblocks, d1, d2 = [2, 3, 4], [9, 1, 12], [5, 6, 7]
+    fill(p, pblocks, 7)
+    key = p.agent.push_key("x")
+
+    def expect() -> None:
+        d.agent.expect_push("c0", p.peer, "x", d1, key=key)
+        d.agent.expect_push("c1", p.peer, "x", d2, key=key)
+
+    if order == "decode-first":
+        expect()
+        time.sleep(0.2)
+    p.agent.push_step("x", "p-req", pblocks, BS, 10, final=True)
+    for layer in range(LAYERS):
+        p.agent.layer_saved(["x"], layer)
+    p.agent.push_release("x", "p-req")
+    if order == "prefill-first":
+        expect()
+    wait_for(lambda: {"c0", "c1"} <= d.poll().finished_recving)
+    assert not d.got.failed_recving, d.got
+    assert same(p, pblocks, d, d1) and same(p, pblocks, d, d2)
+    wait_for(lambda: "p-req" in p.poll().finished_sending)
+    assert p.agent.pending() == 0 and d.agent.pending() == 0
+
+
+async def test_each_load_hears_only_its_own_answer() -> None:
+    """P's ``pushed`` for one load ends that load only: the other, on the same
+    transfer, still waits for its own."""
+    agent, rec = await make_agent()
+    try:
+        agent.expect_push("c0", PEER, "x", [7, 8, 9], key="k")
+        agent.expect_push("c1", PEER, "x", [4, 5, 6], key="k")
+        await until(lambda: rec.kinds(P_ID).count("reg") == 2)
+        n0, n1 = (m[7] for c, m in rec.sent if m[0] == "reg")
+        assert n0 != n1
+        agent.deliver(P_ID, "pushed", ["x", n0])
+        await until(lambda: "c0" in agent.take_results().finished_recving)
+        await asyncio.sleep(0.1)
+        assert agent.receiver.pending() == 1  # c1 still waits for its own word
+        agent.deliver(P_ID, "pushfail", ["x", n1, "no"])
+        await until(lambda: "c1" in agent.take_results().failed_recving)
+    finally:
+        await close_agent(agent)
+
+
+# ------------------------------------------------------------ no write after a failure
+
+
+async def test_a_timed_out_load_gives_its_blocks_back_only_on_the_prefills_word() -> None:
+    """D's timeout passes while P's Python is starved: D cancels and keeps
+    the blocks until P answers that its pushes to the load stopped (before,
+    it gave them back at its own deadline, and P's pushes landed after)."""
+    agent, rec = await make_agent(timeout=1.0, grace=2.0)
+    try:
+        agent.expect_push("d-req", PEER, "x", [7, 8, 9], key="k")
+        await until(lambda: "reg" in rec.kinds(P_ID))
+        nonce = load_nonce(rec, P_ID, "x")
+        await asyncio.sleep(1.4)  # past D's timeout, within its grace
+        got = agent.take_results()
+        assert "d-req" not in got.failed_recving | got.finished_recving, got
+        assert ["cancel", "x", nonce] in [m for c, m in rec.sent if c == P_ID]
+        agent.deliver(P_ID, "pushfail", ["x", nonce, "the decode side cancelled it"])
+        await until(lambda: "d-req" in agent.take_results().failed_recving)
+    finally:
+        await close_agent(agent)
+
+
+async def test_a_prefill_that_never_answers_is_unlinked_before_the_blocks_go_back() -> None:
+    """No word from P by D's deadline and grace: D unlinks P (its engine
+    confirms once its transfers on the link were released) before it gives
+    the blocks back."""
+    agent, _ = await make_agent(timeout=0.5, grace=0.5)
+    events: list[str] = []
+
+    async def quiesce(cluster_id: int) -> None:
+        events.append(f"unlink {cluster_id}")
+
+    agent.links.quiesce = quiesce  # type: ignore[method-assign]
+    try:
+        agent.expect_push("d-req", PEER, "x", [7, 8, 9], key="k")
+        await until(lambda: "d-req" in agent.take_results().failed_recving, timeout=5)
+        assert events == [f"unlink {P_ID}"]
+    finally:
+        await close_agent(agent)
+
+
+def test_no_push_lands_after_the_decode_reported_the_load_failed(transport: str) -> None:
+    """Real agents. D's timeout is 2 s; P's loop is starved while the
+    registration arrives (1.2 s) and again across D's deadline while the
+    engine saves every layer. Once D reports the load failed, the test writes
+    a canary into its blocks: no byte of it may change afterwards."""
+    p = Side("prefill", transport, timeout=5.0, grace=1.0)
+    d = Side("decode", transport, timeout=2.0, grace=3.0)
+    try:
+        pblocks, dblocks = [2, 3, 4], [9, 1, 12]
+        fill(p, pblocks, 3)
+        loop = p.agent._loop
+        assert loop is not None
+        t0 = time.monotonic()
+        d.agent.expect_push("d-req", p.peer, "x", dblocks, key="client-key")
+        loop.call_soon_threadsafe(time.sleep, 1.2)  # starved as the registration arrives
+        p.agent.push_step("x", "p-req", pblocks, BS, 10, True, client_key="client-key")
+        time.sleep(max(0.0, t0 + 1.6 - time.monotonic()))
+        loop.call_soon_threadsafe(time.sleep, 1.0)  # starved again, across D's deadline
+        for layer in range(LAYERS):
+            p.agent.layer_saved(["x"], layer)
+        p.agent.push_release("x", "p-req")
+        wait_for(lambda: "d-req" in d.poll().failed_recving, timeout=15)
+        for layer in d.kv:  # vLLM gives the blocks to another request
+            layer[dblocks] = 0xEE
+        wait_for(lambda: "p-req" in p.poll().finished_sending, timeout=15)
+        time.sleep(0.3)
+        for layer in d.kv:
+            assert (layer[dblocks] == 0xEE).all(), "a push landed after the load was reported"
+    finally:
+        d.agent.close()
+        p.agent.close()
+
+
+# ------------------------------------------------------------ who may register
+
+
+async def test_a_registration_without_the_push_key_gets_nothing() -> None:
+    agent, rec = await make_agent()
+    try:
+        agent.deliver(EVIL, "reg", reg_args(agent, ["x", 0, 1, [[40, 3]], 0, 5.0], key="f" * 32))
+        step_all(agent)
+        await until(lambda: "pushfail" in rec.kinds(EVIL))
+        assert not rec.pushes
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0]))
+        await until(lambda: "pushed" in rec.kinds(D_ID))
+        assert {c for c, _ in rec.pushes} == {D_ID}
+    finally:
+        await close_agent(agent)
+
+
+async def test_an_empty_registration_without_the_key_frees_nothing() -> None:
+    """Prefill first: the request is computed and released, its blocks wait
+    for the decode. A peer's empty registration (what a decode that needs
+    nothing sends) without the key does not free them; the decode's does."""
+    agent, rec = await make_agent()
+    try:
+        step_all(agent)
+        agent.push_sender.release("x", "p-req", False)
+        agent.deliver(EVIL, "reg", reg_args(agent, ["x", 0, 1, [], 0, 5.0], key="f" * 32))
+        await settle()
+        assert "p-req" not in agent.take_results().finished_sending
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [], 0, 5.0], nonce="n2"))
+        await until(lambda: "p-req" in agent.take_results().finished_sending)
+        assert not rec.pushes
+    finally:
+        await close_agent(agent)
+
+
+async def test_decode_first_registrations_wait_for_the_clients_key() -> None:
+    """Decode first: registrations come before the engine steps the request;
+    the one with the key the client gave both requests is pushed to once the
+    step brings it, the other refused then."""
+    agent, rec = await make_agent()
+    try:
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0], key="ck"))
+        agent.deliver(EVIL, "reg", reg_args(agent, ["x", 0, 1, [[40, 3]], 0, 5.0], key="xx"))
+        await settle()
+        assert not rec.sent and not rec.pushes  # neither checked yet
+        step_all(agent, key="ck")
+        await until(lambda: "pushed" in rec.kinds(D_ID) and "pushfail" in rec.kinds(EVIL))
+        assert {c for c, _ in rec.pushes} == {D_ID}
+    finally:
+        await close_agent(agent)
+
+
+async def test_a_registration_for_another_kv_layout_is_refused() -> None:
+    agent, rec = await make_agent()
+    try:
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0], layout="0" * 16))
+        step_all(agent)
+        await until(lambda: "pushfail" in rec.kinds(D_ID))
+        why = next(m for c, m in rec.sent if m[0] == "pushfail")[3]
+        assert "layout" in why and not rec.pushes
+    finally:
+        await close_agent(agent)
+
+
+async def test_a_decode_load_with_another_layout_in_its_params_fails_before_registering() -> None:
+    agent, rec = await make_agent()
+    try:
+        agent.expect_push("d-req", PEER, "x", [7, 8, 9], key="k", layout="0" * 16)
+        await until(lambda: "d-req" in agent.take_results().failed_recving)
+        assert "reg" not in rec.kinds()
+    finally:
+        await close_agent(agent)
+
+
+# ------------------------------------------------------------ the link a load came on
+
+
+async def test_a_load_is_pushed_to_only_over_the_link_it_registered_on() -> None:
+    """The decode restarted with the same cluster id (its link made anew):
+    the old load's pushes are not written into the new instance's blocks;
+    and a registration that waited in the queue while the link was made anew
+    is never bound to the new link."""
+    agent, rec = await make_agent()
+    link = ["old"]
+    agent.links.current = lambda cluster_id: link[0]  # type: ignore[method-assign]
+    try:
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0]), link="old")
+        link[0] = "new"
+        step_all(agent)
+        await until(lambda: "pushfail" in rec.kinds(D_ID))
+        assert not rec.pushes and "pushed" not in rec.kinds()
+        # A registration that came on the old link, handled once the new one is up.
+        stale = reg_args(agent, ["y", 0, 1, [[10, 3]], 0, 5.0], nonce="n2")
+        agent.deliver(D_ID, "reg", stale, link="old")
+        step_all(agent, xid="y")
+        await until(lambda: rec.kinds(D_ID).count("pushfail") == 2)
+        assert not rec.pushes
+    finally:
+        await close_agent(agent)
+
+
+# ------------------------------------------------------------ preemption
+
+
+async def test_preempted_pushes_are_quiescent_when_preempt_returns_then_pushed_again() -> None:
+    """vLLM frees a preempted request's blocks for the next step: its pushes
+    are cancelled and over before ``preempt`` returns; the recompute saves
+    and pushes every layer again, and only then is the load told pushed."""
+    agent, rec = await make_agent()
+    running: list[int] = []
+    gate = asyncio.Event()
+
+    async def push(layer: int) -> None:
+        running.append(layer)
+        try:
+            await gate.wait()
+        finally:
+            running.remove(layer)
+
+    rec.push = push
+    try:
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0]))
+        agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 4, False)
+        agent.push_sender.layer_saved(["x"], 0)
+        await until(lambda: running == [0])
+        await agent.push_sender.preempt(["x"])
+        assert running == [], "a push still reads the preempted request's blocks"
+        gate.set()
+        before = len(rec.pushes)
+        step_all(agent)  # recomputed from the start, in new blocks
+        await until(lambda: "pushed" in rec.kinds(D_ID))
+        assert sorted(layer for _, layer in rec.pushes[before:]) == list(range(LAYERS))
+        assert "pushfail" not in rec.kinds()
+    finally:
+        await close_agent(agent)
+
+
+def test_push_preempt_blocks_the_engine_thread_until_quiescent(sides: tuple[Side, Side]) -> None:
+    """``TransferAgent.push_preempt`` (what the connector's
+    ``handle_preemptions`` calls from vLLM's thread) returns once done."""
+    p, d = sides
+    key = p.agent.push_key("x")
+    d.agent.expect_push("d-req", p.peer, "x", [9, 1, 12], key=key)
+    time.sleep(0.2)
+    p.agent.push_step("x", "p-req", [2, 3, 4], BS, 4, final=False)
+    p.agent.layer_saved(["x"], 0)
+    p.agent.push_preempt(["x"])
+    fill(p, [5, 6, 7], 11)  # the recompute, in other blocks
+    p.agent.push_step("x", "p-req", [5, 6, 7], BS, 10, final=True)
+    for layer in range(LAYERS):
+        p.agent.layer_saved(["x"], layer)
+    p.agent.push_release("x", "p-req")
+    wait_for(lambda: "d-req" in d.poll().finished_recving)
+    assert same(p, [5, 6, 7], d, [9, 1, 12])
+    assert np.array_equal(d.kv[0][[9, 1, 12]], p.kv[0][[5, 6, 7]])
