@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 namespace akv {
 
@@ -69,13 +70,45 @@ void quarantine_region(Region& r) {
 #define MADV_POPULATE_WRITE 23
 #endif
 
+namespace {
+
+// A peer's mapping: only the pages the peer made already (resident in its
+// segment, which mincore tells without touching them). Populating a hole
+// would allocate the peer's memory here, charged to us (a peer that does not
+// prefault, or lies); and at most kMaxMappedPrefault bytes, so that a huge
+// cache does not hold the caller (the service loop) for seconds: the rest
+// faults in on first use, as before.
+constexpr uint64_t kMaxMappedPrefault = uint64_t{2} << 30;
+
+bool prefault_mapped(uint64_t begin, uint64_t end, uint64_t page) {
+  end = std::min(end, begin + kMaxMappedPrefault);
+  const uint64_t pages = (end - begin) / page;
+  std::vector<unsigned char> resident(pages);
+  if (::mincore(reinterpret_cast<void*>(begin), end - begin, resident.data()) != 0) return false;
+  bool ok = true;
+  for (uint64_t i = 0; i < pages;) {
+    if ((resident[i] & 1) == 0) {
+      ++i;
+      continue;
+    }
+    uint64_t j = i;
+    while (j < pages && (resident[j] & 1) != 0) ++j;
+    void* run = reinterpret_cast<void*>(begin + i * page);
+    ok = ::madvise(run, (j - i) * page, MADV_POPULATE_READ) == 0 && ok;
+    i = j;
+  }
+  return ok;
+}
+
+}  // namespace
+
 bool prefault(void* addr, uint64_t len, Prefault what) {
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   uint64_t begin = reinterpret_cast<uint64_t>(addr) / page * page;
   uint64_t end = (reinterpret_cast<uint64_t>(addr) + len + page - 1) / page * page;
   if (len == 0 || end <= begin) return false;
   void* p = reinterpret_cast<void*>(begin);
-  if (what == Prefault::kMapped) return ::madvise(p, end - begin, MADV_POPULATE_READ) == 0;
+  if (what == Prefault::kMapped) return prefault_mapped(begin, end, page);
   if (what == Prefault::kAllocated) {
     // Huge pages where the system allows them for this memory (shmem's
     // transparent huge pages set to "advise"): 512 times fewer pages to

@@ -38,7 +38,8 @@ std::string pack_rkey(ucp_context_h ctx, const Region& r);
 enum class Prefault : uint8_t {
   kAllocated,  // memory just allocated (zeros): its pages are made
   kUser,       // memory of the user's: its pages made writable, nothing written
-  kMapped,     // our mapping of a peer's shared memory: its existing pages mapped
+  kMapped,     // our mapping of a peer's shared memory: the pages the peer made
+               // (resident; never a hole: that would allocate it), first 2 GiB
 };
 
 // Fault in every page of [addr, addr + len): a region's first transfer

@@ -30,6 +30,8 @@ import os
 import random
 from typing import Any
 
+import pytest
+
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -57,6 +59,8 @@ from support.connector_sim import (
 )
 
 EXAMPLES = int(os.environ.get("AIOKVCACHE_MODEL_EXAMPLES", "60"))
+# About 15 ms an example here; a long run gets the time it needs.
+pytestmark = pytest.mark.timeout(max(120, EXAMPLES // 20))
 LAYERS, BLOCKS, BS = 2, 64, 4
 PROMPT = 12  # tokens: 3 blocks
 P, D1, D2, EVIL = 11, 22, 33, 44

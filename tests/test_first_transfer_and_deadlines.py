@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,3 +147,108 @@ async def test_a_failed_waits_error_says_what_landed_and_its_deadline() -> None:
             await dd.cache_manager.wait_for_layers("nothing", [0, 1], timeout=0.2)
     assert caught.value.landed == frozenset() and caught.value.deadline == "timeout=0.2 s"
     assert "landed: no layer" in caught.value.message
+
+
+async def test_the_calls_timeout_is_named_when_a_slow_lookup_left_less_than_sync_kv_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """timeout=1.5 s, sync_kv_timeout=1000 ms, a look-up that takes 0.8 s: the
+    jobs get the 0.7 s left of the call's timeout, which is what fires, and
+    what the error names (it named sync_kv_timeout)."""
+    from aiokvcache._core import transfers as tr
+
+    async with (
+        PeerProcess("decoder", "tcp") as dec,
+        instance("tcp", 1, listen=False, sync_kv_timeout=1000) as dd,
+    ):
+        made = await dec.alloc("dst", 8, MiB)
+        rc, per = await dd.link_clusters([cluster_info(dec.address, 2)], timeout=10_000)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        cm = dd.cache_manager
+        src = cm.allocate_cache(u8(8, MiB))
+        key = kv.CacheKeyByIdAndIndex(2, made["cache_id"], 0)
+        await cm.push_cache(key, src, timeout=30)
+        real = tr.Transfers.remote_slot
+
+        async def slow_lookup(self: Any, *a: Any, **k: Any) -> Any:
+            found = await real(self, *a, **k)
+            dec.signal(signal.SIGSTOP)  # the jobs hang from now on
+            await asyncio.sleep(0.8)  # a busy peer's service loop
+            return found
+
+        monkeypatch.setattr(tr.Transfers, "remote_slot", slow_lookup)
+        try:
+            with pytest.raises(kv.LLMTimeoutError) as caught:
+                await cm.push_cache(key, src, timeout=1.5)
+        finally:
+            dec.signal(signal.SIGCONT)
+        await asyncio.sleep(0.2)
+    assert caught.value.deadline == "timeout=1.5 s", caught.value
+
+
+class _Ready(kv.LayerSynchronizer):
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("sync_ms", "timeout", "named"),
+    [(300, 30.0, "sync_kv_timeout=300 ms"), (60_000, 0.5, "timeout=0.5 s")],
+)
+async def test_transfer_cache_async_errors_say_what_landed_and_their_deadline(
+    sync_ms: int, timeout: float, named: str
+) -> None:
+    """transfer_cache_async's timeouts, either kind, carry ``.deadline`` and
+    ``.landed`` as push_cache's do, and a destination cut short does not read
+    "ok"."""
+    async with (
+        PeerProcess("decoder", "tcp") as dec,
+        instance("tcp", 1, listen=False, sync_kv_timeout=sync_ms) as dd,
+    ):
+        made = await dec.alloc("dst", 8, MiB)
+        rc, per = await dd.link_clusters([cluster_info(dec.address, 2)], timeout=10_000)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        cm = dd.cache_manager
+        src = cm.allocate_cache(u8(8, MiB))
+        cfg = kv.TransferWithCacheKeyConfig(kv.CacheKeyByIdAndIndex(2, made["cache_id"], 0))
+        await (await cm.transfer_cache_async(src, _Ready(), [cfg], timeout=30))  # keys known
+        dec.signal(signal.SIGSTOP)
+        try:
+            task = await cm.transfer_cache_async(src, _Ready(), [cfg], timeout=timeout)
+            with pytest.raises(kv.LLMTimeoutError) as caught:
+                await task
+        finally:
+            dec.signal(signal.SIGCONT)
+        await asyncio.sleep(0.2)
+    exc = caught.value
+    assert exc.deadline == named, exc
+    assert exc.landed == frozenset(), exc
+    assert "): ok (" not in exc.message, exc
+
+
+async def test_a_peers_pages_it_never_made_are_not_made_here() -> None:
+    """A same-host peer that allocated without prefault (its pages not made):
+    installing its key maps only the pages it has, never allocating its
+    segment here (one 16 MiB layer pushed into its 512 MiB cache used to
+    commit all 512 MiB, charged to us)."""
+
+    def shmem_mib() -> int:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("Shmem:"):
+                    return int(line.split()[1]) // 1024
+        return 0
+
+    async with (
+        instance("shm", 2, prefault=False) as dec,
+        instance("shm", 1, listen=False) as pre,
+    ):
+        rc, per = await pre.link_clusters([cluster_info(dec)], timeout=10_000)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        dst = dec.cache_manager.allocate_cache(u8(64, 8 * MiB))  # 512 MiB, no pages yet
+        src = pre.cache_manager.allocate_cache(u8(2, 8 * MiB))
+        before = shmem_mib()
+        key = kv.CacheKeyByIdAndIndex(2, dst.cache_id, 0)
+        await pre.cache_manager.push_cache(key, src, dst_layer_range=range(0, 1), timeout=60)
+        grew = shmem_mib() - before
+    assert grew < 128, f"shared memory grew by {grew} MiB for a 16 MiB push"

@@ -107,6 +107,9 @@ class JobGroup:
     #: timed out ran into the earlier of the two (see submit_group).
     call_timeout: float | None = None
     job_timeout_ms: int = 0
+    #: What was left of the call's timeout when the jobs were submitted (ms,
+    #: 0: no timeout): the deadline they were given, with their own.
+    call_left_ms: int = 0
     _released: Waiter[None] | None = None
 
     @property
@@ -300,6 +303,7 @@ class Bridge:
         if not isinstance(jobs, list):
             jobs = list(jobs)
         own_ms = max((j[4] for j in jobs), default=0)  # the jobs' own deadlines
+        cap = 0
         if timeout is not None:
             cap = max(1, math.ceil(timeout * 1000))
             jobs = [
@@ -316,6 +320,7 @@ class Bridge:
         # What is left of a call's timeout (runner.TimeLeft) knows the whole.
         group.call_timeout = getattr(timeout, "whole", timeout)
         group.job_timeout_ms = int(own_ms)
+        group.call_left_ms = cap
         if not jobs:
             group.first.set_result(None)
             return group

@@ -235,11 +235,12 @@ class _Pipeline:
             interrupted = await self._release_all()
             self._settle(LLMStatusCode.LLM_TIMEOUT)
             # Ours, or the synchronizer's own TimeoutError.
-            self.task._error = (
-                LLMTimeoutError("transfer_cache_async timed out; " + self._summary())
-                if deadline.expired()
-                else exc
-            )
+            if deadline.expired():
+                err = LLMTimeoutError("transfer_cache_async timed out; " + self._summary())
+                whole = getattr(self.timeout, "whole", self.timeout)
+                self.task._error = self._stamp(err, f"timeout={whole:g} s")
+            else:
+                self.task._error = exc
             if interrupted is not None:
                 raise interrupted from None
         except side.Cancelled:
@@ -393,10 +394,23 @@ class _Pipeline:
         if self.sync_error is not None:
             self.task._error = self.sync_error
         elif first is not None:
-            self.task._error = make_error(
+            err = make_error(
                 first.error.status_code if first.error else LLMStatusCode.LLM_FAILED,
                 f"transfer_cache_async failed; {self._summary()}",
             )
+            self.task._error = self._stamp(err, first.error.deadline if first.error else None)
+
+    def _stamp(self, err: LLMException, deadline: str | None) -> LLMException:
+        """``err`` with what landed (the destination layers that landed at
+        every destination: never more than any of them holds) and the
+        deadline that ended the call (None: none did)."""
+        landed: set[int] | None = None
+        for t in self.targets:
+            mine = set(self._landed(t))
+            landed = mine if landed is None else landed & mine
+        err.landed = frozenset(landed or ())
+        err.deadline = deadline
+        return err
 
     def _settle(self, code: LLMStatusCode) -> None:
         """After a timeout, cancellation or error: unfinished destinations get ``code``."""
@@ -412,10 +426,13 @@ class _Pipeline:
     def _summary(self) -> str:
         parts = []
         for t in self.targets:
+            landed_layers = self._landed(t)
             if t.error is not None:
                 state = f"{t.error.status_code.name}: {t.error.message}"
+            elif t.stopped:
+                state = "stopped"
             else:
-                state = "stopped" if t.stopped else "ok"
-            landed = landed_text(self._landed(t))
+                state = "ok" if len(landed_layers) == len(t.src_range) else "not finished"
+            landed = landed_text(landed_layers)
             parts.append(f"{describe(t.index, t.config)}: {state} (landed: {landed})")
         return "; ".join(parts)

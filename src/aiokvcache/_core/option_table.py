@@ -665,11 +665,14 @@ OPTIONS: tuple[Option, ...] = (
         "prefault",
         "prefault",
         True,
-        "Fault in every page of a cache when it is allocated or registered, and of a same-host "
-        "peer's cache when its key is installed (default on): a cache's first transfer "
-        "otherwise faults each page in on both sides (25x slower than the next, 512 MiB over "
-        "shared memory here); the allocation takes that time instead (its memory is committed "
-        "then).",
+        "Fault in every page of a cache when it is allocated or registered, and the pages a "
+        "same-host peer's cache has when its key is installed (default on): a cache's first "
+        "transfer otherwise faults each page in on both sides (25x slower than the next, "
+        "512 MiB over shared memory here); the allocation takes that time instead. Its memory "
+        "is committed then: register_cache makes the user's pages writable without writing "
+        "them (MADV_POPULATE_WRITE), so untouched memory becomes resident, a sparse file mapped "
+        "shared gets its blocks, a private file mapping its copy. A peer's pages are mapped only "
+        "where the peer made them, at most 2 GiB per cache.",
         'on (`"1"`)',
         ours=True,
     ),

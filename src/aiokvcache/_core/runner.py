@@ -84,7 +84,10 @@ def _deadline(group: JobGroup, *, timed_out: bool) -> tuple[str, str]:
     message says so. A job's native deadline is the earlier of its own
     (sync_kv_timeout) and the call's ``timeout=`` (Bridge.submit_group)."""
     call, own_ms = group.call_timeout, group.job_timeout_ms
-    if call is not None and (timed_out or own_ms <= 0 or call * 1000 <= own_ms):
+    # What the jobs were given of the call's timeout (what was left of it
+    # after a look-up), against their own: the smaller fired.
+    left_ms = group.call_left_ms or (0 if call is None else call * 1000)
+    if call is not None and (timed_out or own_ms <= 0 or left_ms <= own_ms):
         return f"timeout={call:g} s", f"the call's timeout={call:g} s passed"
     whole = "" if call is None else f" (the call's timeout={call:g} s had not)"
     return (
