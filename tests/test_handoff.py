@@ -383,3 +383,35 @@ def test_a_request_id_handed_over_again_is_a_new_hand_over() -> None:
     stale = claim(h, 1, "r", "n3", now=3)  # the first hand-over's params
     assert stale.kind == "refused", stale
     assert h.done(1, "r", "n2") is True  # reported sent again
+
+
+def renew(
+    h: PullHolds, src: int, rid: str, now: float, until: int = UNTIL, wall: int = WALL
+) -> bool:
+    return h.renew(src, rid, key(rid, until=until), N, D, until, now, wall)
+
+
+def test_a_decode_holding_the_params_keeps_the_hold_alive() -> None:
+    """Renewals (the decode holds the params and will claim) extend the lease
+    by a full lease each, from when they come; without them it ends on time."""
+    h = holds()
+    assert hold(h, "r", 10, 0) is False
+    assert renew(h, 1, "r", now=8) is True
+    assert tick(h, 12) == []  # past the first lease: renewed
+    assert renew(h, 2, "r", now=17) is True  # any holder of the params
+    assert tick(h, 26) == [] and h.held("r")
+    assert tick(h, 27.5) == ["r"]  # no renewal for a lease: released
+    assert h.expired == 1
+    assert renew(h, 1, "r", now=28) is False  # released stays released
+    assert claim(h, 1, "r", "n", now=28).kind == "refused"
+
+
+def test_a_renewal_needs_the_key_and_never_passes_its_expiry() -> None:
+    h = holds()
+    until = 15_000  # the key's expiry: 15 s of wall clock from WALL = 0
+    assert h.hold("r", BLOCKS, 10, until, 0) is False
+    bad = h.renew(1, "r", "f" * 32, N, D, until, 8, WALL)
+    assert bad is False
+    assert renew(h, 1, "r", now=8, until=until, wall=8000) is True  # to 18, capped at 15
+    assert tick(h, 14.9) == [] and tick(h, 15.1) == ["r"]
+    assert renew(h, 1, "x", now=1) is False  # never handed over here: nothing

@@ -43,6 +43,7 @@ from support.kvlink_harness import (
     P_ID,
     UNTIL,
     Recorder,
+    close_agent,
     make_agent,
     reg_args,
     until,
@@ -316,3 +317,34 @@ def test_pushed_counts_from_a_peer_are_trusted_only_as_counts() -> None:
     for bad in ("true", "-1", "1.5", '"7"', "[1]", str(2**63), '{"a":1}'):
         m = decode(f'["aiokv","pushed","x","n",{bad},{bad}]')
         assert (m.nbytes, m.segments) == (-1, -1), bad
+
+
+async def test_a_decode_renews_the_prefills_hold_until_its_load_starts() -> None:
+    """D holds a request's params (vLLM's scheduler has it, its load not
+    started): its agent renews P's hold every ``every`` seconds with the
+    request's key, until told to stop; P's hold then outlives its lease."""
+    d, drec = await make_agent()
+    p, _ = await make_agent()
+    try:
+        ids = [1, 2, 3]
+        key = p.grant_key("r", ids, UNTIL)
+        p.pull_server.hold("r", 0.3, ids, UNTIL)
+        d.renew_start("d-req", Peer("h", 1, P_ID), "r", key, UNTIL, ids, 0.1)
+        await until(lambda: drec.kinds(P_ID).count("renew") >= 2)
+        for _, m in drec.sent:  # P gets them
+            p.deliver(D_ID, m[0], m[1:])
+        drec.sent.clear()
+        await asyncio.sleep(0.25)
+        for _, m in drec.sent:
+            p.deliver(D_ID, m[0], m[1:])
+        await asyncio.sleep(0.15)  # past the 0.3 s lease: renewed
+        assert p.pull_server.holds.held("r")
+        d.renew_stop("d-req")
+        await asyncio.sleep(0.15)
+        drec.sent.clear()
+        await asyncio.sleep(0.3)
+        assert "renew" not in drec.kinds(), drec.sent
+        await until(lambda: "r" in sent_rids(p), timeout=2)  # the lease ends, unrenewed
+    finally:
+        await close_agent(d)
+        await close_agent(p)

@@ -26,7 +26,7 @@ from ._kvtypes import (
 )
 from ._links import Links
 from ._results import Results
-from ._wire import Cancel, Claim, Done, Free, Grant, Pushed, PushFail, Refused, Reg
+from ._wire import Cancel, Claim, Done, Free, Grant, Pushed, PushFail, Refused, Reg, Renew
 
 __all__ = ["Receiver"]
 
@@ -70,6 +70,10 @@ class Receiver:
         self._waits: dict[tuple[str, ...], tuple[int, asyncio.Future[Any]]] = {}
         self._recvs: dict[str, asyncio.Task[None]] = {}  # request id -> its load
         self._closing = False
+        #: Pull: request id -> the prefill and the renewal its hold gets while
+        #: the engine holds the request and has not started its load.
+        self.renewing: dict[str, tuple[Peer, Renew]] = {}
+        self._renewer: asyncio.Task[None] | None = None
 
     def pending(self) -> int:
         """Answers this side waits for."""
@@ -210,6 +214,28 @@ class Receiver:
             tensor_num_per_layer=self.layout.tensors_per_layer,
             timeout=max(0.001, deadline - time.monotonic()),
         )
+
+    def renew_start(self, req_id: str, peer: Peer, msg: Renew, every: float) -> None:
+        """The engine holds ``req_id``'s params and will load it: keep the
+        prefill's hold alive, one ``msg`` every ``every`` seconds, until
+        :meth:`renew_stop` or the key's expiry (the prefill's maximum)."""
+        self.renewing[req_id] = (peer, msg)
+        if self._renewer is None or self._renewer.done():
+            self._renewer = self._spawn(self._renew_all(every))
+
+    def renew_stop(self, req_id: str) -> None:
+        """Its load started (the claim holds the blocks now) or it ended."""
+        self.renewing.pop(req_id, None)
+
+    async def _renew_all(self, every: float) -> None:
+        while self.renewing and not self._closing:
+            await asyncio.sleep(every)
+            wall_ms = time.time() * 1000
+            for rid, (peer, msg) in list(self.renewing.items()):
+                if not isinstance(msg.until_ms, int) or wall_ms >= msg.until_ms:
+                    self.renewing.pop(rid, None)  # past the prefill's maximum
+                    continue
+                self._spawn(self._notice(peer, msg))
 
     def free_remote(self, peer: Peer, msg: Free) -> None:
         """Tell ``peer`` this side will not read its request."""
@@ -356,7 +382,7 @@ class Receiver:
         msg = Reg(xid, 0, 1, [], 0, 1.0, secrets.token_hex(8), key, self.layout.digest())
         self._spawn(self._notice(peer, msg))
 
-    async def _notice(self, peer: Peer, msg: Free | Reg) -> None:
+    async def _notice(self, peer: Peer, msg: Free | Reg | Renew) -> None:
         with contextlib.suppress(Exception):
             await self._links.send_to(peer, msg, self._links.link_timeout)
 

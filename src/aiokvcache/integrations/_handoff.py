@@ -100,6 +100,7 @@ class _Hold:
     until_ms: int  # the key's expiry (wall clock, ms)
     lease_end: float  # inf until the engine handed it over
     created: float
+    lease: float = 0.0  # the lease a renewal grants again (seconds)
     known: bool = False  # the engine handed it over (hold())
     read: bool = False  # every claim ended (or a free came): release once known
     claims: dict[tuple[int, str], float] = field(default_factory=dict)  # (src, nonce) -> end
@@ -189,6 +190,7 @@ class PullHolds:
             self._pending -= 1
         h.known = True
         h.lease_end = now + lease
+        h.lease = lease
         if h.read and not h.claims:
             self._release(rid, h)
             return True
@@ -276,6 +278,34 @@ class PullHolds:
         if h.claims:
             return False
         return self._maybe_read(rid, h)
+
+    def renew(
+        self,
+        src: int,
+        rid: str,
+        key: Any,
+        n: Any,
+        digest: Any,
+        until_ms: Any,
+        now: float,
+        wall_ms: int,
+    ) -> bool:
+        """A decode that holds ``rid``'s params (its key proves it) is alive and
+        will claim it: its lease runs another full lease from ``now``, never
+        past the key's expiry (the longest a hand-over is held). True when it
+        was extended. Before the hand-over, or for a released request: nothing."""
+        if not self._verify(rid, key, n, digest, until_ms) or (rid, until_ms) in self._released:
+            return False
+        h = self._holds.get(rid)
+        if h is None or not h.known or (h.n, h.digest, h.until_ms) != (n, digest, until_ms):
+            return False
+        cap = now + max(0.0, (until_ms - wall_ms) / 1000)
+        end = min(now + h.lease, cap)
+        if end <= h.lease_end:
+            return False
+        h.lease_end = end
+        self._schedule(rid, end)
+        return True
 
     def tick(self, now: float, wall_ms: int) -> list[str]:
         """Time passes: returns the requests released now (leases that ran

@@ -28,6 +28,8 @@ prefill side's state machines are in :mod:`._handoff`.
     D       pull_blocks(...)                     quiescent when it returns or raises
     D -> P  ["aiokv","done",rid,nonce]           this claim ended: P frees at zero
     D -> P  ["aiokv","free",rid,key,n,digest]    D will not read (prefix hit, abort)
+    D -> P  ["aiokv","renew",rid,key,n,digest,until]  D holds the params and will
+            claim: P's hold runs another lease (never past the key's expiry)
 
   P grants only with the request's grant key (a MAC, by a secret only P's
   own scheduler knows, of the request id and its block list: only requests
@@ -107,6 +109,7 @@ from ._wire import (
     PushFail,
     Refused,
     Reg,
+    Renew,
     decode,
     parse,
 )
@@ -489,6 +492,28 @@ class TransferAgent:
         msg = Free(remote_req_id, key, len(ids), blocks_digest(ids), int(until_ms))
         self._post(self.receiver.free_remote, peer, msg)
 
+    def renew_start(
+        self,
+        req_id: str,
+        peer: Peer,
+        remote_req_id: str,
+        key: str,
+        until_ms: int,
+        remote_ids: Sequence[int],
+        every: float,
+    ) -> None:
+        """D, pull: the engine holds ``req_id`` (``peer``'s request
+        ``remote_req_id``) and will load it: renew the prefill's hold on it
+        every ``every`` seconds until :meth:`renew_stop` or the key's expiry
+        (``until_ms``, the prefill's maximum hold)."""
+        ids = list(remote_ids)
+        msg = Renew(remote_req_id, key, len(ids), blocks_digest(ids), int(until_ms))
+        self._post(self.receiver.renew_start, req_id, peer, msg, float(every))
+
+    def renew_stop(self, req_id: str) -> None:
+        """D, pull: ``req_id``'s load started (its claim holds the blocks) or it ended."""
+        self._post(self.receiver.renew_stop, req_id)
+
     def drop_push(self, peer: Peer, xid: str, key: str = "") -> None:
         """D: this side will not take transfer ``xid``'s pushes (a local prefix
         hit, an abort before the load began): ``peer`` frees them once it takes
@@ -533,6 +558,8 @@ class TransferAgent:
                 self.pull_server.on_done(src, m)
             case Free():
                 self.pull_server.on_free(src, m)
+            case Renew():
+                self.pull_server.on_renew(src, m)
             case Grant():
                 self.receiver.on_grant(src, m)
             case Refused():

@@ -13,7 +13,7 @@ from typing import Any
 from ._handoff import Answer, PullHolds
 from ._links import Links
 from ._results import Results
-from ._wire import Claim, Done, Free, Grant, Refused
+from ._wire import Claim, Done, Free, Grant, Refused, Renew
 
 __all__ = ["PullServer"]
 
@@ -107,6 +107,12 @@ class PullServer:
         if self.holds.free(src, m.rid, m.key, m.n, m.digest, m.until_ms, now, _wall_ms()):
             log.debug("free %s by cluster %d", m.rid, src)
             self._results.sent(m.rid)
+        self._tick()
+
+    def on_renew(self, src: int, m: Renew) -> None:
+        now = asyncio.get_running_loop().time()
+        if self.holds.renew(src, m.rid, m.key, m.n, m.digest, m.until_ms, now, _wall_ms()):
+            log.debug("renew %s by cluster %d", m.rid, src)
         self._tick()
 
     def _tick(self) -> None:

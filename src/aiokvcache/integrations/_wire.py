@@ -33,6 +33,7 @@ __all__ = [
     "Pushed",
     "Refused",
     "Reg",
+    "Renew",
     "decode",
     "parse",
 ]
@@ -49,6 +50,7 @@ class Op(enum.StrEnum):
     REFUSED = "refused"  # P -> D: no
     DONE = "done"  # D -> P: this claim's read ended (quiescent)
     FREE = "free"  # D -> P: this side will not read the request
+    RENEW = "renew"  # D -> P: this side still holds the request's params: keep its blocks
     REG = "reg"  # D -> P: one part of a push transfer's destination blocks
     KV = "kv"  # P -> D: a push's tag
     PUSHED = "pushed"  # P -> D: every layer landed
@@ -163,6 +165,26 @@ class Free(_Message):
 
 
 @dataclass(frozen=True)
+class Renew(_Message):
+    """D still holds the params of ``rid`` (its ``n`` blocks hashing to
+    ``digest``, with the request's grant ``key``, valid until ``until_ms``)
+    and will claim it: P keeps its blocks another lease, up to the key's
+    expiry."""
+
+    OP = Op.RENEW
+    ARITY = 5
+    rid: str
+    key: Any
+    n: Any
+    digest: Any
+    until_ms: Any
+
+    @classmethod
+    def from_args(cls, a: list[Any]) -> Renew:
+        return cls(str(a[0]), *a[1:5])
+
+
+@dataclass(frozen=True)
 class Reg(_Message):
     """Part ``part`` of ``parts`` of D's block ids for push transfer ``xid``,
     as ``[start, count]`` ``runs``, for P's blocks ``first``, ``first + 1``...;
@@ -251,10 +273,11 @@ class Cancel(_Message):
         return cls(str(a[0]), str(a[1]))
 
 
-Message = Claim | Grant | Refused | Done | Free | Reg | Layer | Pushed | PushFail | Cancel
+Message = Claim | Grant | Refused | Done | Free | Renew | Reg | Layer | Pushed | PushFail | Cancel
 
 _BY_OP: dict[Op, Any] = {
-    cls.OP: cls for cls in (Claim, Grant, Refused, Done, Free, Reg, Layer, Pushed, PushFail, Cancel)
+    cls.OP: cls
+    for cls in (Claim, Grant, Refused, Done, Free, Renew, Reg, Layer, Pushed, PushFail, Cancel)
 }
 
 

@@ -106,6 +106,9 @@ EXTRA_CONFIG: dict[str, Any] = {
     "cluster_id": None,  # aiokvcache cluster id (+ rank); default from engine_id
     "timeout": 30.0,  # seconds: one request's transfer, from its start
     "kv_lease_duration": 30.0,  # seconds a pull-mode prefill holds finished blocks
+    # seconds: the longest a pull-mode prefill holds a request's blocks while a
+    # decode that holds its params renews the lease (every kv_lease_duration / 6)
+    "kv_lease_max": 600.0,
     "auth_token": None,  # shared secret (AIOKVCACHE_AUTH_TOKEN overrides)
     "record_digests": False,  # tests: hash what each request loaded (costs a pass over it)
     # Seconds: the worker process's sys.setswitchinterval (lowered, never raised); None
@@ -125,7 +128,7 @@ def _config(extra: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(
             f"kv_connector_extra_config['mode'] must be 'pull' or 'push', got {cfg['mode']!r}"
         )
-    for key in ("timeout", "kv_lease_duration"):
+    for key in ("timeout", "kv_lease_duration", "kv_lease_max"):
         if not isinstance(cfg[key], (int, float)) or cfg[key] <= 0:
             raise ValueError(
                 f"kv_connector_extra_config[{key!r}] must be a positive number, got {cfg[key]!r}"
@@ -240,6 +243,10 @@ class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     # P push: req id -> (transfer id, block ids, token end of this step, last chunk,
     # the client's push key or "")
     push_steps: dict[str, tuple[str, list[int], int, bool, str]] = field(default_factory=dict)
+    # D pull: requests whose prefill hold the worker renews from now on, and
+    # those whose renewals stop (their load started, or they ended)
+    renew_start: dict[str, _Drop] = field(default_factory=dict)
+    renew_stop: set[str] = field(default_factory=set)
     # P push: req ids preempted this step -> transfer id (their pushes stop before
     # the step reuses their blocks; the recompute pushes them again)
     push_preempted: dict[str, str] = field(default_factory=dict)
@@ -271,6 +278,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self._push_reqs: dict[str, tuple[Any, str, str]] = {}
         self._unreported_push: set[str] = set()
         self._loading: set[str] = set()  # D: loads started and not yet reported
+        self._renewing: set[str] = set()  # D, pull: requests whose prefill hold is renewed
         # worker side
         self._agent: TransferAgent | None = None
         self._layer_index: dict[str, int] = {}
@@ -378,6 +386,19 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 )
         for rid in meta.cancel_recv:
             agent.cancel_recv(rid)
+        every = max(0.5, float(self._cfg["kv_lease_duration"]) / 6)
+        for rid, ref in meta.renew_start.items():
+            agent.renew_start(
+                rid,
+                self._rank_peer(ref.peers),
+                ref.remote_request_id,
+                self._rank_key(ref.grant_keys),
+                ref.grant_until,
+                ref.remote_block_ids,
+                every,
+            )
+        for rid in meta.renew_stop:
+            agent.renew_stop(rid)
         for drop in meta.drops:
             peer = self._rank_peer(drop.peers)
             if drop.mode == "push":
@@ -505,6 +526,28 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             for r in sorted(self._peers)
         ]
 
+    def on_new_request(self, request: Any) -> None:
+        """D, pull: the engine now holds this request's params: its worker
+        renews the prefill's hold on the blocks until the load starts (a
+        request that waits long for its first step is not failed by an
+        expired lease; vLLM's NixlConnector renews alike)."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        if str(params.get("transfer_mode") or self._mode) != "pull":
+            return
+        if not params.get("aiokv_grant_keys"):
+            return
+        rid = request.request_id
+        self._renewing.add(rid)
+        self._staged.renew_start[rid] = _Drop.from_params(params, "pull")
+
+    def _stop_renewing(self, rid: str) -> None:
+        if rid in self._renewing:
+            self._renewing.discard(rid)
+            self._staged.renew_start.pop(rid, None)
+            self._staged.renew_stop.add(rid)
+
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
@@ -527,6 +570,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         if not params:
             return
         rid = request.request_id
+        self._stop_renewing(rid)  # its load starts now (or it needs none): the claim holds it
         if params.get("do_remote_prefill"):
             log.debug("scheduler: %s allocated, %d tokens to load", rid, num_external_tokens)
             params["do_remote_prefill"] = False  # one transfer per request
@@ -596,6 +640,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         if not params:
             return False, None
         rid = request.request_id
+        self._stop_renewing(rid)
         if params.get("do_remote_prefill"):
             # A decode request aborted before it was scheduled: nothing to
             # load, and the prefill instance may free its blocks now.
@@ -638,9 +683,11 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         if not ok or not ids:
             return False, None
         lease = float(self._cfg["kv_lease_duration"])
-        # The keys expire with the lease and a grace (for the hand-over to
-        # reach the workers): a claim with these params after that is refused.
-        until = int((time.time() + lease + GRACE_S) * 1000)
+        # The keys expire with the longest hold (renewed leases) and a grace
+        # (for the hand-over to reach the workers): a claim with these params
+        # after that is refused, and so is one after the hold was released.
+        longest = max(lease, float(self._cfg["kv_lease_max"]))
+        until = int((time.time() + longest + GRACE_S) * 1000)
         self._staged.holds[rid] = (lease, ids, until)
         digest = blocks_digest(ids)
         keys = [
