@@ -51,7 +51,7 @@ with warnings.catch_warnings():  # vLLM's, torch's and transformers' import-time
     from vllm.v1.engine.parallel_sampling import ParentRequest
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request, RequestStatus
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -136,8 +136,15 @@ class Engine:
         num_blocks: int = 64,
         batch_tokens: int = 64,
         worker: bool = True,
+        extra: dict[str, Any] | None = None,
     ) -> None:
-        extra = {"mode": mode, "transport": "tcp", "host": "127.0.0.1", "timeout": TIMEOUT}
+        extra = {
+            "mode": mode,
+            "transport": "tcp",
+            "host": "127.0.0.1",
+            "timeout": TIMEOUT,
+            **(extra or {}),
+        }
         self.config = VllmConfig(
             model_config=ModelConfig(
                 model=model, skip_tokenizer_init=True, dtype="float32", max_model_len=MAX_LEN
@@ -640,3 +647,191 @@ def test_preempted_push_request_stops_its_pushes_before_its_blocks_are_reused(
     assert d.loads["dec"] == (True, True)
     assert p.sent == ["B"]
     assert set(p.blocks["A"]) & b_blocks, "A never got B's blocks: nothing was reused"
+
+
+# ---------------------------------------------------------------- 4. pull: lease renewals
+
+LEASE = 3.0  # the kv_lease_duration of the renewal tests: a renewal every 0.5 s
+
+
+class Renewals:
+    """The prefill agent's ``pull_server.on_renew`` wrapped: each renewal it
+    received, as (monotonic time, the prefill's request id)."""
+
+    def __init__(self, agent: Any) -> None:
+        self._on_renew = agent.pull_server.on_renew
+        self.lock = threading.Lock()
+        self.seen: list[tuple[float, str]] = []
+        agent.pull_server.on_renew = self._spy
+
+    def _spy(self, src: int, m: Any) -> None:
+        with self.lock:
+            self.seen.append((time.monotonic(), m.rid))
+        self._on_renew(src, m)
+
+    def times(self, rid: str) -> list[float]:
+        with self.lock:
+            return [t for t, r in self.seen if r == rid]
+
+
+class Held:
+    """A prefill ``"pre"`` whose blocks were handed over with a short lease, and
+    a decode instance whose KV cache a local request (``"hog"``) fills, so
+    that the decode request (``"dec"``) with the prefill's params waits in
+    vLLM's queue, its blocks not allocated: vLLM's ``allocate_slots`` finds
+    too few free blocks each step until the hog is aborted."""
+
+    def __init__(self, engines: Callable[..., Engine], seed: int) -> None:
+        extra = {"kv_lease_duration": LEASE}
+        self.p = p = engines("kv_producer", "pull", extra=extra)
+        # 7 usable blocks: the hog takes 5 (and grows 31 tokens within them),
+        # the decode request needs 4. The decode keeps its default lease (30
+        # s): it renews at a sixth of the prefill's, which the params carry.
+        self.d = d = engines("kv_consumer", "pull", num_blocks=8, batch_tokens=256)
+        self.renewals = Renewals(p.agent)
+        #: Why the prefill refused the decode's claims.
+        self.refusals: list[str] = []
+        on_refused = d.agent.receiver.on_refused
+
+        def refused(src: int, m: Any) -> None:
+            self.refusals.append(m.why)
+            on_refused(src, m)
+
+        d.agent.receiver.on_refused = refused
+        self.tokens = prompt(seed, 3 * BS + 5)
+        p.add("pre", self.tokens, 1, {"do_remote_decode": True, "transfer_mode": "pull"})
+        run([p], lambda: "pre" in p.finished)
+        self.params = p.finished["pre"].kv_transfer_params
+        assert self.params is not None and self.params["aiokv_grant_keys"]
+        p.step()  # the hand-over: the prefill worker holds the blocks, its lease runs
+        holds = p.agent.pull_server.holds._holds
+        wait(lambda: getattr(holds.get("pre"), "known", False), 5.0)
+        #: When the prefill's lease started (at the latest).
+        self.handed_over = time.monotonic()
+        d.add("hog", prompt(5, 4 * BS + 1), 300, None)
+        d.add("dec", self.tokens, 2, copy.deepcopy(self.params))
+        so = d.step()
+        assert "hog" in so.num_scheduled_tokens
+        assert "dec" not in so.kv_connector_metadata.recv, "nothing held the decode request"
+
+    def keep_waiting(self, seconds: float) -> None:
+        """Both engines step (every 0.25 s) for ``seconds``; ``"dec"`` stays unallocated."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.p.step()
+            so = self.d.step()
+            assert (
+                "dec" not in so.num_scheduled_tokens and "dec" not in so.kv_connector_metadata.recv
+            )
+            time.sleep(0.25)
+
+    def unblock(self) -> Any:
+        """Abort the hog; step the decode until vLLM allocates ``"dec"``'s
+        blocks (its load starts): that step's metadata."""
+        self.d.scheduler.finish_requests("hog", RequestStatus.FINISHED_ABORTED)
+        for _ in range(5):
+            meta = self.d.step().kv_connector_metadata
+            if "dec" in meta.recv:
+                return meta
+            self.p.step()
+        raise AssertionError("the decode request was not allocated once the hog was gone")
+
+
+@pytest.mark.parametrize(
+    "renew", [True, False], ids=["renewing", "on_new_request-no-op-no-renewals"]
+)
+def test_a_decode_that_holds_the_request_keeps_the_prefills_blocks_past_the_lease(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch, renew: bool
+) -> None:
+    """Pull: the decode scheduler takes a request whose params say
+    ``do_remote_prefill`` (vLLM's ``Scheduler.add_request`` calls
+    ``on_new_request``) but cannot allocate its blocks for twice the
+    prefill's lease (a local request fills its KV cache). Its worker, given
+    ``renew_start`` by a step that did not schedule the request, renews the
+    prefill's hold every sixth of the prefill's ``kv_lease_duration`` (the
+    params carry it; the decode's own is the default 30 s) from its agent's thread:
+    the prefill keeps the blocks, and once vLLM allocates the request its
+    load lands the prefill's bytes.
+
+    Without renewals (``on_new_request`` a no-op, as before f250bdf) the
+    prefill's lease runs out while the request waits: the prefill frees the
+    blocks, refuses the claim ("lease ... expired") and the load fails."""
+    if not renew:
+        monkeypatch.setattr(AioKVConnector, "on_new_request", lambda self, request: None)
+    h = Held(engines, seed=41)
+    p, d = h.p, h.d
+    starts = [m for m in d.metas if "dec" in getattr(m, "renew_start", {})]
+    assert bool(starts) == renew, "renew_start for the waiting request"
+    h.keep_waiting(2 * LEASE - (time.monotonic() - h.handed_over))
+    assert time.monotonic() - h.handed_over >= 2 * LEASE
+    renewed = h.renewals.times("pre")
+    if renew:
+        assert "pre" not in p.sent, "the prefill freed blocks a decode was renewing"
+        assert p.agent.stats["leases_expired"] == 0
+        # About every 0.5 s (12 in 6 s), none LEASE apart: the hold never lapsed.
+        assert len(renewed) >= 6, renewed
+        gaps = [b - a for a, b in zip([h.handed_over, *renewed], renewed, strict=False)]
+        assert max(gaps) < LEASE, gaps
+    else:
+        assert renewed == []
+        run([p], lambda: "pre" in p.sent, timeout=5.0)  # its lease ran out
+        assert p.agent.stats["leases_expired"] == 1
+
+    h.unblock()
+    run([p, d], lambda: "dec" in d.loads and "pre" in p.sent)
+    assert p.sent == ["pre"]
+    if renew:
+        assert d.loads["dec"] == (True, True)
+        assert h.refusals == []
+    else:
+        assert d.loads["dec"] == (False, False)
+        assert h.refusals == ["the prefill instance's lease on its blocks expired"]
+
+
+@pytest.mark.parametrize("stop", ["load", "abort"])
+def test_renewals_stop_once_the_load_starts_or_the_request_ends(
+    engines: Callable[..., Engine], stop: str
+) -> None:
+    """Pull: the decode worker renews the prefill's hold while vLLM holds the
+    request unallocated, and stops once ``update_state_after_alloc`` ran for
+    it (its load starts: its claim holds the blocks now) or
+    ``request_finished`` did (aborted while waiting: a ``free`` tells the
+    prefill to free the blocks). Counted at the prefill agent: no renewal of
+    the request arrives after that step's metadata reached the worker (bar
+    one already on its way), over four renewal periods. (Before that, they
+    come while the decode's engine thread is idle: its agent's thread
+    sends them.)"""
+    h = Held(engines, seed=43)
+    p, d = h.p, h.d
+    h.keep_waiting(0.5)
+    # The decode's engine thread idle (no step): its agent's thread renews.
+    idle = time.monotonic()
+    time.sleep(1.5)
+    assert len([t for t in h.renewals.times("pre") if t > idle]) >= 2, h.renewals.seen
+    if stop == "load":
+        meta = h.unblock()
+        assert "dec" in meta.renew_stop
+        assert "dec" not in meta.renew_start
+    else:
+        d.scheduler.finish_requests("dec", RequestStatus.FINISHED_ABORTED)
+        so = d.step()
+        assert "dec" in so.kv_connector_metadata.renew_stop
+        assert [x.remote_request_id for x in so.kv_connector_metadata.drops] == ["pre"]
+    stopped = time.monotonic()  # the worker was given renew_stop
+    if stop == "load":
+        run([p, d], lambda: "dec" in d.loads and "pre" in p.sent)
+        assert d.loads["dec"] == (True, True)
+    else:
+        run([p, d], lambda: "pre" in p.sent)
+        assert "dec" not in d.loads
+    assert p.agent.stats["leases_expired"] == 0 and h.refusals == []
+    end = stopped + 4 * max(0.5, LEASE / 6)
+    while time.monotonic() < end:
+        p.step()
+        d.step()
+        time.sleep(0.1)
+    late = [round(t - stopped, 3) for t in h.renewals.times("pre") if t > stopped + 0.2]
+    assert late == [], f"renewals after the stop (s after it): {late}"
+    receiver = d.agent.receiver
+    assert not receiver.renewing
+    wait(lambda: receiver._renewer is None or receiver._renewer.done(), 2.0)

@@ -213,6 +213,7 @@ class _Drop:
     grant_until: int
     push_keys: list[str] = field(default_factory=list)
     transfer_key: str = ""
+    lease: float = 0.0  # pull: the prefill's lease (its params say), 0: not said
 
     @classmethod
     def from_params(cls, params: dict[str, Any], mode: str) -> _Drop:
@@ -228,7 +229,13 @@ class _Drop:
             grant_until=int(params.get("aiokv_grant_until") or 0),
             push_keys=[str(k) for k in params.get("aiokv_push_keys") or ()],
             transfer_key=str(params.get("aiokv_transfer_key") or ""),
+            lease=_seconds(params.get("aiokv_lease")),
         )
+
+
+def _seconds(v: Any) -> float:
+    """A positive finite number of seconds from a peer's params, else 0."""
+    return float(v) if isinstance(v, (int, float)) and 0 < v < 1e9 else 0.0
 
 
 @dataclass
@@ -386,8 +393,10 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 )
         for rid in meta.cancel_recv:
             agent.cancel_recv(rid)
-        every = max(0.5, float(self._cfg["kv_lease_duration"]) / 6)
+        own = float(self._cfg["kv_lease_duration"])
         for rid, ref in meta.renew_start.items():
+            # A sixth of the prefill's lease (its params say it; else ours).
+            every = max(0.1, min(own, ref.lease or own) / 6)
             agent.renew_start(
                 rid,
                 self._rank_peer(ref.peers),
@@ -694,7 +703,9 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             grant_key(bytes.fromhex(self._peers[r].grant_secret), rid, len(ids), digest, until)
             for r in sorted(self._peers)
         ]
-        return True, self._params(request, ids, rid, mode, keys, until)
+        out = self._params(request, ids, rid, mode, keys, until)
+        out["aiokv_lease"] = lease  # a decode renews the hold every sixth of it
+        return True, out
 
     def _params(
         self,
