@@ -342,3 +342,55 @@ def test_push_preempt_blocks_the_engine_thread_until_quiescent(sides: tuple[Side
     wait_for(lambda: "d-req" in d.poll().finished_recving)
     assert same(p, [5, 6, 7], d, [9, 1, 12])
     assert np.array_equal(d.kv[0][[9, 1, 12]], p.kv[0][[5, 6, 7]])
+
+
+# ------------------------------------------------------------ what pushed means
+
+
+async def test_a_load_registering_blocks_the_request_lacks_is_never_told_pushed() -> None:
+    """A load that registered more blocks than the request has (or from past
+    its first) would hold blocks nothing wrote: it fails, never "pushed"."""
+    agent, rec = await make_agent()
+    try:
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 5]], 0, 5.0]))
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[20, 3]], 5, 5.0], nonce="n2"))
+        step_all(agent)  # 12 tokens: 3 blocks
+        await until(lambda: rec.kinds(D_ID).count("pushfail") == 2)
+        assert "pushed" not in rec.kinds(D_ID), rec.sent
+    finally:
+        await close_agent(agent)
+
+
+async def test_one_peer_cannot_take_every_place_of_a_decode_first_transfer() -> None:
+    """Decode first, before the engine steps the request, a registration's key
+    cannot be checked yet: it waits. A peer without the key sends many: only
+    a couple of them wait, and the decode's own load still gets in."""
+    agent, rec = await make_agent()
+    try:
+        for i in range(40):
+            agent.deliver(
+                EVIL, "reg", reg_args(agent, ["x", 0, 1, [[40, 3]], 0, 5.0], nonce=f"e{i}", key="w")
+            )
+        for i in range(40):  # and transfers nobody computes
+            agent.deliver(EVIL, "reg", reg_args(agent, [f"y{i}", 0, 1, [[0, 60]], 0, 5.0], key="w"))
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0], key="ck"))
+        step_all(agent, key="ck")
+        await until(lambda: "pushed" in rec.kinds(D_ID))
+        assert {c for c, _ in rec.pushes} == {D_ID}
+    finally:
+        await close_agent(agent)
+
+
+async def test_a_registration_that_waited_for_its_key_keeps_its_deadline() -> None:
+    """Decode first: a load whose key could be checked only after a while
+    still ends by the deadline it carried, counted from its arrival (not
+    from the check)."""
+    agent, _ = await make_agent()
+    try:
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 1.0], key="ck"))
+        await asyncio.sleep(0.3)
+        agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 4, False, "ck")  # not final
+        (ld,) = agent.push_sender.transfers["x"].loads.values()
+        assert ld.accepted and ld.deadline == ld.arrived + 1.0, (ld.deadline, ld.arrived)
+    finally:
+        await close_agent(agent)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokvcache import LLMException, LLMStatusCode
-from aiokvcache.integrations import _decode, _prefill_push
+from aiokvcache.integrations import _decode, _links, _prefill_pull, _prefill_push
 from aiokvcache.integrations._kvlink import TransferAgent
 from aiokvcache.integrations._kvtypes import KVLayout, Peer
 from aiokvcache.integrations._wire import PREFIX, decode
@@ -81,7 +81,7 @@ def patch_module_clocks(clock: Clock) -> list[tuple[Any, Any]]:
         sleep=_real_time.sleep,
     )
     saved = []
-    for mod in (_decode, _prefill_push):
+    for mod in (_decode, _links, _prefill_pull, _prefill_push):
         saved.append((mod, mod.time))
         mod.time = shim  # type: ignore[attr-defined]
     return saved

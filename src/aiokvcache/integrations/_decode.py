@@ -82,6 +82,7 @@ class Receiver:
     def stop(self) -> None:
         """The agent shuts down: no peer's answer will come any more."""
         self._closing = True
+        self.renewing.clear()
 
     # ------------------------------------------------------------ loads
 

@@ -11,7 +11,7 @@ payload says) and, for pull, to the request's *grant key*.
 own scheduler only (vLLM's handshake metadata, inside the instance). When
 the scheduler hands a finished request over (its blocks held until the worker
 reports it sent), it puts ``grant_key(secret, rid, n, digest, until)``, a MAC
-of the request id, its block list and an expiry (the lease and a grace, on the
+of the request id, its block list and an expiry (the longest hold, renewals included, and a grace, on the
 wall clock of the host both run on), into the request's ``kv_transfer_params``. A
 claim must carry it: only a decode instance handed those params can claim or
 free the request, only for exactly those blocks, and the worker can check a
@@ -303,8 +303,10 @@ class PullHolds:
         end = min(now + h.lease, cap)
         if end <= h.lease_end:
             return False
+        # No new heap entry: the one due at the old lease end finds the lease
+        # running and schedules its end (one entry per hold, whatever the
+        # renewals).
         h.lease_end = end
-        self._schedule(rid, end)
         return True
 
     def tick(self, now: float, wall_ms: int) -> list[str]:

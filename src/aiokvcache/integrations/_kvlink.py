@@ -390,16 +390,25 @@ class TransferAgent:
             self.push_sender.step, xid, req_id, list(blocks), block_size, end, final, client_key
         )
 
-    def push_preempt(self, xids: Sequence[str], timeout: float = 10.0) -> None:
+    def push_preempt(self, xids: Sequence[str], timeout: float = 60.0) -> None:
         """P: the engine preempted these transfers' requests and reuses their
         blocks next: blocks until every push from them is cancelled and
         quiescent (the only call here that waits: vLLM asks it before the
-        step that overwrites the blocks)."""
+        step that overwrites the blocks). A cancel settles within the core's
+        graces (seconds); past ``timeout`` this raises ``RuntimeError``: the
+        step must not overwrite blocks a push may still read, and a push
+        overtaken by its recompute could leave stale KV reported pushed."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         fut = asyncio.run_coroutine_threadsafe(self.push_sender.preempt(list(xids)), loop)
-        fut.result(timeout)
+        try:
+            fut.result(timeout)
+        except TimeoutError:
+            raise RuntimeError(
+                f"aiokvcache: the pushes of preempted transfers {list(xids)} did not stop "
+                f"within {timeout:g} s"
+            ) from None
 
     def push_key(self, xid: str) -> str:
         """P: the push key of transfer ``xid`` (what its scheduler computes

@@ -34,6 +34,10 @@ MAX_ENDED = 65536
 MAX_UNKNOWN_BLOCKS = 4
 #: Loads one transfer may feed (vLLM's ``n > 1`` children, a proxy's retries).
 MAX_LOADS = 16
+#: Loads of one transfer one peer may have that are not accepted yet (their
+#: parts still coming, or their key not checkable yet: decode first, before
+#: the engine stepped the request), so that no peer can take every place.
+MAX_PENDING_PER_PEER = 2
 #: The longest load nonce accepted.
 MAX_NONCE = 64
 
@@ -52,6 +56,7 @@ class _Load:
     waiting_key: bool = False  # registered with a key this side cannot check yet
     first: int = 0
     ttl: float = 0.0
+    arrived: float = 0.0  # when its last part came: its deadline counts from then
     deadline: float | None = None
     pushed: dict[int, int] = field(default_factory=dict)  # layer -> tokens whose push started
     landed: dict[int, int] = field(default_factory=dict)  # layer -> tokens whose push completed
@@ -83,6 +88,7 @@ class _PushState:
     closed: bool = False  # takes no more loads
     released: bool = False  # the engine is done with the request (may report it)
     remote: bool = False  # created by a peer's registration, not by the engine
+    creator: int | None = None  # the peer whose registration created it (remote)
     reported: bool = False  # reported sent (once)
 
     def registered(self) -> int:
@@ -129,7 +135,10 @@ class PushSender:
         #: Transfer id -> its state, while it runs or waits for its report.
         self.transfers: dict[str, _PushState] = {}
         self._remote_xids: set[str] = set()  # transfers only a peer's registration made
-        self._remote_ids = 0  # block ids those registrations hold
+        #: Per peer: transfers its registrations made before the engine knew
+        #: them, and the block ids its registrations hold in such transfers.
+        self._remote_made: dict[int, int] = {}
+        self._remote_ids: dict[int, int] = {}
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def pending(self) -> int:
@@ -216,9 +225,11 @@ class PushSender:
             st.saved.clear()
             st.step_end, st.final_end = 0, None
             for ld in st.loads.values():
-                if ld.ended:
-                    continue  # it has every layer already
+                # Every push still running, an ended load's too (its cancel
+                # may still be settling): each reads the request's blocks.
                 tails += [t for t in ld.tails.values() if not t.done()]
+                if ld.ended:
+                    continue  # it had every layer, or it failed: nothing to redo
                 ld.pushed.clear()
                 ld.landed.clear()
                 ld.tails.clear()
@@ -241,7 +252,7 @@ class PushSender:
             # Too late (the request ended here): tell D now, not at its deadline.
             self._fail_load(src, m.xid, nonce, "the prefill request ended")
             return
-        st = self._state(m.xid, remote=True)
+        st = self._state(m.xid, remote=True, src=src)
         if st is None:
             self._fail_load(src, m.xid, nonce, "too many transfers registered before their prefill")
             return
@@ -250,8 +261,9 @@ class PushSender:
             if st.closed:
                 self._fail_load(src, m.xid, nonce, "the prefill request ended")
                 return
-            if len(st.loads) >= MAX_LOADS:
-                self._fail_load(src, m.xid, nonce, f"more than {MAX_LOADS} loads of one transfer")
+            pending = sum(1 for x in st.loads.values() if x.src == src and not x.accepted)
+            if len(st.loads) >= MAX_LOADS or pending >= MAX_PENDING_PER_PEER:
+                self._fail_load(src, m.xid, nonce, "too many loads of one transfer")
                 return
             reg = Registration(self.layout.num_blocks, RUNS_PER_PART)
             ld = st.loads[src, nonce] = _Load(src, nonce, reg, link)
@@ -268,6 +280,7 @@ class PushSender:
         if ids is None:
             return
         ld.first, ld.ttl, ld.reg_ids = m.first, float(m.ttl), ids
+        ld.arrived = time.monotonic()
         if m.layout != self.layout.digest():
             self._refuse(st, ld, "the decode instance's KV layout differs from the prefill's")
             return
@@ -293,8 +306,10 @@ class PushSender:
             self._maybe_close(st)
             self._maybe_report(st)
             return
-        # The load's pushes end by D's deadline (carried in the registration) or this side's.
-        ld.deadline = time.monotonic() + min(self.timeout, ld.ttl)
+        # The load's pushes end by D's deadline (carried in the registration,
+        # counted from when it came, not from when its key could be checked)
+        # or this side's.
+        ld.deadline = ld.arrived + min(self.timeout, ld.ttl)
         self._spawn(self._deadline(st, ld))
         self._start_pushes(st, ld)
 
@@ -323,8 +338,9 @@ class PushSender:
             raise ProtocolError(f"a registration's deadline {ttl!r}")
         ids = reg.add(ld.src, m.part, m.parts, m.runs)
         if st.remote:
-            self._remote_ids += reg.count - before
-            if self._remote_ids > MAX_UNKNOWN_BLOCKS * self.layout.num_blocks:
+            held = self._remote_ids.get(ld.src, 0) + reg.count - before
+            self._remote_ids[ld.src] = held
+            if held > MAX_UNKNOWN_BLOCKS * self.layout.num_blocks:
                 raise ProtocolError("too many blocks registered for transfers not computed")
         return ids
 
@@ -359,12 +375,14 @@ class PushSender:
 
     # ------------------------------------------------------------ transfers
 
-    def _state(self, xid: str, remote: bool) -> _PushState | None:
+    def _state(self, xid: str, remote: bool, src: int | None = None) -> _PushState | None:
         st = self.transfers.get(xid)
         if st is None:
-            if remote and len(self._remote_xids) >= self.max_unknown:
-                return None  # a peer registering for transfers nobody computes
-            st = self.transfers[xid] = _PushState(xid, remote=remote)
+            if remote and src is not None:
+                if self._remote_made.get(src, 0) >= self.max_unknown:
+                    return None  # a peer registering for transfers nobody computes
+                self._remote_made[src] = self._remote_made.get(src, 0) + 1
+            st = self.transfers[xid] = _PushState(xid, remote=remote, creator=src)
             if remote:
                 self._remote_xids.add(xid)
                 # Registered, never computed here: dropped after a while.
@@ -379,7 +397,18 @@ class PushSender:
         if st.remote:
             st.remote = False
             self._remote_xids.discard(st.xid)
-            self._remote_ids -= st.registered()
+            if st.creator is not None:
+                self._uncount(self._remote_made, st.creator, 1)
+            for ld in st.loads.values():
+                self._uncount(self._remote_ids, ld.src, ld.registration.count)
+
+    @staticmethod
+    def _uncount(counts: dict[int, int], src: int, n: int) -> None:
+        left = counts.get(src, 0) - n
+        if left > 0:
+            counts[src] = left
+        else:
+            counts.pop(src, None)
 
     def _push_layer(self, st: _PushState, ld: _Load, layer: int) -> None:
         a, b = ld.pushed.get(layer, 0), st.saved.get(layer, 0)
@@ -460,6 +489,16 @@ class PushSender:
             return
         if any(ld.landed.get(layer, 0) < st.final_end for layer in range(self.layout.num_layers)):
             return
+        n = -(-st.final_end // st.block_size)  # the request's blocks
+        if ld.first + len(ld.reg_ids) != n:
+            # D registered blocks the request does not have (or from past its
+            # end): they were never written, and "pushed" would say they were.
+            self._end(
+                st,
+                ld,
+                f"{len(ld.reg_ids)} blocks registered from block {ld.first}, the request has {n}",
+            )
+            return
         ld.ended = True
         self._stats["pushes_sent"] += 1
         moved = ld.tally or Tally(self._results.called)
@@ -506,7 +545,7 @@ class PushSender:
         if st.loads.get((ld.src, ld.nonce)) is ld:
             del st.loads[ld.src, ld.nonce]
             if st.remote:
-                self._remote_ids -= ld.registration.count
+                self._uncount(self._remote_ids, ld.src, ld.registration.count)
         ld.ended = True
         self._fail_load(ld.src, st.xid, ld.nonce, why[:512])
 
