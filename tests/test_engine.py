@@ -61,6 +61,7 @@ class Link:
     b: Side
     ep: int
     rkey: int
+    b_ep: int = 0  # b's endpoint to a (what a's notifications arrive on)
 
 
 def make_side(transport: str, size: int = 0, **kw: Any) -> Side:
@@ -80,8 +81,8 @@ def link(a: Side, b: Side, transport: str) -> Link:
     # (b's endpoint gets its keys in the connect call itself, as a link's do.)
     key = os.urandom(native.NOTE_KEY_LEN)
     a.engine.set_note_keys(ep, key, os.urandom(native.NOTE_KEY_LEN), 2)
-    b.engine.connect(a.engine.worker_address, False, os.urandom(native.NOTE_KEY_LEN), key, 1)
-    return Link(a, b, ep, rkey)
+    b_ep = b.engine.connect(a.engine.worker_address, False, os.urandom(native.NOTE_KEY_LEN), key, 1)
+    return Link(a, b, ep, rkey, b_ep)
 
 
 @pytest.mark.parametrize("bad", ["send", "recv"])
@@ -226,8 +227,9 @@ async def test_notification_carries_payload_after_data(pair: Link) -> None:
     seen: list[tuple[bytes, bool]] = []
     expected: dict[bytes, str] = {}
 
-    def on_notify(src: int, payload: bytes) -> None:
+    def on_notify(src: int, payload: bytes, ep: int) -> None:
         assert src == 1  # the key's peer, whatever the payload says
+        assert ep == pair.b_ep  # and the endpoint of the link it came on
         # The data must already be in memory when the notification is seen.
         off, n = (int(x) for x in payload.split(b":"))
         seen.append((payload, sha(pair.b.view()[off : off + n]) == expected[payload]))
