@@ -130,9 +130,13 @@ def anyio_backend():
 async def test_leaves_a_push_behind(kv_pair):
     src, dst = kv_pair.p.allocate_cache(DESC), kv_pair.d.allocate_cache(DESC)
     key = kv.CacheKeyByIdAndIndex(2, dst.cache_id)
-    # Started, never awaited: still moving when the test returns.
+    # Started, never awaited: still moving when the test returns (once its
+    # look-up is done and its jobs are submitted).
     KEEP.append(asyncio.ensure_future(kv_pair.p.push_cache(key, src, tensor_num_per_layer=1)))
-    await asyncio.sleep(0.01)
+    for _ in range(2000):
+        if kv_pair.p.stats()["live_jobs"]:
+            break
+        await asyncio.sleep(0.001)
 """,
     )
     result.assert_outcomes(errors=1, passed=1)

@@ -11,8 +11,9 @@ payload says) and, for pull, to the request's *grant key*.
 own scheduler only (vLLM's handshake metadata, inside the instance). When
 the scheduler hands a finished request over (its blocks held until the worker
 reports it sent), it puts ``grant_key(secret, rid, n, digest, until)``, a MAC
-of the request id, its block list and an expiry (the longest hold, renewals included, and a grace, on the
-wall clock of the host both run on), into the request's ``kv_transfer_params``. A
+of the request id, its block list and an expiry (the longest hold, renewals
+included, and a grace, on the wall clock of the host both run on), into the
+request's ``kv_transfer_params``. A
 claim must carry it: only a decode instance handed those params can claim or
 free the request, only for exactly those blocks, and the worker can check a
 claim that arrives before the engine told it of the request (vLLM delivers
@@ -51,6 +52,7 @@ __all__ = [
     "blocks_digest",
     "grant_key",
     "push_key",
+    "push_key_ok",
 ]
 
 
@@ -79,6 +81,23 @@ def push_key(secret: bytes, xid: str) -> str:
     request's params, one per worker."""
     msg = f"aiokv-push\0{xid}".encode()
     return hmac.new(secret, msg, hashlib.blake2b).hexdigest()[:32]
+
+
+def push_key_ok(
+    secret: bytes, xid: str, key: Any, client_key: str | None, known: bool
+) -> bool | None:
+    """Whether ``key`` is push transfer ``xid``'s key: this worker's MAC of the
+    transfer id (its scheduler made it), or ``client_key``, the key a client
+    gave both requests (decode first). ``None``: not decidable yet (decode
+    first, the engine has not told this worker the client's key: ``known``
+    is whether it stepped the request)."""
+    if not isinstance(key, str) or not key:
+        return False
+    if hmac.compare_digest(key.encode(), push_key(secret, xid).encode()):
+        return True
+    if client_key is not None:
+        return hmac.compare_digest(key.encode(), client_key.encode())
+    return False if known else None
 
 
 @dataclass(frozen=True)

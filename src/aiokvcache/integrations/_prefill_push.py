@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import logging
 import math
 import time
@@ -16,7 +15,7 @@ from typing import Any
 
 from .. import BlocksCacheKey
 from ._calls import Tally, counting
-from ._handoff import ProtocolError, Registration, push_key
+from ._handoff import ProtocolError, Registration, push_key, push_key_ok
 from ._kvtypes import RUNS_PER_PART, KVLayout, TransferFailed
 from ._links import Links
 from ._results import Results
@@ -70,6 +69,40 @@ class _Load:
         me = asyncio.current_task()
         return self.quiescing or any(not t.done() and t is not me for t in self.tails.values())
 
+    def add_part(self, m: Reg, num_blocks: int) -> tuple[list[int] | None, int]:
+        """Check and add one registration part: the whole id list once the
+        last part is in (else None), and how many ids it added. Raises
+        :class:`ProtocolError` for one that does not hold."""
+        before = self.registration.count
+        first, ttl = m.first, m.ttl
+        if not (type(first) is int and 0 <= first < num_blocks):
+            raise ProtocolError(f"a registration's first block index {first!r}")
+        if not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and ttl > 0):
+            raise ProtocolError(f"a registration's deadline {ttl!r}")
+        ids = self.registration.add(self.src, m.part, m.parts, m.runs)
+        return ids, self.registration.count - before
+
+    def destination(self, i0: int, i1: int, request_blocks: int) -> tuple[int, list[int]]:
+        """For the request's blocks ``[i0, i1)``: the first one this load takes
+        (before its first registered one, D has them in its prefix cache) and
+        D's blocks for them. :class:`TransferFailed` when it registered too few."""
+        assert self.reg_ids is not None
+        if i1 - self.first > len(self.reg_ids) or i1 > request_blocks:
+            raise TransferFailed(
+                f"{len(self.reg_ids)} destination blocks registered from block "
+                f"{self.first}, {i1 - self.first} needed"
+            )
+        j0 = max(i0, self.first)
+        return j0, self.reg_ids[j0 - self.first : i1 - self.first]
+
+    def miscount(self, n: int) -> str:
+        """Why its registered blocks are not exactly the request's ``n`` (from
+        its first on), or "": blocks nothing wrote must not be told pushed."""
+        assert self.reg_ids is not None
+        if self.first + len(self.reg_ids) == n:
+            return ""
+        return f"{len(self.reg_ids)} blocks registered from block {self.first}, the request has {n}"
+
 
 @dataclass
 class _PushState:
@@ -93,6 +126,70 @@ class _PushState:
 
     def registered(self) -> int:
         return sum(ld.registration.count for ld in self.loads.values())
+
+    def closable(self) -> bool:
+        """Released, it had a load, and every load it has ended: it takes no more."""
+        loads = self.loads.values()
+        return self.released and any(ld.accepted for ld in loads) and all(ld.ended for ld in loads)
+
+    def settled(self) -> bool:
+        """Every load ended and none of its pushes runs."""
+        return all(ld.ended and not ld.running() for ld in self.loads.values())
+
+    def forget_progress(self) -> list[asyncio.Task[None]]:
+        """Preempted: what was saved is gone (the recompute saves it again);
+        loads still running forget what they were pushed. Returns every push
+        still running, an ended load's too (its cancel may still settle):
+        each reads the request's blocks."""
+        self.saved.clear()
+        self.step_end, self.final_end = 0, None
+        tails: list[asyncio.Task[None]] = []
+        for ld in self.loads.values():
+            tails += [t for t in ld.tails.values() if not t.done()]
+            if not ld.ended:  # an ended one had every layer, or failed: nothing to redo
+                ld.pushed.clear()
+                ld.landed.clear()
+                ld.tails.clear()
+        return tails
+
+
+class _PeerBudget:
+    """What each peer's registrations may make this side hold before the
+    engine knows their transfers: at most ``transfers`` such transfers and
+    ``blocks`` block ids per peer (a peer cannot spend another's)."""
+
+    def __init__(self, transfers: int, blocks: int) -> None:
+        self.transfers, self.blocks = transfers, blocks
+        self._made: dict[int, int] = {}
+        self._ids: dict[int, int] = {}
+
+    def make(self, src: int) -> bool:
+        """``src`` creates one more such transfer: False past its budget."""
+        if self._made.get(src, 0) >= self.transfers:
+            return False
+        self._made[src] = self._made.get(src, 0) + 1
+        return True
+
+    def unmake(self, src: int | None) -> None:
+        if src is not None:
+            _uncount(self._made, src, 1)
+
+    def add_blocks(self, src: int, n: int) -> None:
+        held = self._ids.get(src, 0) + n
+        self._ids[src] = held
+        if held > self.blocks:
+            raise ProtocolError("too many blocks registered for transfers not computed")
+
+    def remove_blocks(self, src: int, n: int) -> None:
+        _uncount(self._ids, src, n)
+
+
+def _uncount(counts: dict[int, int], src: int, n: int) -> None:
+    left = counts.get(src, 0) - n
+    if left > 0:
+        counts[src] = left
+    else:
+        counts.pop(src, None)
 
 
 class PushSender:
@@ -135,10 +232,7 @@ class PushSender:
         #: Transfer id -> its state, while it runs or waits for its report.
         self.transfers: dict[str, _PushState] = {}
         self._remote_xids: set[str] = set()  # transfers only a peer's registration made
-        #: Per peer: transfers its registrations made before the engine knew
-        #: them, and the block ids its registrations hold in such transfers.
-        self._remote_made: dict[int, int] = {}
-        self._remote_ids: dict[int, int] = {}
+        self._budget = _PeerBudget(max_unknown, MAX_UNKNOWN_BLOCKS * layout.num_blocks)
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def pending(self) -> int:
@@ -220,19 +314,8 @@ class PushSender:
         tails: list[asyncio.Task[None]] = []
         for xid in xids:
             st = self.transfers.get(xid)
-            if st is None:
-                continue
-            st.saved.clear()
-            st.step_end, st.final_end = 0, None
-            for ld in st.loads.values():
-                # Every push still running, an ended load's too (its cancel
-                # may still be settling): each reads the request's blocks.
-                tails += [t for t in ld.tails.values() if not t.done()]
-                if ld.ended:
-                    continue  # it had every layer, or it failed: nothing to redo
-                ld.pushed.clear()
-                ld.landed.clear()
-                ld.tails.clear()
+            if st is not None:
+                tails += st.forget_progress()
         for t in tails:
             t.cancel()
         await asyncio.gather(*tails, return_exceptions=True)
@@ -245,7 +328,8 @@ class PushSender:
         that link, never over one made anew since the part arrived."""
         nonce = m.nonce
         if not nonce or len(nonce) > MAX_NONCE:
-            self._drop(src, m.xid, f"a registration's load nonce {nonce[:80]!r}")
+            self._stats["dropped_messages"] += 1
+            log.warning("aiokvcache: push %s from cluster %d: nonce %.80r", m.xid, src, nonce)
             return
         st = self.transfers.get(m.xid)
         if st is None and m.xid in self._ended:
@@ -290,7 +374,7 @@ class PushSender:
     def _accept(self, st: _PushState, ld: _Load) -> None:
         """``ld`` is registered: check its key (now, or once the engine told
         this side the client's key), then push to it."""
-        verdict = self._key_ok(st, ld.key)
+        verdict = push_key_ok(self._secret, st.xid, ld.key, st.client_key, st.req_id is not None)
         if verdict is None:
             return  # decode first, the engine has not stepped it yet
         ld.key, ld.waiting_key = None, False
@@ -313,35 +397,12 @@ class PushSender:
         self._spawn(self._deadline(st, ld))
         self._start_pushes(st, ld)
 
-    def _key_ok(self, st: _PushState, key: Any) -> bool | None:
-        """Whether ``key`` is ``st``'s push key: this worker's MAC of the
-        transfer id (the prefill's scheduler made it), or the key the client
-        gave both requests (decode first; ``None`` until the engine told
-        this side which)."""
-        if not isinstance(key, str) or not key:
-            return False
-        if hmac.compare_digest(key.encode(), push_key(self._secret, st.xid).encode()):
-            return True
-        if st.client_key is not None:
-            return hmac.compare_digest(key.encode(), st.client_key.encode())
-        return None if st.req_id is None else False
-
     def _add_part(self, st: _PushState, ld: _Load, m: Reg) -> list[int] | None:
-        """Check and add one registration part; the whole id list once the
-        last part is in. Raises :class:`ProtocolError` for one that does not hold."""
-        reg = ld.registration
-        before = reg.count
-        first, ttl = m.first, m.ttl
-        if not (type(first) is int and 0 <= first < self.layout.num_blocks):
-            raise ProtocolError(f"a registration's first block index {first!r}")
-        if not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and ttl > 0):
-            raise ProtocolError(f"a registration's deadline {ttl!r}")
-        ids = reg.add(ld.src, m.part, m.parts, m.runs)
+        """One registration part (see :meth:`_Load.add_part`), counted against
+        its peer's budget while the engine does not know the transfer."""
+        ids, added = ld.add_part(m, self.layout.num_blocks)
         if st.remote:
-            held = self._remote_ids.get(ld.src, 0) + reg.count - before
-            self._remote_ids[ld.src] = held
-            if held > MAX_UNKNOWN_BLOCKS * self.layout.num_blocks:
-                raise ProtocolError("too many blocks registered for transfers not computed")
+            self._budget.add_blocks(ld.src, added)
         return ids
 
     def _start_pushes(self, st: _PushState, ld: _Load) -> None:
@@ -378,10 +439,8 @@ class PushSender:
     def _state(self, xid: str, remote: bool, src: int | None = None) -> _PushState | None:
         st = self.transfers.get(xid)
         if st is None:
-            if remote and src is not None:
-                if self._remote_made.get(src, 0) >= self.max_unknown:
-                    return None  # a peer registering for transfers nobody computes
-                self._remote_made[src] = self._remote_made.get(src, 0) + 1
+            if remote and src is not None and not self._budget.make(src):
+                return None  # a peer registering for transfers nobody computes
             st = self.transfers[xid] = _PushState(xid, remote=remote, creator=src)
             if remote:
                 self._remote_xids.add(xid)
@@ -397,18 +456,9 @@ class PushSender:
         if st.remote:
             st.remote = False
             self._remote_xids.discard(st.xid)
-            if st.creator is not None:
-                self._uncount(self._remote_made, st.creator, 1)
+            self._budget.unmake(st.creator)
             for ld in st.loads.values():
-                self._uncount(self._remote_ids, ld.src, ld.registration.count)
-
-    @staticmethod
-    def _uncount(counts: dict[int, int], src: int, n: int) -> None:
-        left = counts.get(src, 0) - n
-        if left > 0:
-            counts[src] = left
-        else:
-            counts.pop(src, None)
+                self._budget.remove_blocks(ld.src, ld.registration.count)
 
     def _push_layer(self, st: _PushState, ld: _Load, layer: int) -> None:
         a, b = ld.pushed.get(layer, 0), st.saved.get(layer, 0)
@@ -459,12 +509,7 @@ class PushSender:
             # The decode instance that registered is gone (a restart with the
             # same cluster id links anew): never write into its successor.
             raise TransferFailed("the link the load was registered on is gone")
-        j0 = max(i0, ld.first)
-        if i1 - ld.first > len(ld.reg_ids) or i1 > len(st.blocks):
-            raise TransferFailed(
-                f"{len(ld.reg_ids)} destination blocks registered from block "
-                f"{ld.first}, {i1 - ld.first} needed"
-            )
+        j0, dst = ld.destination(i0, i1, len(st.blocks))
         if j0 < i1:
             left = None if ld.deadline is None else max(0.001, ld.deadline - time.monotonic())
             if ld.tally is None:
@@ -474,7 +519,7 @@ class PushSender:
                     BlocksCacheKey(ld.src),
                     self._links.cache,
                     st.blocks[j0:i1],
-                    ld.reg_ids[j0 - ld.first : i1 - ld.first],
+                    dst,
                     src_layer_range=layers,
                     dst_layer_range=layers,
                     tensor_num_per_layer=self.layout.tensors_per_layer,
@@ -489,15 +534,9 @@ class PushSender:
             return
         if any(ld.landed.get(layer, 0) < st.final_end for layer in range(self.layout.num_layers)):
             return
-        n = -(-st.final_end // st.block_size)  # the request's blocks
-        if ld.first + len(ld.reg_ids) != n:
-            # D registered blocks the request does not have (or from past its
-            # end): they were never written, and "pushed" would say they were.
-            self._end(
-                st,
-                ld,
-                f"{len(ld.reg_ids)} blocks registered from block {ld.first}, the request has {n}",
-            )
+        wrong = ld.miscount(-(-st.final_end // st.block_size))
+        if wrong:
+            self._end(st, ld, wrong)
             return
         ld.ended = True
         self._stats["pushes_sent"] += 1
@@ -545,7 +584,7 @@ class PushSender:
         if st.loads.get((ld.src, ld.nonce)) is ld:
             del st.loads[ld.src, ld.nonce]
             if st.remote:
-                self._uncount(self._remote_ids, ld.src, ld.registration.count)
+                self._budget.remove_blocks(ld.src, ld.registration.count)
         ld.ended = True
         self._fail_load(ld.src, st.xid, ld.nonce, why[:512])
 
@@ -553,15 +592,8 @@ class PushSender:
         """Answer a registration this side takes no load for."""
         self._spawn(self._links.send(src, PushFail(xid, nonce, why)))
 
-    def _drop(self, src: int, xid: str, why: str) -> None:
-        self._stats["dropped_messages"] += 1
-        log.warning("aiokvcache: push %s from cluster %d: %s", xid, src, why)
-
     def _maybe_close(self, st: _PushState) -> None:
-        """A released transfer takes no more loads once it had one and every
-        load it has ended."""
-        loads = st.loads.values()
-        if st.released and any(ld.accepted for ld in loads) and all(ld.ended for ld in loads):
+        if st.closable():
             st.closed = True
 
     def _maybe_report(self, st: _PushState) -> None:
@@ -569,7 +601,7 @@ class PushSender:
         new loads, and no push of it running."""
         if st.reported or not (st.closed and st.released and st.req_id is not None):
             return
-        if any(not ld.ended or ld.running() for ld in st.loads.values()):
+        if not st.settled():
             return  # _quiesce or the last push reports it
         st.reported = True
         self._results.sent(st.req_id)
@@ -599,16 +631,14 @@ class PushSender:
         await asyncio.sleep(self.timeout + self.grace)
         if self.transfers.get(st.xid) is not st:
             return
-        if st.req_id is None:
+        if st.req_id is None or (st.released and not st.closed):
             st.closed = True
-            for ld in st.loads.values():
-                self._end(st, ld, "the prefill instance never computed it")
-            self._forget(st)
-        elif st.released and not st.closed:
-            st.closed = True
-            if not any(ld.accepted for ld in st.loads.values()):
-                log.warning("aiokvcache: push %s: no decode instance registered for it", st.xid)
             for ld in list(st.loads.values()):
-                if not ld.accepted:
+                if st.req_id is None:
+                    self._end(st, ld, "the prefill instance never computed it")
+                elif not ld.accepted:
                     self._refuse(st, ld, "not registered in time")
-            self._maybe_report(st)
+            if st.req_id is None:
+                self._forget(st)
+            else:
+                self._maybe_report(st)

@@ -79,9 +79,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from ._handoff import blocks_digest, grant_key, push_key
 from ._kvlink import TransferAgent, cluster_id_for
-from ._kvtypes import GRACE_S, Peer
+from ._kvtypes import GRACE_S
 from ._vllm_layout import kv_layout
 from ._vllm_metrics import AioKVPromMetrics, AioKVStats
+from ._vllm_worker import WorkerBinding
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -288,6 +289,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self._renewing: set[str] = set()  # D, pull: requests whose prefill hold is renewed
         # worker side
         self._agent: TransferAgent | None = None
+        self._binding: WorkerBinding | None = None
         self._layer_index: dict[str, int] = {}
         self._tensors: list[torch.Tensor] = []
         self._step_pushes: list[str] = []
@@ -325,6 +327,8 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             record_digests=bool(cfg["record_digests"]),
         )
         address = self._agent.start()
+        lease = float(cfg["kv_lease_duration"])
+        self._binding = WorkerBinding(self._rank, self._block_size, lease)
         si = cfg["switch_interval"]
         if si is not None and sys.getswitchinterval() > si:
             sys.setswitchinterval(float(si))
@@ -351,82 +355,9 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         super().bind_connector_metadata(connector_metadata)
         # Handled here, before the forward pass: save_kv_layer runs inside it.
         meta = connector_metadata
-        agent = self._agent
-        if agent is None or not isinstance(meta, AioKVMetadata):
+        if self._agent is None or self._binding is None or not isinstance(meta, AioKVMetadata):
             return
-        for rid, (lease, blocks, until) in meta.holds.items():
-            agent.hold(rid, lease, blocks, until)
-        # Transfer ids are per tensor-parallel rank: rank r pushes to rank r.
-        suffix = f"/{self._rank}"
-        self._step_pushes = []
-        for rid, (xid, blocks, end, final, client_key) in meta.push_steps.items():
-            agent.push_step(
-                xid + suffix, rid, blocks, self._block_size, end, final, client_key or None
-            )
-            self._step_pushes.append(xid + suffix)
-        for rid, (xid, aborted) in meta.push_release.items():
-            agent.push_release(xid + suffix, rid, aborted)
-        for rid, r in meta.recv.items():
-            log.debug("worker: load %s (%s, %d blocks)", rid, r.mode, len(r.local_block_ids))
-            peer = self._rank_peer(r.peers)
-            if r.mode == "push":
-                agent.expect_push(
-                    rid,
-                    peer,
-                    r.transfer_id + suffix,
-                    r.local_block_ids,
-                    r.first,
-                    key=self._push_key(r.push_keys, r.transfer_key),
-                    layout=r.layout,
-                )
-            else:
-                agent.pull(
-                    rid,
-                    peer,
-                    r.remote_request_id,
-                    r.remote_block_ids,
-                    r.local_block_ids,
-                    r.layout,
-                    key=self._rank_key(r.grant_keys),
-                    until_ms=r.grant_until,
-                    first=r.first,
-                )
-        for rid in meta.cancel_recv:
-            agent.cancel_recv(rid)
-        own = float(self._cfg["kv_lease_duration"])
-        for rid, ref in meta.renew_start.items():
-            # A sixth of the prefill's lease (its params say it; else ours).
-            every = max(0.1, min(own, ref.lease or own) / 6)
-            agent.renew_start(
-                rid,
-                self._rank_peer(ref.peers),
-                ref.remote_request_id,
-                self._rank_key(ref.grant_keys),
-                ref.grant_until,
-                ref.remote_block_ids,
-                every,
-            )
-        for rid in meta.renew_stop:
-            agent.renew_stop(rid)
-        for drop in meta.drops:
-            peer = self._rank_peer(drop.peers)
-            if drop.mode == "push":
-                key = self._push_key(drop.push_keys, drop.transfer_key)
-                agent.drop_push(peer, drop.transfer_id + suffix, key)
-            else:
-                key = self._rank_key(drop.grant_keys)
-                agent.free_remote(
-                    peer, drop.remote_request_id, key, drop.grant_until, drop.remote_block_ids
-                )
-
-    def _rank_key(self, keys: list[str]) -> str:
-        """This rank's grant key (rank r claims from the prefill's rank r)."""
-        return str(keys[self._rank]) if len(keys) > self._rank else ""
-
-    def _push_key(self, keys: list[str], transfer_key: str) -> str:
-        """This rank's push key: the prefill's scheduler's (prefill first), or
-        the one the client gave both requests (decode first)."""
-        return str(keys[self._rank]) if len(keys) > self._rank else transfer_key
+        self._step_pushes = self._binding.bind(self._agent, meta)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """P push: vLLM preempted these requests and frees their blocks for
@@ -438,16 +369,6 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             return
         suffix = f"/{self._rank}"
         agent.push_preempt([xid + suffix for xid in meta.push_preempted.values()])
-
-    def _rank_peer(self, peers: list[list[Any]]) -> Peer:
-        """This rank's peer among a request's prefill workers."""
-        if len(peers) > self._rank:
-            p = peers[self._rank]
-            return Peer(str(p[0]), int(p[1]), int(p[2]))
-        # One address for a TP engine (a client's decode-first params):
-        # rank r listens on port + r with cluster id + r (the config rule).
-        p = peers[0]
-        return Peer(str(p[0]), int(p[1]) + self._rank, int(p[2]) + self._rank)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Loads were started in bind_connector_metadata; they run between steps."""
@@ -672,25 +593,38 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         mode = str(params.get("transfer_mode") or self._mode)
         ids = _flat(block_ids)
         if mode == "push":
-            entry = self._push_reqs.pop(rid, None)
-            if entry is None:
-                return False, None  # never scheduled: nothing was pushed
-            xid = entry[1]
-            # Held until its pushes ended (quiescent), whether it finished or not.
-            self._staged.push_release[rid] = (xid, not ok)
-            self._unreported_push.add(rid)
-            if not ok:
-                return True, None
-            # Only a decode handed these params may register for the pushes.
-            keys = [
-                push_key(bytes.fromhex(self._peers[r].grant_secret), f"{xid}/{r}")
-                for r in sorted(self._peers)
-            ]
-            params_out = self._params(request, ids, xid, mode)
-            params_out["aiokv_push_keys"] = keys
-            return True, params_out
+            return self._finish_push(request, ids, ok)
         if not ok or not ids:
             return False, None
+        return True, self._hand_over_pull(request, ids)
+
+    def _finish_push(
+        self, request: Any, ids: list[int], ok: bool
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """P push: the request finished: its blocks are held until its pushes
+        ended (quiescent), whether it finished or not."""
+        rid = request.request_id
+        entry = self._push_reqs.pop(rid, None)
+        if entry is None:
+            return False, None  # never scheduled: nothing was pushed
+        xid = entry[1]
+        self._staged.push_release[rid] = (xid, not ok)
+        self._unreported_push.add(rid)
+        if not ok:
+            return True, None
+        # Only a decode handed these params may register for the pushes.
+        keys = [
+            push_key(bytes.fromhex(self._peers[r].grant_secret), f"{xid}/{r}")
+            for r in sorted(self._peers)
+        ]
+        out = self._params(request, ids, xid, "push")
+        out["aiokv_push_keys"] = keys
+        return True, out
+
+    def _hand_over_pull(self, request: Any, ids: list[int]) -> dict[str, Any]:
+        """P pull: hold ``ids`` for the decode's claims; the params with their
+        grant keys."""
+        rid = request.request_id
         lease = float(self._cfg["kv_lease_duration"])
         # The keys expire with the longest hold (renewed leases) and a grace
         # (for the hand-over to reach the workers): a claim with these params
@@ -703,9 +637,9 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             grant_key(bytes.fromhex(self._peers[r].grant_secret), rid, len(ids), digest, until)
             for r in sorted(self._peers)
         ]
-        out = self._params(request, ids, rid, mode, keys, until)
+        out = self._params(request, ids, rid, "pull", keys, until)
         out["aiokv_lease"] = lease  # a decode renews the hold every sixth of it
-        return True, out
+        return out
 
     def _params(
         self,

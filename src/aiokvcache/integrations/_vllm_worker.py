@@ -1,0 +1,130 @@
+"""What a vLLM worker-side ``AioKVConnector`` does with each step's metadata
+(``bind_connector_metadata``): hand the scheduler's decisions to its
+:class:`._kvlink.TransferAgent`, for its own tensor-parallel rank. No vLLM
+import here: the metadata's fields are read as the scheduler wrote them."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ._kvlink import TransferAgent
+from ._kvtypes import Peer
+
+__all__ = ["WorkerBinding"]
+
+log = logging.getLogger("aiokvcache.vllm")
+
+
+class WorkerBinding:
+    """Rank ``rank``'s view of the scheduler's metadata: which prefill worker,
+    key and transfer id of a request are its own. ``lease``: this
+    instance's ``kv_lease_duration`` (renewals go at a sixth of the prefill's,
+    which its params carry; this one when they do not)."""
+
+    def __init__(self, rank: int, block_size: int, lease: float) -> None:
+        self.rank = rank
+        self.block_size = block_size
+        self.lease = lease
+        # Transfer ids are per tensor-parallel rank: rank r pushes to rank r.
+        self.suffix = f"/{rank}"
+
+    def bind(self, agent: TransferAgent, meta: Any) -> list[str]:
+        """Hand ``meta`` to ``agent``; returns the transfer ids this step's
+        layers are pushed for (``save_kv_layer``)."""
+        for rid, (lease, blocks, until) in meta.holds.items():
+            agent.hold(rid, lease, blocks, until)
+        pushes = self._push_steps(agent, meta)
+        self._loads(agent, meta)
+        for rid in meta.cancel_recv:
+            agent.cancel_recv(rid)
+        self._renewals(agent, meta)
+        self._drops(agent, meta)
+        return pushes
+
+    def _push_steps(self, agent: TransferAgent, meta: Any) -> list[str]:
+        pushes = []
+        for rid, (xid, blocks, end, final, client_key) in meta.push_steps.items():
+            mine = xid + self.suffix
+            agent.push_step(mine, rid, blocks, self.block_size, end, final, client_key or None)
+            pushes.append(mine)
+        for rid, (xid, aborted) in meta.push_release.items():
+            agent.push_release(xid + self.suffix, rid, aborted)
+        return pushes
+
+    def _loads(self, agent: TransferAgent, meta: Any) -> None:
+        for rid, r in meta.recv.items():
+            log.debug("worker: load %s (%s, %d blocks)", rid, r.mode, len(r.local_block_ids))
+            peer = self.peer(r.peers)
+            if r.mode == "push":
+                agent.expect_push(
+                    rid,
+                    peer,
+                    r.transfer_id + self.suffix,
+                    r.local_block_ids,
+                    r.first,
+                    key=self.push_key(r.push_keys, r.transfer_key),
+                    layout=r.layout,
+                )
+            else:
+                agent.pull(
+                    rid,
+                    peer,
+                    r.remote_request_id,
+                    r.remote_block_ids,
+                    r.local_block_ids,
+                    r.layout,
+                    key=self.grant_key(r.grant_keys),
+                    until_ms=r.grant_until,
+                    first=r.first,
+                )
+
+    def _renewals(self, agent: TransferAgent, meta: Any) -> None:
+        for rid, ref in meta.renew_start.items():
+            # A sixth of the prefill's lease (its params say it; else ours).
+            every = max(0.1, min(self.lease, ref.lease or self.lease) / 6)
+            agent.renew_start(
+                rid,
+                self.peer(ref.peers),
+                ref.remote_request_id,
+                self.grant_key(ref.grant_keys),
+                ref.grant_until,
+                ref.remote_block_ids,
+                every,
+            )
+        for rid in meta.renew_stop:
+            agent.renew_stop(rid)
+
+    def _drops(self, agent: TransferAgent, meta: Any) -> None:
+        for drop in meta.drops:
+            peer = self.peer(drop.peers)
+            if drop.mode == "push":
+                key = self.push_key(drop.push_keys, drop.transfer_key)
+                agent.drop_push(peer, drop.transfer_id + self.suffix, key)
+            else:
+                agent.free_remote(
+                    peer,
+                    drop.remote_request_id,
+                    self.grant_key(drop.grant_keys),
+                    drop.grant_until,
+                    drop.remote_block_ids,
+                )
+
+    def grant_key(self, keys: list[str]) -> str:
+        """This rank's grant key (rank r claims from the prefill's rank r)."""
+        return str(keys[self.rank]) if len(keys) > self.rank else ""
+
+    def push_key(self, keys: list[str], transfer_key: str) -> str:
+        """This rank's push key: the prefill's scheduler's (prefill first), or
+        the one the client gave both requests (decode first)."""
+        return str(keys[self.rank]) if len(keys) > self.rank else transfer_key
+
+    def peer(self, peers: list[list[Any]]) -> Peer:
+        """This rank's peer among a request's prefill workers."""
+        if len(peers) > self.rank:
+            p = peers[self.rank]
+            return Peer(str(p[0]), int(p[1]), int(p[2]))
+        # One address for a TP engine (a client's decode-first params):
+        # rank r listens on port + r with cluster id + r (the config rule).
+        p = peers[0]
+        return Peer(str(p[0]), int(p[1]) + self.rank, int(p[2]) + self.rank)
