@@ -31,7 +31,6 @@ import random
 from typing import Any
 
 import pytest
-
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from aiokvcache.integrations._kvtypes import Peer
-from support.agent_pair import BS, LAYERS, Side, fill, same, wait_for
+from support.agent_pair import BS, LAYERS, Side, agent_pair, fill, same, wait_for
 from support.kvlink_harness import (
     D_ID,
     EVIL,
@@ -51,13 +51,8 @@ def step_all(agent: Any, xid: str = "x", end: int = 12, key: str | None = None) 
 
 @pytest.fixture
 def sides(transport: str) -> Iterator[tuple[Side, Side]]:
-    p = Side("prefill", transport, timeout=5.0, grace=1.0)
-    d = Side("decode", transport, timeout=5.0, grace=1.0)
-    try:
-        yield p, d
-    finally:
-        d.agent.close()
-        p.agent.close()
+    with agent_pair(transport) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
@@ -159,9 +154,7 @@ def test_no_push_lands_after_the_decode_reported_the_load_failed(transport: str)
     registration arrives (1.2 s) and again across D's deadline while the
     engine saves every layer. Once D reports the load failed, the test writes
     a canary into its blocks: no byte of it may change afterwards."""
-    p = Side("prefill", transport, timeout=5.0, grace=1.0)
-    d = Side("decode", transport, timeout=2.0, grace=3.0)
-    try:
+    with agent_pair(transport, decode={"timeout": 2.0, "grace": 3.0}) as (p, d):
         pblocks, dblocks = [2, 3, 4], [9, 1, 12]
         fill(p, pblocks, 3)
         loop = p.agent._loop
@@ -182,9 +175,6 @@ def test_no_push_lands_after_the_decode_reported_the_load_failed(transport: str)
         time.sleep(0.3)
         for layer in d.kv:
             assert (layer[dblocks] == 0xEE).all(), "a push landed after the load was reported"
-    finally:
-        d.agent.close()
-        p.agent.close()
 
 
 # ------------------------------------------------------------ who may register

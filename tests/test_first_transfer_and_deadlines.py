@@ -13,8 +13,10 @@ deadline ended it and what landed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -87,8 +89,13 @@ async def test_a_same_host_peers_cache_is_mapped_whole_at_its_first_lookup() -> 
 # ------------------------------------------------------------------ deadlines
 
 
-async def frozen_push(sync_kv_timeout: int, timeout: float) -> kv.LLMException:
-    """Push 4 layers to a decoder over tcp while it is frozen: the error."""
+@contextlib.asynccontextmanager
+async def linked_to_a_decoder(
+    sync_kv_timeout: int,
+) -> AsyncIterator[tuple[PeerProcess, kv.CacheManager, kv.Cache, dict[str, Any]]]:
+    """A decoder in a child process (cluster 2, a cache of 8 x 1 MiB, as
+    ``made``) linked over tcp from an instance with ``sync_kv_timeout``: the
+    decoder, our cache manager and our 8 x 1 MiB source cache."""
     async with (
         PeerProcess("decoder", "tcp") as dec,
         instance("tcp", 1, listen=False, sync_kv_timeout=sync_kv_timeout) as dd,
@@ -97,7 +104,12 @@ async def frozen_push(sync_kv_timeout: int, timeout: float) -> kv.LLMException:
         rc, per = await dd.link_clusters([cluster_info(dec.address, 2)], timeout=10_000)
         assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
         cm = dd.cache_manager
-        src = cm.allocate_cache(u8(8, MiB))
+        yield dec, cm, cm.allocate_cache(u8(8, MiB)), made
+
+
+async def frozen_push(sync_kv_timeout: int, timeout: float) -> kv.LLMException:
+    """Push 4 layers to a decoder over tcp while it is frozen: the error."""
+    async with linked_to_a_decoder(sync_kv_timeout) as (dec, cm, src, made):
         key = kv.CacheKeyByIdAndIndex(2, made["cache_id"], 0)
         await cm.push_cache(key, src, timeout=30)  # the lookup done, its keys known
         dec.signal(signal.SIGSTOP)
@@ -157,15 +169,7 @@ async def test_the_calls_timeout_is_named_when_a_slow_lookup_left_less_than_sync
     what the error names (it named sync_kv_timeout)."""
     from aiokvcache._core import transfers as tr
 
-    async with (
-        PeerProcess("decoder", "tcp") as dec,
-        instance("tcp", 1, listen=False, sync_kv_timeout=1000) as dd,
-    ):
-        made = await dec.alloc("dst", 8, MiB)
-        rc, per = await dd.link_clusters([cluster_info(dec.address, 2)], timeout=10_000)
-        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
-        cm = dd.cache_manager
-        src = cm.allocate_cache(u8(8, MiB))
+    async with linked_to_a_decoder(1000) as (dec, cm, src, made):
         key = kv.CacheKeyByIdAndIndex(2, made["cache_id"], 0)
         await cm.push_cache(key, src, timeout=30)
         real = tr.Transfers.remote_slot
@@ -201,15 +205,7 @@ async def test_transfer_cache_async_errors_say_what_landed_and_their_deadline(
     """transfer_cache_async's timeouts, either kind, carry ``.deadline`` and
     ``.landed`` as push_cache's do, and a destination cut short does not read
     "ok"."""
-    async with (
-        PeerProcess("decoder", "tcp") as dec,
-        instance("tcp", 1, listen=False, sync_kv_timeout=sync_ms) as dd,
-    ):
-        made = await dec.alloc("dst", 8, MiB)
-        rc, per = await dd.link_clusters([cluster_info(dec.address, 2)], timeout=10_000)
-        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
-        cm = dd.cache_manager
-        src = cm.allocate_cache(u8(8, MiB))
+    async with linked_to_a_decoder(sync_ms) as (dec, cm, src, made):
         cfg = kv.TransferWithCacheKeyConfig(kv.CacheKeyByIdAndIndex(2, made["cache_id"], 0))
         await (await cm.transfer_cache_async(src, _Ready(), [cfg], timeout=30))  # keys known
         dec.signal(signal.SIGSTOP)

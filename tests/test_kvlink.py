@@ -12,18 +12,13 @@ import pytest
 
 from aiokvcache.integrations._kvlink import cluster_id_for
 from aiokvcache.integrations._kvtypes import KVLayout, Peer, block_runs
-from support.agent_pair import BLOCK_BYTES, BS, LAYERS, Side, fill, same, wait_for
+from support.agent_pair import BLOCK_BYTES, BS, LAYERS, Side, agent_pair, fill, same, wait_for
 
 
 @pytest.fixture
 def sides(transport: str) -> Iterator[tuple[Side, Side]]:
-    p = Side("prefill", transport, timeout=5.0, grace=1.0)
-    d = Side("decode", transport, timeout=5.0, grace=1.0)
-    try:
-        yield p, d
-    finally:
-        d.agent.close()
-        p.agent.close()
+    with agent_pair(transport) as pair:
+        yield pair
 
 
 def test_block_runs_and_cluster_ids() -> None:

@@ -20,13 +20,14 @@ import contextlib
 import dataclasses
 import struct
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
 
 import aiokvcache as kv
 from aiokvcache._core import frames, handshake, wire
+from aiokvcache._core.ctlregion import PROBE_BYTES
 from aiokvcache._core.errors import LLMException
 from aiokvcache._core.peerstatus import PeerRefusal
 from aiokvcache.testing import PeerProcess
@@ -333,6 +334,26 @@ async def _send_notifications(sender: kv.LLMDataDist, cid: int, payloads: list[b
     await run_jobs(rt.bridge, [(OP_PUT, ep, rows, p, 5000) for p in payloads], timeout=5)
 
 
+@contextlib.contextmanager
+def put_probe_acceptor() -> Iterator[handshake.LocalInfo]:
+    """What an acceptor with a real engine says of itself (cluster 2): its
+    worker address and a probe slot in its memory, for put probes."""
+    from aiokvcache._loader import native
+
+    engine = native.Engine("tcp")
+    try:
+        region, base = engine.mem_alloc(1 << 16)
+        rkey = engine.rkey_pack(region)
+        slot = {"addr": base, "len": PROBE_BYTES, "base": base, "span": 1 << 16, "rkey": rkey}
+        yield dataclasses.replace(
+            local_info(2, None),
+            worker_address=engine.worker_address,
+            probe=lambda: {**slot, "put_probe": True},
+        )
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("field", ["i", "b", "l"])
 async def test_a_notification_with_an_infinite_number_is_dropped_as_malformed(
     transport: str, field: str
@@ -376,19 +397,7 @@ async def test_a_silent_probe_back_cannot_hold_link_clusters_past_its_timeout() 
     and a probe slot our put lands in) and then never answers probe_back:
     link_clusters fails within its timeout (plus scheduling slack), as
     docs/api.md promises ("all within ``timeout``")."""
-    from aiokvcache._core.ctlregion import PROBE_BYTES
-    from aiokvcache._loader import native
-
-    engine = native.Engine("tcp")
-    try:
-        region, base = engine.mem_alloc(1 << 16)
-        rkey = engine.rkey_pack(region)
-        slot = {"addr": base, "len": PROBE_BYTES, "base": base, "span": 1 << 16, "rkey": rkey}
-        local = dataclasses.replace(
-            local_info(2, None),
-            worker_address=engine.worker_address,
-            probe=lambda: {**slot, "put_probe": True},
-        )
+    with put_probe_acceptor() as local:
         asked: list[str] = []
 
         async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -407,8 +416,6 @@ async def test_a_silent_probe_back_cannot_hold_link_clusters_past_its_timeout() 
                 assert "probe_back" in asked, asked  # it got as far as the data-path check
                 slack = 0.4
                 assert got["seconds"] < timeout_ms / 1000 + slack, (timeout_ms, got)
-    finally:
-        engine.close()
 
 
 def _link_clusters_statuses_documented() -> dict[str, str]:
@@ -456,19 +463,7 @@ async def test_every_status_a_refused_probe_back_gives_link_clusters_is_document
     check's probe_back: the refusal maps through COMMON (LINK_BUSY passed on,
     anything else LLM_FAILED), and that is link_clusters' status for the
     cluster, which docs/api.md's table lists."""
-    from aiokvcache._core.ctlregion import PROBE_BYTES
-    from aiokvcache._loader import native
-
-    engine = native.Engine("tcp")
-    try:
-        region, base = engine.mem_alloc(1 << 16)
-        rkey = engine.rkey_pack(region)
-        slot = {"addr": base, "len": PROBE_BYTES, "base": base, "span": 1 << 16, "rkey": rkey}
-        local = dataclasses.replace(
-            local_info(2, None),
-            worker_address=engine.worker_address,
-            probe=lambda: {**slot, "put_probe": True},
-        )
+    with put_probe_acceptor() as local:
 
         async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             acceptor = handshake.AcceptorHandshake(local)
@@ -483,8 +478,6 @@ async def test_every_status_a_refused_probe_back_gives_link_clusters_is_document
         async with fake_listener(script) as address, PeerProcess("prefill", "tcp") as victim:
             got = await victim.link(address, 2, timeout_ms=3000)
             assert got["per"] == [ours.name], got
-    finally:
-        engine.close()
     assert ours.name in _link_clusters_statuses_documented(), _link_clusters_statuses_documented()
 
 
@@ -495,7 +488,6 @@ async def test_a_malformed_remote_key_in_a_probe_info_answer_fails_the_link(
     """An acceptor whose AUTH_OK carries no probe slot (an older peer) is
     asked for one with probe_info; a malformed key in the answer fails the
     link (LINK_FAILED) and the process lives."""
-    from aiokvcache._core.ctlregion import PROBE_BYTES
     from aiokvcache._loader import native
 
     engine = native.Engine("tcp")
@@ -634,19 +626,7 @@ async def test_a_data_path_answer_naming_our_own_nonce_is_a_link_failure() -> No
     without moving a byte: it is refused as such, never a link."""
     import tempfile
 
-    from aiokvcache._core.ctlregion import PROBE_BYTES
-    from aiokvcache._loader import native
-
-    engine = native.Engine("tcp")
-    try:
-        region, base = engine.mem_alloc(1 << 16)
-        rkey = engine.rkey_pack(region)
-        slot = {"addr": base, "len": PROBE_BYTES, "base": base, "span": 1 << 16, "rkey": rkey}
-        local = dataclasses.replace(
-            local_info(2, None),
-            worker_address=engine.worker_address,
-            probe=lambda: {**slot, "put_probe": True},
-        )
+    with put_probe_acceptor() as local:
         attempt = 0
 
         async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -675,8 +655,6 @@ async def test_a_data_path_answer_naming_our_own_nonce_is_a_link_failure() -> No
                     assert got["per"] == ["LLM_LINK_FAILED"], got
             err.seek(0)
             assert "with our own nonce" in err.read()
-    finally:
-        engine.close()
 
 
 @pytest.mark.parametrize("cid", [-1, -(2**63)])

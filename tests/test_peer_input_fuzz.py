@@ -690,6 +690,7 @@ def connector_messages(key: str, until_ms: int) -> list[list[Any]]:
         w.Claim("r1", "n1", key, 5.0, 0, 4, 4, digest, until_ms),
         w.Done("r1", "n1"),
         w.Free("r1", key, 4, digest, until_ms),
+        w.Renew("r1", key, 4, digest, until_ms),
         w.Reg("x1", 0, 1, [[0, 4]], 0, 5.0, "n1", "k" * 32, "0" * 16),
         w.Cancel("x1", "n1"),
         w.Grant("r9", "n9"),

@@ -378,6 +378,21 @@ def engines(model: str) -> Iterator[Callable[..., Engine]]:
             e.close()
 
 
+def decode_first_params(host: str, port: int, cid: int, xid: str, key: str) -> dict[str, Any]:
+    """A client's decode-first push params: the prefill's address, the
+    transfer id and the push key it gives both requests."""
+    return {
+        "do_remote_prefill": True,
+        "transfer_mode": "push",
+        "remote_host": host,
+        "remote_port": port,
+        "remote_cluster_id": cid,
+        "remote_request_id": xid,
+        "aiokv_transfer_id": xid,
+        "aiokv_transfer_key": key,
+    }
+
+
 # ---------------------------------------------------------------- 1. remote_block_ids
 
 
@@ -470,16 +485,7 @@ def test_fanned_out_decode_children_each_load_the_prefill_bytes_or_fail(
             tokens,
             2,
             3,
-            {
-                "do_remote_prefill": True,
-                "transfer_mode": "push",
-                "remote_host": host,
-                "remote_port": port,
-                "remote_cluster_id": cid,
-                "remote_request_id": xid,
-                "aiokv_transfer_id": xid,
-                "aiokv_transfer_key": key,
-            },
+            decode_first_params(host, port, cid, xid, key),
         )
         d.step()  # both children allocated: their loads register with the prefill
         assert set(d.metas[0].recv) == set(kids)
@@ -592,16 +598,7 @@ def test_preempted_push_request_stops_its_pushes_before_its_blocks_are_reused(
         "dec",
         b_tokens,
         2,
-        {
-            "do_remote_prefill": True,
-            "transfer_mode": "push",
-            "remote_host": host,
-            "remote_port": port,
-            "remote_cluster_id": cid,
-            "remote_request_id": xid,
-            "aiokv_transfer_id": xid,
-            "aiokv_transfer_key": key,
-        },
+        decode_first_params(host, port, cid, xid, key),
     )
     d.step()
     wait(lambda: f"{xid}/0" in p.agent.push_sender.transfers)  # registered

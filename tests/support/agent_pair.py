@@ -5,7 +5,10 @@ tests/test_connector_push.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -61,3 +64,20 @@ def fill(side: Side, blocks: list[int], seed: int) -> None:
 
 def same(p: Side, pb: list[int], d: Side, db: list[int]) -> bool:
     return all(np.array_equal(pl[pb], dl[db]) for pl, dl in zip(p.kv, d.kv, strict=True))
+
+
+@contextlib.contextmanager
+def agent_pair(
+    transport: str, *, prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None
+) -> Iterator[tuple[Side, Side]]:
+    """A prefill and a decode :class:`Side` (timeout 5 s, grace 1 s unless
+    ``prefill`` / ``decode`` say otherwise), closed at the end."""
+    p = Side("prefill", transport, **{"timeout": 5.0, "grace": 1.0, **(prefill or {})})
+    try:
+        d = Side("decode", transport, **{"timeout": 5.0, "grace": 1.0, **(decode or {})})
+        try:
+            yield p, d
+        finally:
+            d.agent.close()
+    finally:
+        p.agent.close()

@@ -284,7 +284,7 @@ class PullHolds:
         """``src`` will not read ``rid`` after all (its request was aborted or
         found its prefix locally): release it as soon as no claim reads it.
         Needs the request's key. True when that released it now."""
-        if not self._verify(rid, key, n, digest, until_ms) or (rid, until_ms) in self._released:
+        if not self._live_key(rid, key, n, digest, until_ms):
             return False
         h = self._holds.get(rid)
         if h is None:
@@ -313,7 +313,7 @@ class PullHolds:
         will claim it: its lease runs another full lease from ``now``, never
         past the key's expiry (the longest a hand-over is held). True when it
         was extended. Before the hand-over, or for a released request: nothing."""
-        if not self._verify(rid, key, n, digest, until_ms) or (rid, until_ms) in self._released:
+        if not self._live_key(rid, key, n, digest, until_ms):
             return False
         h = self._holds.get(rid)
         if h is None or not h.known or (h.n, h.digest, h.until_ms) != (n, digest, until_ms):
@@ -379,6 +379,10 @@ class PullHolds:
         ):
             return False
         return hmac.compare_digest(grant_key(self._secret, rid, n, digest, until_ms), key)
+
+    def _live_key(self, rid: str, key: Any, n: Any, digest: Any, until_ms: Any) -> bool:
+        """``key`` verifies for ``rid`` and its hand-over was not released."""
+        return self._verify(rid, key, n, digest, until_ms) and (rid, until_ms) not in self._released
 
     def _new_pending(
         self, rid: str, n: int, digest: str, key: str, until_ms: int, now: float

@@ -147,11 +147,11 @@ class Done(_Message):
 
 
 @dataclass(frozen=True)
-class Free(_Message):
-    """D will not read ``rid`` (its ``n`` blocks hashing to ``digest``), with
-    the request's grant ``key``, valid until ``until_ms``."""
+class _HandOver(_Message):
+    """A decode's word about the hand-over of ``rid`` (its ``n`` blocks
+    hashing to ``digest``), proven by the request's grant ``key``, valid
+    until ``until_ms``."""
 
-    OP = Op.FREE
     ARITY = 5
     rid: str
     key: Any
@@ -160,28 +160,23 @@ class Free(_Message):
     until_ms: Any
 
     @classmethod
-    def from_args(cls, a: list[Any]) -> Free:
+    def from_args(cls, a: list[Any]) -> Any:
         return cls(str(a[0]), *a[1:5])
 
 
 @dataclass(frozen=True)
-class Renew(_Message):
-    """D still holds the params of ``rid`` (its ``n`` blocks hashing to
-    ``digest``, with the request's grant ``key``, valid until ``until_ms``)
-    and will claim it: P keeps its blocks another lease, up to the key's
-    expiry."""
+class Free(_HandOver):
+    """D will not read ``rid``: P frees its blocks once no claim reads them."""
+
+    OP = Op.FREE
+
+
+@dataclass(frozen=True)
+class Renew(_HandOver):
+    """D still holds the params of ``rid`` and will claim it: P keeps its
+    blocks another lease, up to the key's expiry."""
 
     OP = Op.RENEW
-    ARITY = 5
-    rid: str
-    key: Any
-    n: Any
-    digest: Any
-    until_ms: Any
-
-    @classmethod
-    def from_args(cls, a: list[Any]) -> Renew:
-        return cls(str(a[0]), *a[1:5])
 
 
 @dataclass(frozen=True)
