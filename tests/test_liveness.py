@@ -69,6 +69,49 @@ async def test_a_frozen_peer_breaks_the_link_then_relinks(transport: str) -> Non
         await push_one(prompt)
 
 
+class SilentDataPath:
+    """The engine, but every link's keep-alives never arrive (``silent_s``
+    says 10 s): a data path whose keep-alives queue behind bulk bytes."""
+
+    def __init__(self, engine: object) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def silent_s(self, ep: int) -> float:
+        return 10.0 if self._engine.silent_s(ep) >= 0 else -1.0  # type: ignore[attr-defined]
+
+
+async def test_a_silent_data_path_whose_peer_answers_keeps_the_link(transport: str) -> None:
+    """No keep-alive arrives on the data path, but the peer answers on its
+    control connection: the link stays up (something arrived from it) and
+    moves bytes; frozen, the same peer answers nothing and the link breaks."""
+    async with (
+        AsyncPeer("blocks", transport, "2", "4", "4096", lifetime=120) as peer,
+        kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as prompt,
+    ):
+        await prompt.init(options(transport, peer_timeout=PEER_TIMEOUT_MS))
+        state = prompt._rt.state  # type: ignore[union-attr]
+        state.engine = SilentDataPath(state.engine)
+        info = [cluster_info(peer.address, 2)]
+        assert (await prompt.link_clusters(info))[0] == S.LLM_SUCCESS
+        start = time.monotonic()
+        while time.monotonic() - start < 4 * PEER_TIMEOUT_MS / 1000:
+            link = prompt._links.get(2)
+            assert link is not None and not link.broken, (
+                f"link broken {time.monotonic() - start:.2f} s in, its peer answering"
+            )
+            await asyncio.sleep(0.05)
+        await push_one(prompt)
+        os.kill(peer.pid, signal.SIGSTOP)
+        try:
+            took = await broken_within(prompt, 2, 10 * PEER_TIMEOUT_MS / 1000)
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        print(f"frozen peer noticed after {took:.2f} s (peer_timeout {PEER_TIMEOUT_MS} ms)")
+
+
 async def test_relinking_a_silent_peer_is_not_already_linked(transport: str) -> None:
     async with (
         AsyncPeer("blocks", transport, "2", "4", "4096", lifetime=120) as peer,

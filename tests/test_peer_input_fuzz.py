@@ -229,6 +229,7 @@ def valid_bodies(cache_id: int, slot: int) -> dict[str, dict[str, Any]]:
     return {
         "finalizing": {},
         "unlink": {},
+        "alive": {},
         "probe_info": {},
         "probe_back": {"timeout": 0.2, "nonce": secrets.token_bytes(16), "slot": slot},
         "invalidate": {"cache_id": cache_id},

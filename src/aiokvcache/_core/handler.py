@@ -23,6 +23,7 @@ from .types import BlocksCacheKey, CacheKey
 from .wire import (
     LINK_UP,
     LOOKUPS,
+    Alive,
     BlocksByKey,
     CacheByAddr,
     CacheById,
@@ -116,6 +117,8 @@ class PeerHandler:
                 # Linker.unlink_all): nothing it posted can reach our memory.
                 self._links.quiesced(link)
                 return Done()
+            case Alive():
+                return Done()  # the answer is the point (Links._heartbeat)
             case ProbeInfo():
                 return self._prober.probe_info()
             case ProbeBack(timeout=timeout, nonce=nonce, slot=slot):

@@ -18,10 +18,10 @@ import logging
 from .._loader import native
 from . import control
 from .catalog import forget_link
-from .errors import LLMStatusCode, make_error
+from .errors import LLMException, LLMStatusCode, make_error
 from .servicethread import ServiceThread, until
 from .state import Link, State
-from .wire import Finalizing, ask
+from .wire import Alive, BadReply, Finalizing, ask
 
 __all__ = ["FORCE_UNLINKED", "PEER_FINALIZING", "Links"]
 
@@ -132,7 +132,8 @@ class Links:
         engine stepping on the same cores) is still heard; one whose process
         stopped is not. This task only reads the time, and a silence it sees
         is confirmed after the progress thread has run again (our own process
-        may have been the one starved).
+        may have been the one starved), then on the control connection
+        (:meth:`_answers`): silent means nothing at all arrived.
         """
         timeout = self._state.options.peer_timeout_ms / 1000
         engine = self._state.engine
@@ -152,7 +153,7 @@ class Links:
                 return  # the engine is closing
             if silent < 0:
                 return  # the endpoint is gone: the link is being dropped
-            if silent <= timeout:
+            if silent <= timeout or await self._answers(link, timeout / 2):
                 continue
             if not self._heartbeat_current(link):
                 return
@@ -162,6 +163,29 @@ class Links:
             self.break_link(link, f"peer silent for {timeout:.1f} s")
             await link.conn.close(f"peer silent for {timeout:.1f} s")
             return
+
+    async def _answers(self, link: Link, within: float) -> bool:
+        """Whether the peer answers on the link's control connection within
+        ``within`` seconds (at least 0.2). The keep-alives share the data
+        path with the transfers' bytes: on a congested link (a TCP
+        connection with a full send queue, small socket buffers) they wait
+        behind them while bytes still arrive, and a link that moves bytes
+        is not dead. Only the plain answer counts: a frozen peer gives none,
+        and one that refuses (finalized, or no longer holding the link) has
+        no link to keep.
+        """
+        if not self._heartbeat_current(link):
+            return False
+        try:
+            await ask(link.conn, Alive(), max(0.2, within))
+        except (LLMException, BadReply):
+            return False
+        log.info(
+            "aiokvcache: cluster %d's data path is silent, its control connection answers: "
+            "link kept",
+            link.cluster_id,
+        )
+        return True
 
     def _heartbeat_current(self, link: Link) -> bool:
         """``link`` is still the cluster's link, unbroken, its connection open."""

@@ -28,6 +28,7 @@ __all__ = [
     "LOOKUPS",
     "MAX_ADDRS_PER_REQUEST",
     "PROBE_NONCE_BYTES",
+    "Alive",
     "BadReply",
     "BlocksByKey",
     "CacheByAddr",
@@ -60,6 +61,7 @@ class Op(enum.StrEnum):
 
     FINALIZING = "finalizing"
     UNLINK = "unlink"
+    ALIVE = "alive"
     PROBE_INFO = "probe_info"
     PROBE_BACK = "probe_back"
     INVALIDATE = "invalidate"
@@ -317,6 +319,18 @@ class Unlink(_Empty, Request[Done]):
 
 
 @dataclass(frozen=True, slots=True)
+class Alive(_Empty, Request[Done]):
+    """Are you there? Asked when the data path fell silent: an answer on
+    the control connection is something arriving from the peer too (a
+    congested data path queues the keep-alives behind bulk bytes)."""
+
+    op: ClassVar[Op] = Op.ALIVE
+
+    def reply(self, body: dict[str, Any]) -> Done:
+        return Done.decode(body)
+
+
+@dataclass(frozen=True, slots=True)
 class ProbeInfo(_Empty, Request[ProbeSlot]):
     """Ask for a probe slot and the key to the peer's control region."""
 
@@ -493,6 +507,7 @@ _REQUESTS: dict[str, type[Request[Any]]] = {
     for cls in (
         Finalizing,
         Unlink,
+        Alive,
         ProbeInfo,
         ProbeBack,
         Invalidate,
