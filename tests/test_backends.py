@@ -10,6 +10,9 @@ with the fixtures of aiokvcache's pytest plugin (``kv_pair``, ``kv_peer``,
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -143,6 +146,67 @@ async def test_killed_peer_fails_pushes_with_link_failed(
     assert code == S.LLM_LINK_FAILED
     assert anyio.current_time() - t0 < 10
     assert cm.stats()["live_jobs"] == 0
+
+
+@pytest.fixture
+def idle_threads_exit_soon(monkeypatch: pytest.MonkeyPatch) -> float:
+    """trio's idle worker threads exit after 2 s instead of 10 s (trio
+    starts subprocesses from them): still after the peer started."""
+    from trio._core import _thread_cache
+
+    monkeypatch.setattr(_thread_cache, "IDLE_TIMEOUT", 2.0)
+    return 2.0
+
+
+async def test_a_peer_outlives_the_thread_that_started_it(
+    idle_threads_exit_soon: float, kv_prompt: LLMDataDist, kv_peer: PeerProcess
+) -> None:
+    """The peer's life is tied to this process, not to the thread that
+    forked it: under trio that thread goes idle and exits (PR_SET_PDEATHSIG
+    killed the peer then, 10 s into a test)."""
+    await anyio.sleep(2 * idle_threads_exit_soon)
+    assert kv_peer.returncode is None, "the peer died with the thread that started it"
+    dst = await kv_peer.alloc("dst", 2, TENSOR)
+    src = kv_prompt.cache_manager.allocate_cache(
+        CacheDesc(2, [1, TENSOR], DataType.DT_UINT8, Placement.HOST)
+    )
+    fill(src, 3)
+    key = CacheKeyByIdAndIndex(kv_peer.cluster_id, dst["cache_id"])
+    await kv_prompt.cache_manager.push_cache(key, src, timeout=10)
+    assert await kv_peer.sha("dst") == sha(src)
+
+
+PARENT_OF_A_PEER = """
+import os, signal, sys, threading, anyio
+from aiokvcache.testing import PeerProcess
+
+async def main():
+    peer = await PeerProcess("decoder", sys.argv[1]).start()
+    print(peer.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no clean-up: the peer must go by itself
+
+anyio.run(main, backend=sys.argv[2])
+"""
+
+
+async def test_a_peer_dies_with_the_process_that_started_it(
+    anyio_backend_name: str, transport: str
+) -> None:
+    """Its parent SIGKILLed (no clean-up runs), the peer follows within a second or so."""
+    got = await anyio.run_process(
+        [sys.executable, "-c", PARENT_OF_A_PEER, transport, anyio_backend_name], check=False
+    )
+    peer = int(got.stdout.split()[0])
+    with anyio.fail_after(10):
+        while True:
+            try:
+                os.kill(peer, 0)
+            except ProcessLookupError:
+                break
+            stat = Path(f"/proc/{peer}/stat").read_text()  # noqa: ASYNC240
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                break  # dead, waiting for init to reap it
+            await anyio.sleep(0.05)
 
 
 async def test_cancel_scope_and_fail_after_mid_push_are_quiescent(transport: str) -> None:
