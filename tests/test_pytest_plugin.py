@@ -161,3 +161,50 @@ async def test_transport(kv_pair, kv_transport):
     )
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["*test_transport*asyncio-kv-shm*", "*test_transport*trio-kv-tcp*"])
+
+
+AUTO_MODE_SUITE = """
+import pytest
+pytestmark = pytest.mark.anyio
+
+async def test_uses_the_pair(kv_pair):
+    pass
+
+def test_plain():
+    pass
+"""
+
+
+@pytest.mark.parametrize("how", ["ini", "option"])
+def test_pytest_asyncio_auto_mode_is_one_clear_usage_error(
+    pytester: pytest.Pytester, how: str
+) -> None:
+    """Auto mode would break every test that uses the fixtures, asyncio ones
+    included: the run stops at collection and says what to set."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_user=AUTO_MODE_SUITE)
+    args = ["-p", "no:cacheprovider", "-q"]
+    if how == "ini":
+        pytester.makeini("[pytest]\nasyncio_mode = auto\n")
+    else:
+        args.append("--asyncio-mode=auto")
+    result = pytester.runpytest_subprocess(*args, timeout=240)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    result.stderr.fnmatch_lines(["*auto mode*test_uses_the_pair*asyncio_mode = strict*"])
+
+
+def test_pytest_asyncio_auto_mode_without_the_fixtures_is_left_alone(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(test_user="async def test_coroutine():\n    pass\n")
+    pytester.makeini("[pytest]\nasyncio_mode = auto\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=240)
+    result.assert_outcomes(passed=1)
+
+
+def test_pytest_asyncio_strict_mode_runs_the_fixtures(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_user=AUTO_MODE_SUITE)
+    pytester.makeini("[pytest]\nasyncio_mode = strict\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", timeout=240)
+    result.assert_outcomes(passed=3)

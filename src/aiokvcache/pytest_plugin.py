@@ -67,6 +67,40 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("kv_transport", transports, ids=[f"kv-{t}" for t in transports])
 
 
+_FIXTURES = frozenset({"kv_pair", "kv_peer", "kv_prompt"})
+
+
+def _asyncio_mode(config: pytest.Config) -> str | None:
+    """pytest-asyncio's mode in this run, or None where it is not loaded."""
+    if not config.pluginmanager.hasplugin("asyncio"):
+        return None
+    try:
+        mode = config.getoption("asyncio_mode", None) or config.getini("asyncio_mode")
+    except ValueError:
+        return None
+    return str(getattr(mode, "value", mode) or "").lower() or None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """One clear usage error where pytest-asyncio's *auto* mode would break
+    every test that uses the fixtures: it claims each coroutine test and
+    fixture, asyncio ones included, and runs them on a loop of its own
+    ("Future attached to a different loop", trio's "Task got bad yield")."""
+    if _asyncio_mode(config) != "auto":
+        return
+    users = [item.nodeid for item in items if _FIXTURES & set(getattr(item, "fixturenames", ()))]
+    if not users:
+        return
+    shown = ", ".join(users[:3]) + (f" and {len(users) - 3} more" if len(users) > 3 else "")
+    raise pytest.UsageError(
+        "aiokvcache's kv_* fixtures run on anyio's pytest plugin, and pytest-asyncio's "
+        f"auto mode takes over their tests ({shown}): set asyncio_mode = strict (its default) "
+        "in the pytest configuration, or run with --asyncio-mode=strict; mark the tests "
+        "@pytest.mark.anyio (docs/testing.md)"
+    )
+
+
 @pytest.fixture
 def kv_transport() -> str:
     """The data plane of the instances the fixtures make: "auto" (UCX picks)."""
