@@ -123,7 +123,8 @@ class LoopSide:
         raise NotImplementedError
 
     def time(self) -> float:  # pragma: no cover - abstract
-        """The loop's clock (seconds)."""
+        """Seconds in real time (``time.monotonic``; asyncio's loop clock is):
+        what a call's ``timeout=`` is counted on."""
         raise NotImplementedError
 
     def future(self) -> Waiter[Any]:  # pragma: no cover - abstract
@@ -149,7 +150,9 @@ class LoopSide:
         raise NotImplementedError
 
     def deadline(self, seconds: float | None) -> Deadline:  # pragma: no cover - abstract
-        """A block that raises ``TimeoutError`` once ``seconds`` pass (None: never)."""
+        """A block that raises ``TimeoutError`` once ``seconds`` of real time
+        pass (None: never), whatever clock the loop has: a timeout bounds what
+        the native engine and peers do, which no virtual clock drives."""
         raise NotImplementedError
 
     async def sleep(self, seconds: float) -> None:  # pragma: no cover - abstract

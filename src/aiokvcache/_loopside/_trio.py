@@ -6,7 +6,9 @@
 * The peer-service thread's results wake the run through its token
   (``run_sync_soon``): nothing blocks a thread on the run, and nothing but the
   run's own thread touches a :class:`TrioWaiter`.
-* Deadlines are cancel scopes that raise the builtin ``TimeoutError``;
+* Deadlines are cancel scopes that raise the builtin ``TimeoutError``, in
+  real time whatever the run's clock (under ``trio.testing.MockClock`` a
+  thread of timers cancels them);
   cancellation is the caller's cancel scope (``fail_after``, ``move_on_after``,
   ``CancelScope.cancel``), and the release a cancelled transfer must wait for
   is awaited in a shielded scope, never re-awaited unshielded inside the
@@ -20,8 +22,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import functools
+import heapq
+import itertools
 import logging
 import math
+import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any, TypeVar
 
@@ -29,7 +36,7 @@ import trio
 
 from ._base import Deadline, LoopSide, ServiceGone, TaskHandle, Waiter
 
-__all__ = ["TrioSide", "TrioWaiter"]
+__all__ = ["REAL_TIMER", "TrioSide", "TrioWaiter", "cancel_from_thread", "real_clock"]
 
 log = logging.getLogger("aiokvcache")
 
@@ -100,20 +107,105 @@ class TrioWaiter:
         return self._get().__await__()
 
 
-class _TrioDeadline:
-    """A cancel scope with a deadline that raises ``TimeoutError`` when it fires."""
+class _RealTimer:
+    """One daemon thread that calls functions at ``time.monotonic()`` times:
+    the deadlines of a run whose clock is not real time (``trio.testing.
+    MockClock``, which jumps ahead whenever every task waits, a native
+    completion or a peer's answer included)."""
 
-    __slots__ = ("_scope",)
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], object]]] = []
+        self._cancelled: set[int] = set()
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def call_at(self, when: float, fn: Callable[[], object]) -> int:
+        with self._cv:
+            n = next(self._seq)
+            heapq.heappush(self._heap, (when, n, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="aiokvcache.real-deadlines", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+        return n
+
+    def cancel(self, n: int) -> None:
+        with self._cv:
+            self._cancelled.add(n)  # dropped when it comes due
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if not self._heap:
+                        self._cv.wait()
+                        continue
+                    when, n, fn = self._heap[0]
+                    if n in self._cancelled:
+                        heapq.heappop(self._heap)
+                        self._cancelled.discard(n)
+                        continue
+                    left = when - time.monotonic()
+                    if left > 0:
+                        self._cv.wait(left)
+                        continue
+                    heapq.heappop(self._heap)
+                    break
+            try:
+                fn()
+            except Exception:  # never the thread: the next deadlines still fire
+                log.exception("aiokvcache: a real-time deadline's callback failed")
+
+
+REAL_TIMER = _RealTimer()
+
+
+def real_clock() -> bool:
+    """Whether this run's clock is trio's own (real time)."""
+    clock = type(trio.lowlevel.current_clock())
+    return clock.__name__ == "SystemClock" and clock.__module__.startswith("trio.")
+
+
+def cancel_from_thread(token: trio.lowlevel.TrioToken, scope: Any) -> None:
+    """``scope.cancel()`` on the run's thread, from any thread."""
+    try:
+        token.run_sync_soon(scope.cancel)
+    except trio.RunFinishedError:
+        pass  # the run ended: nothing waits on the scope
+
+
+class _TrioDeadline:
+    """A cancel scope that raises ``TimeoutError`` once ``seconds`` of real
+    time passed, whatever clock the run has (see :meth:`TrioSide.deadline`)."""
+
+    __slots__ = ("_scope", "_timer", "_when")
 
     def __init__(self, seconds: float | None) -> None:
-        deadline = math.inf if seconds is None else trio.current_time() + seconds
+        self._when: float | None = None
+        self._timer: int | None = None
+        deadline = math.inf
+        if seconds is not None:
+            if real_clock():
+                deadline = trio.current_time() + seconds
+            else:
+                self._when = time.monotonic() + seconds
         self._scope = trio.CancelScope(deadline=deadline)
 
     async def __aenter__(self) -> _TrioDeadline:
         self._scope.__enter__()
+        if self._when is not None:
+            token = trio.lowlevel.current_trio_token()
+            self._timer = REAL_TIMER.call_at(
+                self._when, functools.partial(cancel_from_thread, token, self._scope)
+            )
         return self
 
     async def __aexit__(self, *exc: Any) -> bool | None:
+        if self._timer is not None:
+            REAL_TIMER.cancel(self._timer)
         suppressed = self._scope.__exit__(*exc)
         if self._scope.cancelled_caught:
             raise TimeoutError
@@ -205,7 +297,9 @@ class TrioSide(LoopSide):
             )
 
     def time(self) -> float:
-        return trio.current_time()
+        # Real time, as deadline(): a call's timeout= bounds what the native
+        # engine and peers do, which no virtual clock (MockClock) drives.
+        return time.monotonic()
 
     def future(self) -> TrioWaiter:
         return TrioWaiter()

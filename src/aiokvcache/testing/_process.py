@@ -35,6 +35,7 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._child import PeerExited, checked, is_answer, json_object
+from ._clock import real_fail_after, real_move_on_after
 
 __all__ = ["JsonChild", "PeerProcess"]
 
@@ -159,7 +160,7 @@ class JsonChild:
                 with contextlib.suppress(Exception):
                     await proc.stdin.aclose()
             if proc.returncode is None:
-                with anyio.move_on_after(grace):
+                with real_move_on_after(grace):
                     await proc.wait()
             if proc.returncode is None:
                 await self.kill()
@@ -194,12 +195,12 @@ class JsonChild:
         after ``timeout`` seconds, :class:`PeerExited` when it ends first."""
         out = self._out
         assert out is not None
-        with anyio.fail_after(timeout):
+        with real_fail_after(timeout):
             while True:
                 try:
                     raw = await out.receive_until(b"\n", _MAX_LINE)
                 except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError):
-                    with anyio.move_on_after(1):
+                    with real_move_on_after(1):
                         await self._proc().wait()
                     raise PeerExited(
                         f"{self.label} exited (rc {self.returncode}): "
@@ -218,7 +219,7 @@ class JsonChild:
         self._requests += 1
         rid = self._requests
         await self.send({"op": op, "id": rid, **args})
-        with anyio.fail_after(timeout):
+        with real_fail_after(timeout):
             while True:
                 reply = await self.read_json(timeout)
                 if is_answer(reply, rid):
