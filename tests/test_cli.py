@@ -215,3 +215,24 @@ def test_ucx_lines_reach_the_library_logger(caplog: pytest.LogCaptureFixture) ->
     assert records, "UCX said nothing about the missing transport"
     assert any("not available" in r.getMessage() for r in records)
     assert not native.ucx_log_pending()
+
+
+def test_ucx_leftover_objects_at_worker_destroy_are_debug_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """"object ... was not returned to mpool" (a forced close leaves them by
+    design) is a DEBUG line of ``aiokvcache.ucx``; other warnings stay warnings."""
+    from aiokvcache import _ucxlog
+    from aiokvcache._loader import native
+
+    caplog.set_level(logging.DEBUG, logger="aiokvcache.ucx")
+    _ucxlog.drain()
+    caplog.clear()
+    native.ucx_log_emit(2, "object 0x55 was not returned to mpool ucp_rkeys")
+    native.ucx_log_emit(2, "some other warning")
+    _ucxlog.drain()
+    levels = {r.getMessage().split(" (")[0]: r.levelno for r in caplog.records}
+    assert levels == {
+        "UCX: object 0x55 was not returned to mpool ucp_rkeys": logging.DEBUG,
+        "UCX: some other warning": logging.WARNING,
+    }, levels
