@@ -209,6 +209,88 @@ async def test_a_peer_dies_with_the_process_that_started_it(
             await anyio.sleep(0.05)
 
 
+# ------------------------------------------- the decode side against a prefill peer
+
+
+async def prefill_source(
+    kv_decoder: LLMDataDist, kv_prefill_peer: PeerProcess
+) -> tuple[Cache, str]:
+    """A destination cache here and the prefill's seeded source "src": (dst, its sha)."""
+    dst = kv_decoder.cache_manager.allocate_cache(DESC)
+    src = await kv_prefill_peer.alloc("src", 2 * LAYERS, TENSOR, seed=11)
+    return dst, str(src["sha"])
+
+
+async def test_the_decode_side_sees_a_prefill_peers_paced_layers(
+    kv_decoder: LLMDataDist, kv_prefill_peer: PeerProcess
+) -> None:
+    """Layer by layer, 20 ms apart, each push tagged: notifications() names
+    every layer from cluster 1 in order, wait_for_layers returns, the bytes
+    are the prefill's."""
+    dst, want = await prefill_source(kv_decoder, kv_prefill_peer)
+    cm = kv_decoder.cache_manager
+    seen: list[int] = []
+    async with cm.notifications() as notes:
+        await kv_prefill_peer.push_layers("src", 2, dst.cache_id, "req-1", every_ms=20)
+        with anyio.fail_after(20):
+            async for note in notes:
+                assert (note.tag, note.src_cluster_id, note.cache_id) == ("req-1", 1, dst.cache_id)
+                seen.append(note.layer)
+                if len(seen) == LAYERS:
+                    break
+    assert seen == list(range(LAYERS))
+    await cm.wait_for_layers("req-1", range(LAYERS), timeout=10, src_cluster_id=1)
+    assert sha(dst) == want
+    joined = await kv_prefill_peer.join_layers("req-1")
+    assert set(joined["layers"].values()) == {"LLM_SUCCESS"}, joined
+
+
+async def test_a_prefill_peer_frozen_mid_layer_then_thawed(
+    kv_decoder: LLMDataDist, kv_prefill_peer: PeerProcess
+) -> None:
+    """Frozen once layer 2's jobs are submitted: layers 0-1 land, no layer
+    after 2 can, a wait for all of them times out naming what landed; thawed,
+    the rest land and the bytes are the prefill's."""
+    dst, want = await prefill_source(kv_decoder, kv_prefill_peer)
+    cm = kv_decoder.cache_manager
+    await kv_prefill_peer.push_layers("src", 2, dst.cache_id, "req-2", freeze_at=2)
+    with anyio.fail_after(10):
+        while not await kv_prefill_peer.frozen():  # noqa: ASYNC110 (another process's state)
+            await anyio.sleep(0.01)
+    with pytest.raises(LLMException) as err:
+        await cm.wait_for_layers("req-2", range(LAYERS), timeout=0.5)
+    assert err.value.status_code == S.LLM_TIMEOUT
+    assert {0, 1} <= set(err.value.landed) <= {0, 1, 2}, err.value.landed
+    kv_prefill_peer.thaw()
+    await cm.wait_for_layers("req-2", range(LAYERS), timeout=10)
+    assert sha(dst) == want
+    joined = await kv_prefill_peer.join_layers("req-2")
+    assert set(joined["layers"].values()) == {"LLM_SUCCESS"}, joined
+    assert isinstance(joined["froze_mid_layer"], bool)
+
+
+async def test_a_prefill_peer_that_stops_after_two_layers_or_dies(
+    kv_decoder: LLMDataDist, kv_prefill_peer: PeerProcess
+) -> None:
+    """stop_after: two layers land and no more; killed mid-stream, the
+    decode side's wait ends by its timeout, and the decoder serves on."""
+    dst, _ = await prefill_source(kv_decoder, kv_prefill_peer)
+    cm = kv_decoder.cache_manager
+    await kv_prefill_peer.push_layers("src", 2, dst.cache_id, "req-3", stop_after=2)
+    joined = await kv_prefill_peer.join_layers("req-3")
+    assert joined["layers"] == {"0": "LLM_SUCCESS", "1": "LLM_SUCCESS"}, joined
+    with pytest.raises(LLMException) as err:
+        await cm.wait_for_layers("req-3", range(3), timeout=0.3)
+    assert set(err.value.landed) == {0, 1}  # a wait that returns would drop the record
+    await kv_prefill_peer.push_layers("src", 2, dst.cache_id, "req-4", every_ms=200)
+    await cm.wait_for_layers("req-4", range(1), timeout=10)
+    await kv_prefill_peer.kill()
+    with pytest.raises(LLMException) as err:
+        await cm.wait_for_layers("req-4", range(LAYERS), timeout=1)
+    assert err.value.status_code == S.LLM_TIMEOUT
+    assert kv_decoder.cache_manager.stats()["live_jobs"] == 0
+
+
 async def test_cancel_scope_and_fail_after_mid_push_are_quiescent(transport: str) -> None:
     # A 64 KiB window and no direct copies: a 64 MiB push is long enough to
     # be cut mid-way, on either transport.

@@ -13,6 +13,10 @@ them on both.
   thaw, slow down or kill.
 * ``kv_prompt``: a prompt :class:`~aiokvcache.LLMDataDist` (cluster 1) in this
   process, linked to ``kv_peer``.
+* ``kv_decoder`` and ``kv_prefill_peer``: the other way round, a listening
+  decoder (cluster 2) in this process and a prefill (cluster 1) in a child
+  process linked to it, whose tagged layer-by-layer pushes can be paced,
+  stopped or frozen mid-layer.
 * ``kv_transport`` ("auto") and ``kv_options`` (``{}``: extra
   :class:`~aiokvcache.LLMConfig` attributes, ``{"sync_kv_timeout": 2000}``)
   configure them; override them in a ``conftest.py``, or give
@@ -38,7 +42,15 @@ if TYPE_CHECKING:
     from aiokvcache import LLMDataDist
     from aiokvcache.testing import Pair, PeerProcess
 
-__all__ = ["kv_options", "kv_pair", "kv_peer", "kv_prompt", "kv_transport"]
+__all__ = [
+    "kv_decoder",
+    "kv_options",
+    "kv_pair",
+    "kv_peer",
+    "kv_prefill_peer",
+    "kv_prompt",
+    "kv_transport",
+]
 
 _TRANSPORTS_HELP = (
     "comma-separated transports (auto, shm, tcp, rdma) to run each test that uses "
@@ -67,7 +79,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("kv_transport", transports, ids=[f"kv-{t}" for t in transports])
 
 
-_FIXTURES = frozenset({"kv_pair", "kv_peer", "kv_prompt"})
+_FIXTURES = frozenset({"kv_decoder", "kv_pair", "kv_peer", "kv_prefill_peer", "kv_prompt"})
 
 
 def _asyncio_mode(config: pytest.Config) -> str | None:
@@ -158,18 +170,12 @@ async def kv_pair(
             yield pr
 
 
-@pytest.fixture
-async def kv_peer(
-    anyio_backend: Any, kv_transport: str, kv_options: dict[str, Any]
-) -> AsyncIterator[PeerProcess]:
-    """A listening decoder (cluster 2) in a child process, started for the
-    test and ended after it. The test fails if the peer died unless it was
-    killed through it (:meth:`~aiokvcache.testing.PeerProcess.kill`), or if
-    the peer (thawed first, if the test left it frozen) still has native
-    jobs live or an error reached its peer-service loop."""
-    from aiokvcache.testing import PeerProcess
-
-    peer = PeerProcess("decoder", kv_transport, options=kv_options)
+@contextlib.asynccontextmanager
+async def _checked_peer(peer: PeerProcess, name: str) -> AsyncIterator[PeerProcess]:
+    """``peer`` started for the block and ended after it; the test fails if
+    it died unless it was killed through it, or if (thawed first, when left
+    frozen) it still has native jobs live or an error reached its
+    peer-service loop."""
     problems: list[str] = []
     async with peer:
         yield peer
@@ -185,7 +191,65 @@ async def kv_peer(
                 errors = health["service_errors"]
                 problems.append(f"an error reached the peer's service loop: {errors}")
     if problems:
-        pytest.fail("kv_peer: " + "; ".join(problems))
+        pytest.fail(f"{name}: " + "; ".join(problems))
+
+
+@pytest.fixture
+async def kv_peer(
+    anyio_backend: Any, kv_transport: str, kv_options: dict[str, Any]
+) -> AsyncIterator[PeerProcess]:
+    """A listening decoder (cluster 2) in a child process, started for the
+    test and ended after it. The test fails if the peer died unless it was
+    killed through it (:meth:`~aiokvcache.testing.PeerProcess.kill`), or if
+    the peer (thawed first, if the test left it frozen) still has native
+    jobs live or an error reached its peer-service loop."""
+    from aiokvcache.testing import PeerProcess
+
+    async with _checked_peer(
+        PeerProcess("decoder", kv_transport, options=kv_options), "kv_peer"
+    ) as peer:
+        yield peer
+
+
+@pytest.fixture
+async def kv_decoder(
+    anyio_backend: Any, kv_transport: str, kv_options: dict[str, Any]
+) -> AsyncIterator[LLMDataDist]:
+    """A listening decoder (cluster 2) in this process: the decode side under
+    test, which ``kv_prefill_peer`` pushes into. Finalized after the test,
+    which fails if a native job was left."""
+    from aiokvcache import LLMDataDist, LLMRole, testing
+
+    with _no_service_errors("kv_decoder"):
+        dd = LLMDataDist(LLMRole.DECODER, testing.DECODER_ID)
+        try:
+            await dd.init(testing.options(kv_transport, listen=True, **kv_options))
+            yield dd
+            left = _live_jobs(dd)
+        finally:
+            await dd.finalize()
+    if left:
+        pytest.fail(f"kv_decoder: {left} native jobs still live after the test")
+
+
+@pytest.fixture
+async def kv_prefill_peer(
+    anyio_backend: Any, kv_decoder: LLMDataDist, kv_transport: str, kv_options: dict[str, Any]
+) -> AsyncIterator[PeerProcess]:
+    """A prefill (cluster 1) in a child process, linked to ``kv_decoder``:
+    its pushes carry tags and are paced, stopped or frozen mid-layer on
+    demand (:meth:`~aiokvcache.testing.PeerProcess.push_layers`), so the
+    decode side's ``wait_for_layers`` / ``notifications()`` code is tested
+    against a peer that can hang or die. The same checks as ``kv_peer`` at
+    teardown."""
+    from aiokvcache.testing import PeerProcess
+
+    peer = PeerProcess("prefill", kv_transport, options=kv_options)
+    async with _checked_peer(peer, "kv_prefill_peer"):
+        linked = await peer.link(str(kv_decoder.listen_address), kv_decoder.cluster_id, 10_000)
+        if linked["status"] != "LLM_SUCCESS":
+            raise RuntimeError(f"kv_prefill_peer: cannot link to kv_decoder: {linked}")
+        yield peer
 
 
 @pytest.fixture

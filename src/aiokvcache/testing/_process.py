@@ -374,6 +374,50 @@ class PeerProcess(JsonChild):
             "wait", timeout + 30, tag=tag, layers=[int(x) for x in layers], wait_timeout=timeout
         )
 
+    async def push_layers(
+        self,
+        src: str,
+        cluster_id: int,
+        cache_id: int,
+        tag: str,
+        *,
+        index: int = 0,
+        layers: Sequence[int] | None = None,
+        every_ms: float = 0,
+        stop_after: int | None = None,
+        freeze_at: int | None = None,
+        call_timeout: float = 10,
+    ) -> None:
+        """Start pushing its cache ``src`` into batch ``index`` of cache
+        ``cache_id`` of cluster ``cluster_id`` layer by layer, as a prefill
+        does while it computes the next layer; returns at once
+        (:meth:`join_layers` waits for the end). Each layer's push is tagged
+        ``tag``, so the decode side's ``wait_for_layers`` and
+        ``notifications()`` see it. ``layers`` (default every layer) in
+        order, ``every_ms`` apart; only the first ``stop_after`` if given.
+        With ``freeze_at`` k the peer stops itself (``SIGSTOP``) once layer
+        k's jobs are submitted, its bytes moving, and pushes the next layers
+        when :meth:`thaw` continues it; layers after k cannot land before."""
+        await self.call(
+            "push_layers", src=src, cluster_id=cluster_id, cache_id=cache_id, index=index,
+            tag=tag, layers=None if layers is None else [int(x) for x in layers],
+            every_ms=every_ms, stop_after=stop_after, freeze_at=freeze_at,
+            call_timeout=call_timeout,
+        )  # fmt: skip
+
+    async def join_layers(self, tag: str, timeout: float = 60) -> dict[str, Any]:
+        """Wait for :meth:`push_layers` of ``tag`` to end: ``layers`` (each
+        layer's status name, keyed by the layer as a string), ``ok``,
+        ``failed`` (the first failures, with their messages) and, with
+        ``freeze_at``, ``froze_mid_layer`` (whether that layer's push was still
+        moving when the peer stopped)."""
+        return await self.call("loop_join", timeout + 30, loop="layers:" + tag, wait=timeout)
+
+    async def frozen(self) -> bool:
+        """Whether it is stopped now (by :meth:`freeze` or by itself)."""
+        stat = await anyio.Path(f"/proc/{self.pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+
     async def link(self, address: str, cluster_id: int, timeout_ms: int = 5000) -> dict[str, Any]:
         """Link to ``address`` (cluster ``cluster_id``): ``status`` and ``per``."""
         return await self.call(

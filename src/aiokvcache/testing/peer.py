@@ -130,9 +130,13 @@ async def _timed_status(aw: Awaitable[Any]) -> dict[str, Any]:
 
 
 def _summary(done: list[dict[str, Any]]) -> dict[str, Any]:
-    """What a push loop did so far."""
+    """What a push loop did so far (a layer loop: each layer's status too)."""
     failed = [r for r in done if r["status"] != "LLM_SUCCESS"]
+    by_layer = {str(r["layer"]): r["status"] for r in done if "layer" in r}
+    froze = [r["froze_mid_layer"] for r in done if "froze_mid_layer" in r]
     return {
+        **({"layers": by_layer} if by_layer else {}),
+        **({"froze_mid_layer": froze[0]} if froze else {}),
         "done": len(done),
         "ok": len(done) - len(failed),
         "failed": failed[:5],
@@ -333,6 +337,45 @@ class _Node:
         self.loops[name] = asyncio.create_task(self._push_loop(req, self.progress[name]))
         return {"started": name}
 
+    async def push_layers(self, req: dict[str, Any]) -> dict[str, Any]:
+        # Cache "src" into batch "index" of cache "cache_id" of cluster
+        # "cluster_id" layer by layer, each push tagged "tag" (what the decode
+        # side's wait_for_layers / notifications() see): "layers" (default
+        # every layer) in order, "every_ms" apart, the first "stop_after" only
+        # if given; with "freeze_at" k, once layer k's jobs are submitted this
+        # whole process stops (SIGSTOP) while its bytes move, and goes on with
+        # the next layers when thawed. In the background: the answer comes at
+        # once, loop_join("layers:" + tag) gives each layer's status.
+        name = "layers:" + str(req["tag"])
+        self.progress[name] = []
+        self.loops[name] = asyncio.create_task(self._layer_loop(req, self.progress[name]))
+        return {"started": name}
+
+    async def _layer_loop(
+        self, req: dict[str, Any], done: list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        cm = self.dd.cache_manager
+        src = self.caches[str(req["src"])]
+        layers = [int(x) for x in req.get("layers") or range(src.cache_desc.num_tensors // 2)]
+        if req.get("stop_after") is not None:
+            layers = layers[: int(req["stop_after"])]
+        every = float(req.get("every_ms", 0)) / 1000
+        freeze_at = req.get("freeze_at")
+        for n, layer in enumerate(layers):
+            if n and every:
+                await asyncio.sleep(every)
+            one = range(layer, layer + 1)
+            push = cm.push_cache(
+                _key_of(req), src, src_layer_range=one, dst_layer_range=one,
+                tag=str(req["tag"]), timeout=float(req.get("call_timeout", 10)),
+            )  # fmt: skip
+            task = asyncio.ensure_future(_timed_status(push))
+            entry: dict[str, Any] = {"layer": layer, "src": str(req["src"])}
+            if freeze_at is not None and layer == int(freeze_at):
+                entry["froze_mid_layer"] = await _freeze_once_submitted(cm, task)
+            done.append({**entry, **await task})
+        return done
+
     async def loop_status(self, req: dict[str, Any]) -> dict[str, Any]:
         name = str(req["loop"])
         return {"running": not self.loops[name].done(), **_summary(self.progress[name])}
@@ -426,6 +469,17 @@ def _round_pusher(
     return blocks
 
 
+async def _freeze_once_submitted(cm: Any, task: asyncio.Future[Any]) -> bool:
+    """Stop this process (``SIGSTOP``) once ``task``'s push has native jobs
+    live (or it ended, or 5 s passed); whether it was still moving then."""
+    end = time.monotonic() + 5
+    while not task.done() and not cm.stats()["live_jobs"] and time.monotonic() < end:  # noqa: ASYNC110
+        await asyncio.sleep(0.0002)  # native state: no event to wait on
+    moving = not task.done()
+    os.kill(os.getpid(), signal.SIGSTOP)  # the test thaws it (PeerProcess.thaw)
+    return moving
+
+
 def _quantile(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
@@ -453,6 +507,7 @@ _NODE_OPS: dict[str, Callable[[_Node, dict[str, Any]], Awaitable[dict[str, Any]]
     "loop": _Node.loop,
     "loop_status": _Node.loop_status,
     "loop_join": _Node.loop_join,
+    "push_layers": _Node.push_layers,
     "reinit": _Node.reinit,
     "rss": _Node.rss,
     "stats": _Node.stats,
