@@ -352,3 +352,50 @@ async def test_notifications_iterator_ends_at_finalize(kv_pair: Pair) -> None:
             await first.wait()
             await kv_pair.decoder.finalize()  # the iterator ends: read() returns
     assert [n.tag for n in got] == ["last"]
+
+
+@pytest.mark.parametrize(
+    "kv_options", [{"max_inflight_bytes": 64 * 1024, "direct_copy": False}], ids=["64k-window"]
+)
+async def test_a_prefill_peer_left_frozen_mid_layer_passes_its_teardown(
+    kv_decoder: LLMDataDist, kv_prefill_peer: PeerProcess
+) -> None:
+    """The fixture thaws a peer the test left frozen and then holds it to no
+    native job live: a test that checks the decode side while the prefill
+    is frozen mid-layer, and ends there, passes. (The thawed layer loop goes
+    on pushing: health() right after the thaw counted those jobs as left.)"""
+    big = 4 << 20  # 8 MiB a layer through a 64 KiB window: the rest takes a while
+    dst = kv_decoder.cache_manager.allocate_cache(
+        CacheDesc(2 * LAYERS, [1, big], DataType.DT_UINT8, Placement.HOST)
+    )
+    await kv_prefill_peer.alloc("big", 2 * LAYERS, big, seed=12)
+    await kv_prefill_peer.push_layers("big", 2, dst.cache_id, "req-5", freeze_at=0)
+    with anyio.fail_after(10):
+        while not await kv_prefill_peer.frozen():  # noqa: ASYNC110 (another process's state)
+            await anyio.sleep(0.01)
+    with pytest.raises(LLMException) as err:
+        await kv_decoder.cache_manager.wait_for_layers("req-5", range(LAYERS), timeout=0.3)
+    assert err.value.status_code == S.LLM_TIMEOUT
+
+
+async def test_a_prefill_peer_thawed_before_its_freeze_goes_on(
+    kv_decoder: LLMDataDist, kv_prefill_peer: PeerProcess
+) -> None:
+    """freeze_at k, and the test thaws before the peer reached layer k (it
+    let it go on early): the thaw cancels the freeze, every layer lands.
+    (Before, the thaw was lost: the peer stopped itself afterwards and stayed
+    stopped.)"""
+    dst, want = await prefill_source(kv_decoder, kv_prefill_peer)
+    cm = kv_decoder.cache_manager
+    await kv_prefill_peer.push_layers(
+        "src", 2, dst.cache_id, "req-6", every_ms=100, freeze_at=LAYERS - 1
+    )
+    kv_prefill_peer.thaw()  # layer 0 is on its way; layer 7 is 0.7 s off
+    try:
+        await cm.wait_for_layers("req-6", range(LAYERS), timeout=5)
+    finally:
+        frozen = await kv_prefill_peer.frozen()
+        kv_prefill_peer.thaw()
+        await kv_prefill_peer.join_layers("req-6", timeout=10)
+    assert not frozen
+    assert sha(dst) == want

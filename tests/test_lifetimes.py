@@ -687,9 +687,10 @@ def test_unlink_then_deallocate_waits_for_the_peers_puts(
             f"deallocate_cache: {res}"
         )
         assert res["released"], f"X's memory was never released: {res}"
-        if not res["live_at_unlink"]:
-            continue  # the link broke before the unlink (a stalled TCP start): again
-        assert res["pushes_ok"] >= 1, f"the peer was not pushing into X: {res}"
+        if not res["live_at_unlink"] or not res["pushes_ok"]:
+            # The link broke before the unlink, or no push had ended yet (a
+            # stalled TCP start, a loaded machine): nothing was tested, again.
+            continue
         if how == "force" or freeze == "frozen":
             # Never confirmed by the peer: quarantined, not freed.
             assert res["quarantined"] >= 2 * (16 << 20), res
@@ -699,7 +700,7 @@ def test_unlink_then_deallocate_waits_for_the_peers_puts(
         live += 1
         if live == attempts:
             break
-    assert live == attempts, "the peer's link never stayed up until the unlink"
+    assert live == attempts, "the peer's link never stayed up, pushing, until the unlink"
 
 
 # ================================================================ item 6

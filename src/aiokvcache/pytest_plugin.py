@@ -183,7 +183,10 @@ async def _checked_peer(peer: PeerProcess, name: str) -> AsyncIterator[PeerProce
             if not peer.killed:
                 problems.append(f"the peer process died during the test (rc {peer.returncode})")
         elif not peer.killed:
-            peer.thaw()
+            peer.thaw()  # and its layer pushes go on: let them end first
+            settled = await peer.call("settle", 60, wait=30)
+            if settled["unsettled"]:
+                problems.append("its push_layers still ran 30 s after the test")
             health = await peer.health()
             if health["live_jobs"]:
                 problems.append(f"{health['live_jobs']} native jobs still live in the peer")

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import heapq
@@ -29,14 +30,21 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator, Sequence
 from typing import Any, TypeVar
 
 import trio
 
 from ._base import Deadline, LoopSide, ServiceGone, TaskHandle, Waiter
 
-__all__ = ["REAL_TIMER", "TrioSide", "TrioWaiter", "cancel_from_thread", "real_clock"]
+__all__ = [
+    "REAL_TIMER",
+    "TrioSide",
+    "TrioWaiter",
+    "cancel_from_thread",
+    "real_clock",
+    "real_move_on_after",
+]
 
 log = logging.getLogger("aiokvcache")
 
@@ -111,20 +119,29 @@ class _RealTimer:
     """One daemon thread that calls functions at ``time.monotonic()`` times:
     the deadlines of a run whose clock is not real time (``trio.testing.
     MockClock``, which jumps ahead whenever every task waits, a native
-    completion or a peer's answer included)."""
+    completion or a peer's answer included). A cancelled entry is forgotten
+    at once and the heap compacted when most of it is cancelled: deadlines
+    that ended leave nothing behind a long one still pending."""
+
+    _MAX_WAIT_S = 3600.0  # Condition.wait of a far deadline, in steps
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
-        self._heap: list[tuple[float, int, Callable[[], object]]] = []
-        self._cancelled: set[int] = set()
+        self._heap: list[tuple[float, int]] = []
+        self._live: dict[int, Callable[[], object]] = {}
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
 
-    def call_at(self, when: float, fn: Callable[[], object]) -> int:
+    def call_at(self, when: float, fn: Callable[[], object]) -> int | None:
+        """``fn()`` on the timer thread at ``when``; None (never) for an
+        infinite or NaN time."""
+        if not math.isfinite(when):
+            return None
         with self._cv:
             n = next(self._seq)
-            heapq.heappush(self._heap, (when, n, fn))
-            if self._thread is None:
+            self._live[n] = fn
+            heapq.heappush(self._heap, (when, n))
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="aiokvcache.real-deadlines", daemon=True
                 )
@@ -132,28 +149,41 @@ class _RealTimer:
             self._cv.notify()
         return n
 
-    def cancel(self, n: int) -> None:
+    def cancel(self, n: int | None) -> None:
+        if n is None:
+            return
         with self._cv:
-            self._cancelled.add(n)  # dropped when it comes due
+            self._live.pop(n, None)
+            if len(self._heap) > 32 and len(self._heap) > 2 * len(self._live):
+                self._heap = [e for e in self._heap if e[1] in self._live]
+                heapq.heapify(self._heap)
+
+    def pending(self) -> int:
+        """Entries still held (live or cancelled, not yet dropped)."""
+        with self._cv:
+            return len(self._heap)
+
+    def _next(self) -> Callable[[], object]:
+        """The next function due, once it is (under the lock)."""
+        while True:
+            if not self._heap:
+                self._cv.wait()
+                continue
+            when, n = self._heap[0]
+            if n not in self._live:
+                heapq.heappop(self._heap)
+                continue
+            left = when - time.monotonic()
+            if left > 0:
+                self._cv.wait(min(left, self._MAX_WAIT_S))
+                continue
+            heapq.heappop(self._heap)
+            return self._live.pop(n)
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while True:
-                    if not self._heap:
-                        self._cv.wait()
-                        continue
-                    when, n, fn = self._heap[0]
-                    if n in self._cancelled:
-                        heapq.heappop(self._heap)
-                        self._cancelled.discard(n)
-                        continue
-                    left = when - time.monotonic()
-                    if left > 0:
-                        self._cv.wait(left)
-                        continue
-                    heapq.heappop(self._heap)
-                    break
+                fn = self._next()
             try:
                 fn()
             except Exception:  # never the thread: the next deadlines still fire
@@ -177,6 +207,29 @@ def cancel_from_thread(token: trio.lowlevel.TrioToken, scope: Any) -> None:
         pass  # the run ended: nothing waits on the scope
 
 
+@contextlib.contextmanager
+def real_move_on_after(seconds: float | None) -> Iterator[trio.CancelScope]:
+    """``trio.move_on_after``, counted in real time whatever the run's clock
+    (None or infinite: never)."""
+    if seconds is None or not math.isfinite(seconds):
+        with trio.CancelScope() as scope:
+            yield scope
+        return
+    if real_clock():
+        with trio.move_on_after(seconds) as scope:
+            yield scope
+        return
+    with trio.CancelScope() as scope:
+        token = trio.lowlevel.current_trio_token()
+        timer = REAL_TIMER.call_at(
+            time.monotonic() + seconds, functools.partial(cancel_from_thread, token, scope)
+        )
+        try:
+            yield scope
+        finally:
+            REAL_TIMER.cancel(timer)
+
+
 class _TrioDeadline:
     """A cancel scope that raises ``TimeoutError`` once ``seconds`` of real
     time passed, whatever clock the run has (see :meth:`TrioSide.deadline`)."""
@@ -185,9 +238,9 @@ class _TrioDeadline:
 
     def __init__(self, seconds: float | None) -> None:
         self._when: float | None = None
-        self._timer: int | None = None
+        self._timer: int | None = None  # a REAL_TIMER entry
         deadline = math.inf
-        if seconds is not None:
+        if seconds is not None and math.isfinite(seconds):
             if real_clock():
                 deadline = trio.current_time() + seconds
             else:
@@ -268,7 +321,7 @@ class _TrioTask:
             raise
 
     async def wait_done(self, timeout: float | None) -> bool:
-        with trio.move_on_after(math.inf if timeout is None else timeout):
+        with real_move_on_after(timeout):
             await self._done.wait()
         return self._done.is_set()
 
@@ -333,7 +386,7 @@ class TrioSide(LoopSide):
     ) -> None:
         while fd in self._watched and busy():
             try:
-                with trio.move_on_after(0.05):  # a safety net, as the engine's
+                with real_move_on_after(0.05):  # a safety net, as the engine's
                     await trio.lowlevel.wait_readable(fd)
             except trio.ClosedResourceError:
                 return
@@ -360,7 +413,13 @@ class TrioSide(LoopSide):
         return _TrioDeadline(seconds)
 
     async def sleep(self, seconds: float) -> None:
-        await trio.sleep(seconds)
+        # Real time, as deadline(): the library sleeps to let native work or
+        # a peer's bytes happen (testing.assert_still watches for late writes).
+        if real_clock():
+            await trio.sleep(seconds)
+            return
+        with real_move_on_after(seconds):
+            await trio.sleep_forever()
 
     async def from_service(self, cf: concurrent.futures.Future[T]) -> T:
         event = trio.Event()

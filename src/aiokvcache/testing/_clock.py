@@ -5,9 +5,9 @@ for child processes and native engines, which no virtual clock
 from __future__ import annotations
 
 import contextlib
-import functools
-import time
+import math
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import sniffio
@@ -16,40 +16,24 @@ __all__ = ["real_fail_after", "real_move_on_after"]
 
 
 @contextlib.contextmanager
-def real_move_on_after(seconds: float | None) -> Iterator[anyio.CancelScope]:
-    """``anyio.move_on_after``, counted in real time."""
-    if seconds is None or not _virtual():
+def real_move_on_after(seconds: float | None) -> Iterator[Any]:
+    """``anyio.move_on_after``, counted in real time (None or infinite: never)."""
+    if seconds is not None and not math.isfinite(seconds):
+        seconds = None
+    if sniffio.current_async_library() != "trio":
         with anyio.move_on_after(seconds) as scope:
             yield scope
         return
-    import trio
+    from .._loopside._trio import real_move_on_after as trio_move_on_after
 
-    from .._loopside._trio import REAL_TIMER, cancel_from_thread
-
-    with anyio.CancelScope() as scope:
-        token = trio.lowlevel.current_trio_token()
-        timer = REAL_TIMER.call_at(
-            time.monotonic() + seconds, functools.partial(cancel_from_thread, token, scope)
-        )
-        try:
-            yield scope
-        finally:
-            REAL_TIMER.cancel(timer)
+    with trio_move_on_after(seconds) as scope:
+        yield scope
 
 
 @contextlib.contextmanager
-def real_fail_after(seconds: float | None) -> Iterator[anyio.CancelScope]:
+def real_fail_after(seconds: float | None) -> Iterator[Any]:
     """``anyio.fail_after`` (``TimeoutError``), counted in real time."""
     with real_move_on_after(seconds) as scope:
         yield scope
     if scope.cancelled_caught:
         raise TimeoutError
-
-
-def _virtual() -> bool:
-    """Whether this is a trio run on a clock other than trio's own."""
-    if sniffio.current_async_library() != "trio":
-        return False
-    from .._loopside._trio import real_clock
-
-    return not real_clock()

@@ -397,7 +397,9 @@ class PeerProcess(JsonChild):
         order, ``every_ms`` apart; only the first ``stop_after`` if given.
         With ``freeze_at`` k the peer stops itself (``SIGSTOP``) once layer
         k's jobs are submitted, its bytes moving, and pushes the next layers
-        when :meth:`thaw` continues it; layers after k cannot land before."""
+        when :meth:`thaw` continues it; layers after k cannot land before. A
+        :meth:`thaw` that comes before the freeze (after this call) cancels
+        it."""
         await self.call(
             "push_layers", src=src, cluster_id=cluster_id, cache_id=cache_id, index=index,
             tag=tag, layers=None if layers is None else [int(x) for x in layers],
@@ -410,7 +412,7 @@ class PeerProcess(JsonChild):
         layer's status name, keyed by the layer as a string), ``ok``,
         ``failed`` (the first failures, with their messages) and, with
         ``freeze_at``, ``froze_mid_layer`` (whether that layer's push was still
-        moving when the peer stopped)."""
+        moving when the peer stopped; None when a thaw cancelled the freeze)."""
         return await self.call("loop_join", timeout + 30, loop="layers:" + tag, wait=timeout)
 
     async def frozen(self) -> bool:

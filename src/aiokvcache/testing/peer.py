@@ -174,12 +174,16 @@ class _Node:
         self.caches: dict[str, Cache] = {}
         self.loops: dict[str, asyncio.Task[list[dict[str, Any]]]] = {}
         self.progress: dict[str, list[dict[str, Any]]] = {}
+        self.thaws = 0  # SIGCONTs received (push_layers: a thaw cancels a freeze to come)
 
     async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         op = _NODE_OPS.get(req["op"])
         if op is None:
             return unknown(req)
         return await op(self, req)
+
+    def count_thaw(self) -> None:
+        self.thaws += 1
 
     def stop_loops(self) -> None:
         for task in self.loops.values():
@@ -348,19 +352,21 @@ class _Node:
         # once, loop_join("layers:" + tag) gives each layer's status.
         name = "layers:" + str(req["tag"])
         self.progress[name] = []
+        req = {**req, "thaws": self.thaws}  # counted from here, not from the loop's start
         self.loops[name] = asyncio.create_task(self._layer_loop(req, self.progress[name]))
         return {"started": name}
 
     async def _layer_loop(
         self, req: dict[str, Any], done: list[dict[str, Any]]
     ) -> list[dict[str, Any]]:
-        cm = self.dd.cache_manager
         src = self.caches[str(req["src"])]
         layers = [int(x) for x in req.get("layers") or range(src.cache_desc.num_tensors // 2)]
         if req.get("stop_after") is not None:
             layers = layers[: int(req["stop_after"])]
         every = float(req.get("every_ms", 0)) / 1000
         freeze_at = req.get("freeze_at")
+        thaws = int(req["thaws"])  # a thaw() after the request cancels the freeze
+        cm = self.dd.cache_manager
         for n, layer in enumerate(layers):
             if n and every:
                 await asyncio.sleep(every)
@@ -372,9 +378,19 @@ class _Node:
             task = asyncio.ensure_future(_timed_status(push))
             entry: dict[str, Any] = {"layer": layer, "src": str(req["src"])}
             if freeze_at is not None and layer == int(freeze_at):
-                entry["froze_mid_layer"] = await _freeze_once_submitted(cm, task)
+                thawed = self.thaws > thaws
+                entry["froze_mid_layer"] = await _freeze_once_submitted(cm, task, thawed)
             done.append({**entry, **await task})
         return done
+
+    async def settle(self, req: dict[str, Any]) -> dict[str, Any]:
+        # Let the layer loops (push_layers) end, within "wait" seconds: a
+        # peer thawed at teardown goes on with the layers after its freeze.
+        tasks = [t for name, t in self.loops.items() if name.startswith("layers:")]
+        running = [t for t in tasks if not t.done()]
+        if running:
+            await asyncio.wait(running, timeout=float(req.get("wait", 30)))
+        return {"unsettled": sum(not t.done() for t in running)}
 
     async def loop_status(self, req: dict[str, Any]) -> dict[str, Any]:
         name = str(req["loop"])
@@ -469,9 +485,13 @@ def _round_pusher(
     return blocks
 
 
-async def _freeze_once_submitted(cm: Any, task: asyncio.Future[Any]) -> bool:
+async def _freeze_once_submitted(cm: Any, task: asyncio.Future[Any], thawed: bool) -> bool | None:
     """Stop this process (``SIGSTOP``) once ``task``'s push has native jobs
-    live (or it ended, or 5 s passed); whether it was still moving then."""
+    live (or it ended, or 5 s passed); whether it was still moving then.
+    None, and no stop, when a thaw (``SIGCONT``) came first: the test let it
+    go on before it got here."""
+    if thawed:
+        return None
     end = time.monotonic() + 5
     while not task.done() and not cm.stats()["live_jobs"] and time.monotonic() < end:  # noqa: ASYNC110
         await asyncio.sleep(0.0002)  # native state: no event to wait on
@@ -508,6 +528,7 @@ _NODE_OPS: dict[str, Callable[[_Node, dict[str, Any]], Awaitable[dict[str, Any]]
     "loop_status": _Node.loop_status,
     "loop_join": _Node.loop_join,
     "push_layers": _Node.push_layers,
+    "settle": _Node.settle,
     "reinit": _Node.reinit,
     "rss": _Node.rss,
     "stats": _Node.stats,
@@ -519,6 +540,7 @@ async def run(args: argparse.Namespace) -> None:
     """An LLMDataDist driven op by op until ``exit`` or end of input."""
     watch_service_errors()
     node = _Node(args)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGCONT, node.count_thaw)
     await node.dd.init(node.cfg)
     say(
         {
