@@ -148,11 +148,27 @@ def _wake(fut: asyncio.Future[None]) -> None:
 
 def _on_loop_error(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     exc = context.get("exception")
+    if _grpc_event_for_a_closed_loop(context, exc):
+        # grpc's aio poller (etcd discovery, aetcd) hands each completion to
+        # the loop its call was made on, from whichever loop reads the
+        # events: an RPC of another instance of this process that ended with
+        # its loop (finalized) arrives here late. Nothing of ours.
+        service_log.debug("aiokvcache: grpc event for a closed loop ignored: %s", exc)
+        return
     service_log.error(
         "aiokvcache: unhandled error on the peer-service loop: %s",
         context.get("message", "?"),
         exc_info=(type(exc), exc, exc.__traceback__) if isinstance(exc, BaseException) else None,
         extra={"context": context},
+    )
+
+
+def _grpc_event_for_a_closed_loop(context: dict[str, Any], exc: object) -> bool:
+    """A grpc aio poller callback that failed on another loop being closed."""
+    return (
+        isinstance(exc, RuntimeError)
+        and str(exc) == "Event loop is closed"
+        and "PollerCompletionQueue" in repr(context.get("handle"))
     )
 
 
