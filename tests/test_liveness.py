@@ -36,6 +36,17 @@ async def broken_within(dd: kv.LLMDataDist, cluster: int, seconds: float) -> flo
     raise AssertionError(f"the link to cluster {cluster} was not broken within {seconds} s")
 
 
+async def stays_linked(dd: kv.LLMDataDist, cluster: int, seconds: float, during: str) -> None:
+    """The link to ``cluster`` stays up, unbroken, for ``seconds``."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        link = dd._links.get(cluster)
+        assert link is not None and not link.broken, (
+            f"link broken {time.monotonic() - start:.2f} s {during}"
+        )
+        await asyncio.sleep(0.05)
+
+
 async def push_one(dd: kv.LLMDataDist) -> None:
     desc = kv.CacheDesc(2, [4, 4096], kv.DataType.DT_UINT8, kv.Placement.HOST)
     src = dd.cache_manager.allocate_blocks_cache(desc)
@@ -96,13 +107,7 @@ async def test_a_silent_data_path_whose_peer_answers_keeps_the_link(transport: s
         state.engine = SilentDataPath(state.engine)
         info = [cluster_info(peer.address, 2)]
         assert (await prompt.link_clusters(info))[0] == S.LLM_SUCCESS
-        start = time.monotonic()
-        while time.monotonic() - start < 4 * PEER_TIMEOUT_MS / 1000:
-            link = prompt._links.get(2)
-            assert link is not None and not link.broken, (
-                f"link broken {time.monotonic() - start:.2f} s in, its peer answering"
-            )
-            await asyncio.sleep(0.05)
+        await stays_linked(prompt, 2, 4 * PEER_TIMEOUT_MS / 1000, "in, its peer answering")
         await push_one(prompt)
         os.kill(peer.pid, signal.SIGSTOP)
         try:
@@ -157,13 +162,7 @@ async def test_a_peer_starved_of_the_gil_is_not_declared_dead(transport: str) ->
         assert "cache_id" in got, got
         await peer.send({"op": "hog", "seconds": 4 * PEER_TIMEOUT_MS / 1000})
         assert (await peer.read_json(30)).get("hogging")
-        start = time.monotonic()
-        while time.monotonic() - start < 4 * PEER_TIMEOUT_MS / 1000:
-            link = prompt._links.get(2)
-            assert link is not None and not link.broken, (
-                f"link broken {time.monotonic() - start:.2f} s into the starvation"
-            )
-            await asyncio.sleep(0.05)
+        await stays_linked(prompt, 2, 4 * PEER_TIMEOUT_MS / 1000, "into the starvation")
         hogged = await peer.read_json(60)
         assert hogged.get("hogged", 0) >= 4 * PEER_TIMEOUT_MS / 1000 * 0.9, hogged
         # The peer kept its link to us too, and both still move bytes.

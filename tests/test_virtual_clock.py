@@ -231,10 +231,10 @@ async def test_ended_waits_leave_no_timer_entries_behind_under_a_virtual_clock(
 
         tg.start_soon(long_wait)
         await anyio.lowlevel.checkpoint()
-        before = len(REAL_TIMER._heap)
+        before = REAL_TIMER.pending()
         for n in range(500):
             with anyio.move_on_after(0.005):  # the test's own wait: virtual under MockClock
                 await d.wait_for_layers(f"w{n}", [0], timeout=601)
-        grown = len(REAL_TIMER._heap) - before
+        grown = REAL_TIMER.pending() - before
         pending.cancel()
     assert grown < 50, f"{grown} ended deadlines still held by the real-time timer thread"

@@ -214,6 +214,27 @@ async def kv_peer(
         yield peer
 
 
+@contextlib.asynccontextmanager
+async def _checked_instance(
+    name: str, role: int, cluster_id: int, opts: Any
+) -> AsyncIterator[LLMDataDist]:
+    """An ``LLMDataDist`` started with ``opts`` for the block and finalized
+    after it; the test fails if a native job was left or an error reached
+    its peer-service loop."""
+    from aiokvcache import LLMDataDist, LLMRole
+
+    with _no_service_errors(name):
+        dd = LLMDataDist(LLMRole(role), cluster_id)
+        try:
+            await dd.init(opts)
+            yield dd
+            left = _live_jobs(dd)
+        finally:
+            await dd.finalize()
+    if left:
+        pytest.fail(f"{name}: {left} native jobs still live after the test")
+
+
 @pytest.fixture
 async def kv_decoder(
     anyio_backend: Any, kv_transport: str, kv_options: dict[str, Any]
@@ -221,18 +242,11 @@ async def kv_decoder(
     """A listening decoder (cluster 2) in this process: the decode side under
     test, which ``kv_prefill_peer`` pushes into. Finalized after the test,
     which fails if a native job was left."""
-    from aiokvcache import LLMDataDist, LLMRole, testing
+    from aiokvcache import LLMRole, testing
 
-    with _no_service_errors("kv_decoder"):
-        dd = LLMDataDist(LLMRole.DECODER, testing.DECODER_ID)
-        try:
-            await dd.init(testing.options(kv_transport, listen=True, **kv_options))
-            yield dd
-            left = _live_jobs(dd)
-        finally:
-            await dd.finalize()
-    if left:
-        pytest.fail(f"kv_decoder: {left} native jobs still live after the test")
+    opts = testing.options(kv_transport, listen=True, **kv_options)
+    async with _checked_instance("kv_decoder", LLMRole.DECODER, testing.DECODER_ID, opts) as dd:
+        yield dd
 
 
 @pytest.fixture
@@ -261,19 +275,12 @@ async def kv_prompt(
 ) -> AsyncIterator[LLMDataDist]:
     """A prompt (cluster 1) in this process, linked to ``kv_peer``; finalized
     after the test, which fails if a native job was left."""
-    from aiokvcache import LLMDataDist, LLMRole, LLMStatusCode, testing
+    from aiokvcache import LLMRole, LLMStatusCode, testing
 
-    with _no_service_errors("kv_prompt"):
-        dd = LLMDataDist(LLMRole.PROMPT, testing.PROMPT_ID)
-        try:
-            await dd.init(testing.options(kv_transport, **kv_options))
-            info = testing.cluster_info(kv_peer.address, kv_peer.cluster_id)
-            rc, per = await dd.link_clusters([info], timeout=10_000)
-            if rc != LLMStatusCode.LLM_SUCCESS:
-                raise RuntimeError(f"kv_prompt: cannot link to kv_peer: {[s.name for s in per]}")
-            yield dd
-            left = _live_jobs(dd)
-        finally:
-            await dd.finalize()
-    if left:
-        pytest.fail(f"kv_prompt: {left} native jobs still live after the test")
+    opts = testing.options(kv_transport, **kv_options)
+    async with _checked_instance("kv_prompt", LLMRole.PROMPT, testing.PROMPT_ID, opts) as dd:
+        info = testing.cluster_info(kv_peer.address, kv_peer.cluster_id)
+        rc, per = await dd.link_clusters([info], timeout=10_000)
+        if rc != LLMStatusCode.LLM_SUCCESS:
+            raise RuntimeError(f"kv_prompt: cannot link to kv_peer: {[s.name for s in per]}")
+        yield dd

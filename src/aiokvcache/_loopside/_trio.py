@@ -232,40 +232,27 @@ def real_move_on_after(seconds: float | None) -> Iterator[trio.CancelScope]:
 
 class _TrioDeadline:
     """A cancel scope that raises ``TimeoutError`` once ``seconds`` of real
-    time passed, whatever clock the run has (see :meth:`TrioSide.deadline`)."""
+    time passed, whatever clock the run has (:func:`real_move_on_after`,
+    started when the block is entered)."""
 
-    __slots__ = ("_scope", "_timer", "_when")
+    __slots__ = ("_block", "_scope")
 
     def __init__(self, seconds: float | None) -> None:
-        self._when: float | None = None
-        self._timer: int | None = None  # a REAL_TIMER entry
-        deadline = math.inf
-        if seconds is not None and math.isfinite(seconds):
-            if real_clock():
-                deadline = trio.current_time() + seconds
-            else:
-                self._when = time.monotonic() + seconds
-        self._scope = trio.CancelScope(deadline=deadline)
+        self._block = real_move_on_after(seconds)
+        self._scope: trio.CancelScope | None = None
 
     async def __aenter__(self) -> _TrioDeadline:
-        self._scope.__enter__()
-        if self._when is not None:
-            token = trio.lowlevel.current_trio_token()
-            self._timer = REAL_TIMER.call_at(
-                self._when, functools.partial(cancel_from_thread, token, self._scope)
-            )
+        self._scope = self._block.__enter__()
         return self
 
     async def __aexit__(self, *exc: Any) -> bool | None:
-        if self._timer is not None:
-            REAL_TIMER.cancel(self._timer)
-        suppressed = self._scope.__exit__(*exc)
-        if self._scope.cancelled_caught:
+        suppressed = self._block.__exit__(*exc)
+        if self.expired():
             raise TimeoutError
         return suppressed
 
     def expired(self) -> bool:
-        return self._scope.cancelled_caught
+        return self._scope is not None and self._scope.cancelled_caught
 
 
 class _TrioTask:
