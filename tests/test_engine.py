@@ -22,6 +22,7 @@ from aiokvcache import _bridge
 from aiokvcache._core.runner import run_jobs
 from aiokvcache._loader import native
 from aiokvcache.errors import LLMException, LLMStatusCode, LLMTimeoutError
+from aiokvcache.testing import freeze_process
 from support.harness import Peer, read_memory
 
 MiB = 1 << 20
@@ -656,7 +657,7 @@ async def test_close_with_a_frozen_peer_is_bounded() -> None:
         src = pattern(64 * MiB, 45)
         pushing = asyncio.create_task(run_jobs(a.bridge, [put(lk, src) for _ in range(8)]))  # noqa: RUF006 - awaited below
         await asyncio.sleep(0.1)
-        os.kill(peer.proc.pid, signal.SIGSTOP)
+        freeze_process(peer.proc.pid)
         await asyncio.sleep(0.2)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -712,7 +713,7 @@ def test_over_claimed_shared_memory_key_is_refused(direct_copy: bool) -> None:
 @contextlib.contextmanager
 def stopped(peer: Peer) -> Iterator[None]:
     """SIGSTOP the peer for the block; SIGCONT it however the block ends."""
-    os.kill(peer.proc.pid, signal.SIGSTOP)
+    freeze_process(peer.proc.pid)
     try:
         yield
     finally:

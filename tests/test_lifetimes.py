@@ -85,7 +85,7 @@ import pytest
 
 import aiokvcache as kv
 from aiokvcache import testing
-from aiokvcache.testing import Pair, fill, options, snapshot
+from aiokvcache.testing import Pair, fill, freeze_process, options, snapshot
 from support.harness import AsyncPeer
 
 S = kv.LLMStatusCode
@@ -840,7 +840,7 @@ def test_an_engine_thawed_past_its_deadline_posts_nothing_more() -> None:
                 end = time.monotonic() + 30
                 while mem[0] == 0 and time.monotonic() < end:
                     pass
-                os.kill(child.pid, signal.SIGSTOP)
+                freeze_process(child.pid)
                 try:
                     time.sleep(1.5)  # past the job's deadline (1 s)
                     frozen = int(np.count_nonzero(mem))

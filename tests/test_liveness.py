@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 import aiokvcache as kv
-from aiokvcache.testing import PeerProcess, cluster_info, options
+from aiokvcache.testing import PeerProcess, cluster_info, freeze_process, options
 from support.harness import AsyncPeer
 
 S = kv.LLMStatusCode
@@ -69,7 +69,7 @@ async def test_a_frozen_peer_breaks_the_link_then_relinks(transport: str) -> Non
         info = [cluster_info(peer.address, 2)]
         assert (await prompt.link_clusters(info))[0] == S.LLM_SUCCESS
         await push_one(prompt)
-        os.kill(peer.pid, signal.SIGSTOP)
+        freeze_process(peer.pid)
         try:
             took = await broken_within(prompt, 2, 10 * PEER_TIMEOUT_MS / 1000)
         finally:
@@ -109,7 +109,7 @@ async def test_a_silent_data_path_whose_peer_answers_keeps_the_link(transport: s
         assert (await prompt.link_clusters(info))[0] == S.LLM_SUCCESS
         await stays_linked(prompt, 2, 4 * PEER_TIMEOUT_MS / 1000, "in, its peer answering")
         await push_one(prompt)
-        os.kill(peer.pid, signal.SIGSTOP)
+        freeze_process(peer.pid)
         try:
             took = await broken_within(prompt, 2, 10 * PEER_TIMEOUT_MS / 1000)
         finally:
@@ -126,7 +126,7 @@ async def test_relinking_a_silent_peer_is_not_already_linked(transport: str) -> 
         await prompt.init(options(transport, peer_timeout=60_000))
         info = [cluster_info(peer.address, 2)]
         assert (await prompt.link_clusters(info))[0] == S.LLM_SUCCESS
-        os.kill(peer.pid, signal.SIGSTOP)
+        freeze_process(peer.pid)
         try:
             ret, _ = await prompt.link_clusters(info, timeout=1500)
         finally:

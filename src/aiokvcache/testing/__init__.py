@@ -67,9 +67,11 @@ __all__ = [
     "blocks_desc",
     "cluster_info",
     "fill",
+    "freeze_process",
     "make_pair",
     "options",
     "pair",
+    "process_frozen",
     "same",
     "snapshot",
     "status_of",
@@ -79,7 +81,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     # The child-process client needs anyio (the "pytest" extra): imported
     # only when asked for.
-    if name in ("PeerProcess", "JsonChild"):
+    if name in ("PeerProcess", "JsonChild", "freeze_process", "process_frozen"):
         from . import _process
 
         return getattr(_process, name)

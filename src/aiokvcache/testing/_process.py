@@ -37,9 +37,52 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from .._child import PeerExited, checked, is_answer, json_object
 from ._clock import real_fail_after, real_move_on_after
 
-__all__ = ["JsonChild", "PeerProcess"]
+__all__ = ["JsonChild", "PeerProcess", "freeze_process", "process_frozen"]
 
 _MAX_LINE = 1 << 22
+
+
+def process_frozen(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped now (``SIGSTOP``
+    or a tracer). False for a process that is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # a thread that just exited
+        if state not in (b"T", b"t"):
+            return False
+    return True
+
+
+def freeze_process(pid: int, timeout: float = 5.0) -> float:
+    """``SIGSTOP`` process ``pid`` and return once every one of its threads
+    is stopped: ``time.monotonic()`` then.
+
+    ``kill()`` only queues the stop: each thread stops when it next runs
+    kernel code, and on a busy machine a thread waiting for a core (a
+    progress thread woken by our bytes, say) can still run for a while
+    after ``kill()`` returned. A test that then asserts nothing was
+    answered would fail for the machine's load. :class:`ProcessLookupError`
+    if it is gone; :class:`TimeoutError` if it is not stopped in ``timeout``
+    seconds (it ignores nothing, but a process in uninterruptible sleep
+    stops only when it wakes)."""
+    os.kill(pid, signal.SIGSTOP)
+    end = time.monotonic() + timeout
+    pause = 0.0002
+    while not process_frozen(pid):
+        if not os.path.exists(f"/proc/{pid}"):
+            raise ProcessLookupError(pid)
+        if time.monotonic() > end:
+            raise TimeoutError(f"process {pid} not stopped {timeout:g} s after SIGSTOP")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return time.monotonic()
 
 
 class _Slower:
@@ -229,8 +272,11 @@ class JsonChild:
 
     def signal(self, sig: int) -> float:
         """Send ``sig``; ``time.monotonic()`` just after it was sent
-        (:class:`PeerExited` if it is gone)."""
+        (:class:`PeerExited` if it is gone). ``SIGSTOP`` returns once every
+        thread of the child is stopped (:func:`freeze_process`)."""
         try:
+            if sig == signal.SIGSTOP:
+                return freeze_process(self.pid)
             self._proc().send_signal(signal.Signals(sig))
         except ProcessLookupError:
             raise PeerExited(f"{self.label} exited (rc {self.returncode})") from None
@@ -238,7 +284,8 @@ class JsonChild:
 
     def freeze(self) -> float:
         """Stop it (``SIGSTOP``): nothing in it runs until :meth:`thaw`.
-        Returns ``time.monotonic()`` just after."""
+        Returns once every thread of it is stopped, ``time.monotonic()``
+        then."""
         self.slow(None)
         return self.signal(signal.SIGSTOP)
 
@@ -416,9 +463,9 @@ class PeerProcess(JsonChild):
         return await self.call("loop_join", timeout + 30, loop="layers:" + tag, wait=timeout)
 
     async def frozen(self) -> bool:
-        """Whether it is stopped now (by :meth:`freeze` or by itself)."""
-        stat = await anyio.Path(f"/proc/{self.pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
+        """Whether it is stopped now, every thread of it (by :meth:`freeze`
+        or by itself)."""
+        return process_frozen(self.pid)
 
     async def link(self, address: str, cluster_id: int, timeout_ms: int = 5000) -> dict[str, Any]:
         """Link to ``address`` (cluster ``cluster_id``): ``status`` and ``per``."""
