@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 
 import aiokvcache as kv
+from aiokvcache._core import lookups
 from aiokvcache.testing import PeerProcess, cluster_info
 from support.harness import rss_kb
-from support.instances import instance
+from support.instances import instance, is_up, link_of, wait_for
 
 MiB = 1 << 20
 
@@ -84,6 +85,120 @@ async def test_a_same_host_peers_cache_is_mapped_whole_at_its_first_lookup() -> 
         await cm.push_cache(key, src, dst_layer_range=range(0, 1), timeout=30)
         grew = rss_kb(os.getpid()) - before
         assert grew >= 60 * 1024, f"{grew} KiB resident after the first one-layer push"
+
+
+async def test_a_same_host_peers_caches_are_mapped_once_the_link_is_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before any push: once our link to a same-host decoder is up, its cache
+    is installed here in the background, mapped whole (resident), so the
+    first push neither asks for it nor makes its page-table entries."""
+    async with (
+        PeerProcess("decoder", "shm") as dec,
+        instance("shm", 1, listen=False) as dd,
+    ):
+        made = await dec.alloc("dst", 32, 2 * MiB)
+        before = rss_kb(os.getpid())
+        rc, per = await dd.link_clusters([cluster_info(dec.address, 2)], timeout=10_000)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        link = link_of(dd, 2)
+        assert await wait_for(lambda: made["cache_id"] in link.remote), "not installed ahead"
+        grew = rss_kb(os.getpid()) - before
+        assert grew >= 60 * 1024, f"{grew} KiB resident after the link"
+        asked: list[str] = []
+        real_ask = lookups.Lookups._ask
+
+        async def ask(self: Any, link: Any, request: Any) -> Any:
+            asked.append(request.op.value)
+            return await real_ask(self, link, request)
+
+        monkeypatch.setattr(lookups.Lookups, "_ask", ask)
+        cm = dd.cache_manager
+        src = cm.allocate_cache(u8(2, 2 * MiB))
+        key = kv.CacheKeyByIdAndIndex(2, made["cache_id"], 0)
+        await cm.push_cache(key, src, dst_layer_range=range(0, 1), timeout=30)
+        assert asked == [], asked
+
+
+async def test_without_prefault_a_peers_caches_are_looked_up_at_first_use() -> None:
+    async with (
+        PeerProcess("decoder", "shm") as dec,
+        instance("shm", 1, listen=False, prefault=False) as dd,
+    ):
+        made = await dec.alloc("dst", 2, MiB)
+        rc, per = await dd.link_clusters([cluster_info(dec.address, 2)], timeout=10_000)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        link = link_of(dd, 2)
+        await asyncio.sleep(0.3)
+        assert made["cache_id"] not in link.remote
+        cm = dd.cache_manager
+        key = kv.CacheKeyByIdAndIndex(2, made["cache_id"], 0)
+        await cm.push_cache(key, cm.allocate_cache(u8(2, MiB)), timeout=30)
+        assert made["cache_id"] in link.remote
+
+
+@pytest.mark.parametrize("refusal", ["param_invalid", "bad_answer"])
+async def test_a_peer_that_will_not_list_its_caches_still_serves_the_first_push(
+    refusal: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer that refuses ``caches`` (an older one: an unknown request) or
+    answers it with metadata that does not check: the link stays, the
+    first push looks its cache up as always and lands."""
+    from aiokvcache._core import handler
+
+    def refuse(self: Any, link: Any) -> Any:
+        raise kv.LLMException("no such request", kv.LLMStatusCode.LLM_PARAM_INVALID)
+
+    async with instance("shm", 2) as dec, instance("shm", 1, listen=False) as dd:
+        dst = dec.cache_manager.allocate_cache(u8(2, MiB))
+        if refusal == "param_invalid":
+            monkeypatch.setattr(handler.PeerHandler, "_served_all", refuse)
+        else:
+            real = handler.metadata
+
+            def bad_metadata(state: Any, rec: Any) -> Any:
+                meta = real(state, rec)
+                return {**meta, "regions": [{**meta["regions"][0], "rkey": b"x"}]}
+
+            monkeypatch.setattr(handler, "metadata", bad_metadata)
+            asked = handler.PeerHandler._serve_lookup
+
+            def lookup(self: Any, link: Any, request: Any) -> Any:
+                if request.op.value != "caches":  # only that answer is bad
+                    monkeypatch.setattr(handler, "metadata", real)
+                return asked(self, link, request)
+
+            monkeypatch.setattr(handler.PeerHandler, "_serve_lookup", lookup)
+        rc, per = await dd.link_clusters([cluster_info(str(dec.listen_address), 2)])
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        await asyncio.sleep(0.3)
+        assert dst.cache_id not in link_of(dd, 2).remote
+        cm = dd.cache_manager
+        src = cm.allocate_cache(u8(2, MiB))
+        src.tensors[0].view(np.uint8)[:] = 9
+        key = kv.CacheKeyByIdAndIndex(2, dst.cache_id, 0)
+        await cm.push_cache(key, src, timeout=30)
+        assert (dst.tensors[0].view(np.uint8) == 9).all()
+        assert is_up(dd, 2)
+
+
+async def test_a_cache_installed_ahead_is_retired_when_its_owner_drops_it() -> None:
+    """A cache the peer installed ahead (never pushed to) is exposed to it:
+    deallocating it asks the peer to drop it, and the peer's next push to it
+    is refused (KV_CACHE_NOT_EXIST), not written."""
+    async with instance("shm", 2) as dec, instance("shm", 1, listen=False) as dd:
+        dst = dec.cache_manager.allocate_cache(u8(2, MiB))
+        rc, per = await dd.link_clusters([cluster_info(str(dec.listen_address), 2)])
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        link = link_of(dd, 2)
+        assert await wait_for(lambda: dst.cache_id in link.remote)
+        dec.cache_manager.deallocate_cache(dst)
+        assert await wait_for(lambda: dst.cache_id not in link.remote), "not dropped"
+        cm = dd.cache_manager
+        key = kv.CacheKeyByIdAndIndex(2, dst.cache_id, 0)
+        with pytest.raises(kv.LLMException) as caught:
+            await cm.push_cache(key, cm.allocate_cache(u8(2, MiB)), timeout=10)
+        assert caught.value.status_code == kv.LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 
 
 # ------------------------------------------------------------------ deadlines

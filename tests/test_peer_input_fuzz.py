@@ -44,6 +44,7 @@ from hypothesis import strategies as st
 import aiokvcache as kv
 from aiokvcache._bridge import OP_PUT
 from aiokvcache._core import frames, handshake, wire
+from aiokvcache._core.catalog import desc_to_wire
 from aiokvcache._core.ctlregion import PROBE_BYTES
 from aiokvcache._core.runner import run_jobs
 from aiokvcache._loader import native
@@ -150,6 +151,12 @@ async def read_some(reader: asyncio.StreamReader, seconds: float) -> bytes:
 # ------------------------------------------------------- a real identity
 
 
+def boot_id() -> bytes:
+    """This machine's host id, as a same-host peer's handshake carries it."""
+    with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+        return f.read().strip()
+
+
 class Identity:
     """A real engine's worker address and a probe slot in its memory: what a
     peer's handshake identity carries, before it is mutated."""
@@ -172,12 +179,26 @@ class Identity:
             "put_probe": True,
         }
 
-    def payload(self, note_key: bytes | None = None) -> dict[str, Any]:
+    def payload(self, note_key: bytes | None = None, host_id: bytes = b"") -> dict[str, Any]:
         return {
             "worker_address": self.engine.worker_address,
-            "host_id": b"",
+            "host_id": host_id,
             "note_key": note_key or secrets.token_bytes(handshake.NOTE_KEY_LEN),
             "probe": self.probe(),
+        }
+
+    def cache_meta(self) -> dict[str, Any]:
+        """Well-formed metadata of a 1-layer cache over the identity's region
+        (what a ``caches`` answer names), before it is mutated."""
+        desc = kv.CacheDesc(2, [1 << 15], kv.DataType.DT_UINT8, kv.Placement.HOST)
+        return {
+            "cache_id": 1,
+            "desc": desc_to_wire(desc),
+            "is_blocks": False,
+            "addrs": [self.base, self.base + (1 << 15)],
+            "regions": [{"base": self.base, "len": 1 << 16, "rkey": self.rkey}],
+            "tensor_region": [0, 0],
+            "guard": {"addr": self.base, "word": 1, "strict": False},
         }
 
     def mutated(self, m: Mutator, note_key: bytes | None = None) -> dict[str, Any]:
@@ -237,7 +258,12 @@ def valid_bodies(cache_id: int, slot: int) -> dict[str, dict[str, Any]]:
         "cache_by_key": {"cluster_id": 2, "req_id": 1, "model_id": 0, "prefix_id": -1},
         "blocks_by_key": {"cluster_id": 2, "model_id": 0},
         "cache_by_addr": {"addrs": [slot, slot + 64]},
+        "caches": {},
     }
+
+
+def test_every_request_op_has_a_body_to_mutate() -> None:
+    assert set(valid_bodies(1, 0)) == {op.value for op in wire.Op}
 
 
 def linked_frames(m: Mutator, bodies: dict[str, dict[str, Any]], seal: Any) -> list[bytes]:
@@ -491,6 +517,10 @@ class Acceptor:
         ident = self.ident.payload() if self.stage == 2 else self.ident.mutated(m)
         if self.stage == 2 and m.rng.random() < 0.5:
             del ident["probe"]  # as an older peer: the victim asks probe_info
+        if self.stage == 2 and m.rng.random() < 0.5:
+            # As a peer on the victim's host: once linked, the victim asks
+            # for its caches (Lookups.prefetch_soon) and installs the answer.
+            ident["host_id"] = boot_id()
         try:
             mac = handshake.compute_mac(token, b"aiokvcache-a", hello["nonce"], nonce, ids, ident)
         except (KeyError, TypeError, ValueError):
@@ -520,6 +550,7 @@ class Acceptor:
                         "probe_info": wire.ProbeSlot(
                             self.ident.base, PROBE_BYTES, self.ident.base, 1 << 16, self.ident.rkey
                         ).encode(),
+                        "caches": {"caches": [self.ident.cache_meta()]},
                     }.get(req.get("op"), {})
                     body = m.values(answer) if m.rng.random() < 0.8 else answer
                     self.run.note(f"answer to {req.get('op')}", body)
@@ -793,8 +824,7 @@ keys = st.sampled_from(
      "probe", "mac", "expect", "eager"]
 )  # fmt: skip
 bodies = st.dictionaries(keys | st.text(max_size=8), values, max_size=8)
-REQUESTS = [wire.ProbeBack, wire.ProbeInfo, wire.Invalidate, wire.CacheById, wire.CacheByKey,
-            wire.BlocksByKey, wire.CacheByAddr, wire.Unlink, wire.Finalizing]  # fmt: skip
+REQUESTS = list(wire._REQUESTS.values())  # every request a peer can send
 
 
 @PARSERS

@@ -23,6 +23,7 @@ from .types import BlocksCacheKey, CacheKey
 from .wire import (
     LINK_UP,
     LOOKUPS,
+    MAX_CACHES_PER_ANSWER,
     Alive,
     BlocksByKey,
     CacheByAddr,
@@ -30,6 +31,7 @@ from .wire import (
     CacheByKey,
     CacheMeta,
     CacheMetas,
+    Caches,
     Done,
     Finalizing,
     Invalidate,
@@ -181,6 +183,9 @@ class PeerHandler:
             case CacheByAddr(addrs=addrs):
                 found = self._by_addrs(link, addrs)
                 return CacheMetas(tuple(metadata(st, rec) for rec in found)).encode()
+            case Caches():
+                found = self._served_all(link)
+                return CacheMetas(tuple(metadata(st, rec) for rec in found)).encode()
         raise TypeError(f"no lookup {request!r}")
 
     def _by_id(self, link: Link, cache_id: int) -> LocalCache:
@@ -214,6 +219,20 @@ class PeerHandler:
             rec = st.registry.served(bound_id, st.options.enable_remote_cache_accessible)
             rec.exposed.add(link)
         return rec
+
+    def _served_all(self, link: Link) -> list[LocalCache]:
+        """The newest caches a peer may use (at most MAX_CACHES_PER_ANSWER)."""
+        st = self._state
+        if not st.options.enable_remote_cache_accessible:
+            return []
+        with st.lock:
+            found = sorted(
+                (r for r in st.registry.caches.values() if r.valid and r.remote_accessible),
+                key=lambda r: r.cache_id,
+            )[-MAX_CACHES_PER_ANSWER:]
+            for rec in found:
+                rec.exposed.add(link)
+        return found
 
     def _by_addrs(self, link: Link, addrs: tuple[int, ...]) -> list[LocalCache]:
         st = self._state

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import _telemetry
@@ -47,8 +47,10 @@ class Linker:
         links: Links,
         prober: Prober,
         handler: control.Handler,
+        on_up: Callable[[Link], None] | None = None,
     ) -> None:
         self._state = state
+        self._on_up = on_up  # a link we made is up (service loop)
         self._thread = thread
         self._links = links
         self._prober = prober
@@ -340,9 +342,7 @@ class Linker:
         # The peer's half gets a little less than what is left, so that its
         # answer can travel back before our deadline; we wait no longer.
         theirs = max(left - min(0.25, left / 4), 0.01)
-        back_task = asyncio.ensure_future(
-            ask(conn, ProbeBack(theirs, nonce, slot), timeout=left)
-        )
+        back_task = asyncio.ensure_future(ask(conn, ProbeBack(theirs, nonce, slot), timeout=left))
         try:
             # Two turns of the loop: the request is queued, then the
             # connection's writer sends it, before our half's first steps.
@@ -369,6 +369,8 @@ class Linker:
             _settle(back_task)
         link.up = True
         conn.send_event(LINK_UP, {})
+        if self._on_up is not None:
+            self._on_up(link)
         return LLMStatusCode.LLM_SUCCESS, ""
 
     async def _peer_half(

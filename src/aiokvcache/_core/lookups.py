@@ -5,11 +5,18 @@ request); caches named by key are asked every time, since the peer may
 rebind its keys. Before any of a peer's metadata is installed, the link
 holds our key to the peer's control region, so every remote cache record
 has its retirement guard. Everything here runs on the service loop.
+
+Once a link we made to a same-host peer is up, its caches are asked for
+and installed in the background (:meth:`Lookups.prefetch_soon`): a
+same-host cache is mapped into this process, and making those page-table
+entries costs about as much as copying the cache once (4 KiB pages), so
+the first transfer would pay it. Lookups on the link wait for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -22,11 +29,13 @@ from .state import Link, RemoteCache, State
 from .types import BlocksCacheKey, CacheKey
 from .wire import (
     MAX_ADDRS_PER_REQUEST,
+    MAX_CACHES_PER_ANSWER,
     BadReply,
     BlocksByKey,
     CacheByAddr,
     CacheById,
     CacheByKey,
+    Caches,
     Message,
     ProbeInfo,
     Request,
@@ -37,6 +46,8 @@ __all__ = ["METADATA_TIMEOUT_S", "Lookups"]
 
 #: How long a peer may take to answer one metadata request.
 METADATA_TIMEOUT_S = 10.0
+
+log = logging.getLogger("aiokvcache")
 
 R = TypeVar("R", bound=Message)
 T = TypeVar("T")
@@ -50,6 +61,7 @@ class Lookups:
         self._thread = thread
         self._prober = prober
         self._asking: dict[tuple[int, Any], asyncio.Future[Any]] = {}
+        self._prefetching: dict[int, asyncio.Future[None]] = {}  # id(link) -> done
 
     async def _ask(self, link: Link, request: Request[R]) -> R:
         """``request``'s answer from the peer of ``link``; an answer that does
@@ -77,6 +89,46 @@ class Lookups:
                 f"cluster {link.cluster_id} sent a bad control region: {exc}",
             ) from None
 
+    def prefetch_soon(self, link: Link) -> None:
+        """Ask a same-host peer for its caches and install them, in the
+        background (service loop; with ``aiokvcache.prefault``, the default),
+        so that their mappings are made before the first transfer. A peer
+        that refuses, answers badly or is not on this host changes nothing:
+        each cache is then looked up when it is first used, as always."""
+        st = self._state
+        host = st.local.host_id
+        if not st.options.prefault or not host or link.conn.peer_host_id != host:
+            return
+        if id(link) in self._prefetching:
+            return
+        done: asyncio.Future[None] = self._thread.loop.create_future()
+        self._prefetching[id(link)] = done
+        self._thread.spawn(self._prefetch(link, done))
+
+    async def _prefetch(self, link: Link, done: asyncio.Future[None]) -> None:
+        try:
+            await self.ensure_ctl(link)
+            answer = await self._ask(link, Caches())
+            for meta in answer.caches[:MAX_CACHES_PER_ANSWER]:
+                if link.broken:
+                    break
+                install_remote(self._state, link, meta)
+        except LLMException as exc:
+            log.debug(
+                "aiokvcache: cluster %d's caches not installed ahead: %s", link.cluster_id, exc
+            )
+        finally:
+            self._prefetching.pop(id(link), None)
+            if not done.done():
+                done.set_result(None)
+
+    async def _after_prefetch(self, link: Link) -> None:
+        """Once the link's background install (if any) is over: a lookup
+        then finds what it installed instead of mapping it a second time."""
+        done = self._prefetching.get(id(link))
+        if done is not None:
+            await asyncio.shield(done)
+
     async def remote_by_id(self, link: Link, cache_id: int) -> RemoteCache:
         """The peer's cache ``cache_id``, fetched once per link (concurrent asks share it)."""
         with self._state.lock:
@@ -85,15 +137,18 @@ class Lookups:
             return rc
 
         async def ask() -> RemoteCache:
+            await self._after_prefetch(link)
+            with self._state.lock:
+                rc = link.remote.get(cache_id)
+            if rc is not None:
+                return rc
             await self.ensure_ctl(link)
             answer = await self._ask(link, CacheById(cache_id))
             return install_remote(self._state, link, answer.meta)
 
         return await self._shared(link, ("id", cache_id), ask)
 
-    async def _shared(
-        self, link: Link, what: Any, ask: Callable[[], Coroutine[Any, Any, T]]
-    ) -> T:
+    async def _shared(self, link: Link, what: Any, ask: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """``ask()``'s answer, one ask in flight per (link, ``what``): callers
         that come while it is in flight share its answer. Keys are asked
         every time (the peer may rebind them), but 32 layers of one push round
@@ -131,6 +186,7 @@ class Lookups:
         concurrent asks share one, see :meth:`_shared`)."""
 
         async def ask() -> tuple[RemoteCache, int]:
+            await self._after_prefetch(link)
             await self.ensure_ctl(link)
             answer = await self._ask(link, CacheByKey(key))
             return install_remote(self._state, link, answer.meta), answer.batch_index
@@ -143,6 +199,7 @@ class Lookups:
         rebind; concurrent asks share one, see :meth:`_shared`)."""
 
         async def ask() -> RemoteCache:
+            await self._after_prefetch(link)
             await self.ensure_ctl(link)
             answer = await self._ask(link, BlocksByKey(key))
             remote = install_remote(self._state, link, answer.meta)
@@ -156,6 +213,7 @@ class Lookups:
 
     async def remotes_by_addr(self, link: Link, addrs: list[int]) -> None:
         """Ask the peer which caches hold ``addrs``; record every one it names."""
+        await self._after_prefetch(link)
         await self.ensure_ctl(link)
         for k in range(0, len(addrs), MAX_ADDRS_PER_REQUEST):
             chunk = tuple(addrs[k : k + MAX_ADDRS_PER_REQUEST])

@@ -672,7 +672,9 @@ OPTIONS: tuple[Option, ...] = (
         "is committed then: register_cache makes the user's pages writable without writing "
         "them (MADV_POPULATE_WRITE), so untouched memory becomes resident, a sparse file mapped "
         "shared gets its blocks, a private file mapping its copy. A peer's pages are mapped only "
-        "where the peer made them, at most 2 GiB per cache.",
+        "where the peer made them, at most 2 GiB per cache. A link this side makes to a "
+        "same-host peer installs the caches the peer has then (the newest 32) in the "
+        "background once it is up, so that their mapping is not made by the first transfer.",
         'on (`"1"`)',
         ours=True,
     ),

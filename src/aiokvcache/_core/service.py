@@ -67,8 +67,10 @@ class PeerService:
         state.local = dataclasses.replace(state.local, probe=self.prober.probe_payload)
         self.retirement = Retirement(state, self.thread, self.links)
         self.handler = PeerHandler(state, self.links, self.prober, self.retirement)
-        self.linker = Linker(state, self.thread, self.links, self.prober, self.handler)
         self.lookups = Lookups(state, self.thread, self.prober)
+        self.linker = Linker(
+            state, self.thread, self.links, self.prober, self.handler, self.lookups.prefetch_soon
+        )
         #: This instance's etcd entry and watch (aiokvcache.etcdEndpoint), or None.
         self.registry: Registry | None = None
 

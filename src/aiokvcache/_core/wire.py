@@ -27,6 +27,7 @@ __all__ = [
     "LINK_UP",
     "LOOKUPS",
     "MAX_ADDRS_PER_REQUEST",
+    "MAX_CACHES_PER_ANSWER",
     "PROBE_NONCE_BYTES",
     "Alive",
     "BadReply",
@@ -36,6 +37,7 @@ __all__ = [
     "CacheByKey",
     "CacheMeta",
     "CacheMetas",
+    "Caches",
     "Done",
     "Finalizing",
     "Invalidate",
@@ -69,6 +71,7 @@ class Op(enum.StrEnum):
     CACHE_BY_KEY = "cache_by_key"
     BLOCKS_BY_KEY = "blocks_by_key"
     CACHE_BY_ADDR = "cache_by_addr"
+    CACHES = "caches"
 
 
 #: The event the initiator of a link sends once both halves of its data path
@@ -78,7 +81,13 @@ LINK_UP = "link_up"
 
 #: The metadata lookups: served with no await between the registry check and
 #: the queued answer (see ``PeerHandler.handle_request``).
-LOOKUPS = frozenset({Op.CACHE_BY_ID, Op.CACHE_BY_KEY, Op.BLOCKS_BY_KEY, Op.CACHE_BY_ADDR})
+LOOKUPS = frozenset(
+    {Op.CACHE_BY_ID, Op.CACHE_BY_KEY, Op.BLOCKS_BY_KEY, Op.CACHE_BY_ADDR, Op.CACHES}
+)
+
+#: The most caches one ``caches`` answer names (the newest), and the most an
+#: asker installs from one.
+MAX_CACHES_PER_ANSWER = 32
 
 #: What a lookup may be refused with, beyond :data:`.peerstatus.COMMON`: the
 #: cache does not exist (any more), or the peer does not serve it.
@@ -502,6 +511,19 @@ class CacheByAddr(Request[CacheMetas]):
         return CacheMetas.decode(body)
 
 
+@dataclass(frozen=True, slots=True)
+class Caches(_Empty, Request[CacheMetas]):
+    """The metadata of the caches the peer serves (the newest
+    :data:`MAX_CACHES_PER_ANSWER`): asked once a link to a same-host peer is
+    up, so that its mappings are made before the first transfer."""
+
+    op: ClassVar[Op] = Op.CACHES
+    peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
+
+    def reply(self, body: dict[str, Any]) -> CacheMetas:
+        return CacheMetas.decode(body)
+
+
 _REQUESTS: dict[str, type[Request[Any]]] = {
     cls.op.value: cls
     for cls in (
@@ -515,6 +537,7 @@ _REQUESTS: dict[str, type[Request[Any]]] = {
         CacheByKey,
         BlocksByKey,
         CacheByAddr,
+        Caches,
     )
 }
 
