@@ -164,6 +164,8 @@ async def main(args: argparse.Namespace) -> None:
         cfg.auth_token = args.auth_token
     if args.peer_timeout is not None:
         cfg.peer_timeout = args.peer_timeout
+    if args.no_prefault:
+        cfg.prefault = False  # nor does it install a same-host peer's caches at link time
     role = kv.LLMRole.DECODER if args.listen != "none" else kv.LLMRole.PROMPT
     dd = kv.LLMDataDist(role, args.cluster_id)
     await dd.init(cfg.generate_options())
@@ -440,6 +442,7 @@ if __name__ == "__main__":
     p.add_argument("--listen", default="127.0.0.1:0")
     p.add_argument("--auth-token", default=None)
     p.add_argument("--peer-timeout", type=int, default=None)
+    p.add_argument("--no-prefault", action="store_true")
     p.add_argument("--sync-kv-timeout", type=int, default=60_000)
     p.add_argument("--lifetime", type=float, default=300)
     a = p.parse_args()

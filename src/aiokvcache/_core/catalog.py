@@ -153,6 +153,11 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
                 LLMStatusCode.LLM_LINK_FAILED, f"link to cluster {link.cluster_id} broke"
             )
         existing = link.remote.get(cid)
+        if existing is None and cid in link.retired:
+            raise make_error(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"cache {cid} of cluster {link.cluster_id} was retired",
+            )
     if existing is not None:
         return existing
     engine = state.engine
@@ -178,7 +183,8 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
     with state.lock:
         ctl = link.ctl_rkey
         existing = link.remote.get(cid)
-        stored = existing is None and not link.broken and ctl is not None
+        retired = cid in link.retired
+        stored = existing is None and not link.broken and ctl is not None and not retired
         if stored:
             assert ctl is not None
             rc.guard = (ctl, word[0], word[1], word[2])
@@ -188,6 +194,11 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
         return existing
     if not stored:
         release_keys(state, rkey_ids)
+        if retired:
+            raise make_error(
+                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+                f"cache {cid} of cluster {link.cluster_id} was retired",
+            )
         raise make_error(LLMStatusCode.LLM_LINK_FAILED, f"link to cluster {link.cluster_id} broke")
     return rc
 

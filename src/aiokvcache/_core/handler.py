@@ -9,6 +9,7 @@ invalidations of its own caches, its unlink and its finalize.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import Any
 
@@ -221,17 +222,24 @@ class PeerHandler:
         return rec
 
     def _served_all(self, link: Link) -> list[LocalCache]:
-        """The newest caches a peer may use (at most MAX_CACHES_PER_ANSWER)."""
+        """The newest caches a peer may use (at most MAX_CACHES_PER_ANSWER,
+        among the newest 8 x that many records: never a scan of every
+        cache under the lock, whatever a peer asks how often)."""
         st = self._state
         if not st.options.enable_remote_cache_accessible:
             return []
+        found: list[LocalCache] = []
         with st.lock:
-            found = sorted(
-                (r for r in st.registry.caches.values() if r.valid and r.remote_accessible),
-                key=lambda r: r.cache_id,
-            )[-MAX_CACHES_PER_ANSWER:]
-            for rec in found:
-                rec.exposed.add(link)
+            # Ids grow with registration, and the registry's dict keeps that order.
+            newest = itertools.islice(
+                reversed(st.registry.caches.values()), 8 * MAX_CACHES_PER_ANSWER
+            )
+            for rec in newest:
+                if rec.valid and rec.remote_accessible:
+                    rec.exposed.add(link)
+                    found.append(rec)
+                    if len(found) == MAX_CACHES_PER_ANSWER:
+                        break
         return found
 
     def _by_addrs(self, link: Link, addrs: tuple[int, ...]) -> list[LocalCache]:

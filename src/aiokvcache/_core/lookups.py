@@ -61,7 +61,10 @@ class Lookups:
         self._thread = thread
         self._prober = prober
         self._asking: dict[tuple[int, Any], asyncio.Future[Any]] = {}
-        self._prefetching: dict[int, asyncio.Future[None]] = {}  # id(link) -> done
+        # The background installs (prefetch_soon): per link (by id), the
+        # caches listed and not started yet, and the one being installed.
+        self._queued: dict[int, dict[int, dict[str, Any]]] = {}
+        self._installing: dict[tuple[int, int], asyncio.Future[None]] = {}
 
     async def _ask(self, link: Link, request: Request[R]) -> R:
         """``request``'s answer from the peer of ``link``; an answer that does
@@ -99,33 +102,63 @@ class Lookups:
         host = st.local.host_id
         if not st.options.prefault or not host or link.conn.peer_host_id != host:
             return
-        if id(link) in self._prefetching:
+        if id(link) in self._queued:
             return
-        done: asyncio.Future[None] = self._thread.loop.create_future()
-        self._prefetching[id(link)] = done
-        self._thread.spawn(self._prefetch(link, done))
+        self._queued[id(link)] = {}
+        self._thread.spawn(self._prefetch(link))
 
-    async def _prefetch(self, link: Link, done: asyncio.Future[None]) -> None:
+    async def _prefetch(self, link: Link) -> None:
+        """Install the caches the peer lists, one at a time, each in a worker
+        thread: mapping a cache takes up to some 0.6 s (2 GiB of 4 KiB pages)
+        and the service loop must answer the peer meanwhile (an invalidate
+        of one of them included: see :meth:`Retirement.drop_remote`'s
+        tombstones, which keep a cache retired meanwhile from being stored)."""
+        queued = self._queued[id(link)]
+        loop = asyncio.get_running_loop()
         try:
             await self.ensure_ctl(link)
             answer = await self._ask(link, Caches())
             for meta in answer.caches[:MAX_CACHES_PER_ANSWER]:
-                if link.broken:
-                    break
-                install_remote(self._state, link, meta)
+                cid = meta.get("cache_id")
+                if type(cid) is int and ("id", cid) not in self._asking_on(link):
+                    queued.setdefault(cid, meta)
+            while queued and not link.broken:
+                cid, meta = next(iter(queued.items()))
+                done: asyncio.Future[None] = loop.create_future()
+                self._installing[(id(link), cid)] = done
+                del queued[cid]
+                try:
+                    await loop.run_in_executor(None, install_remote, self._state, link, meta)
+                except LLMException as exc:
+                    log.debug(
+                        "aiokvcache: cluster %d's cache %d not installed ahead: %s",
+                        link.cluster_id,
+                        cid,
+                        exc,
+                    )
+                finally:
+                    del self._installing[(id(link), cid)]
+                    done.set_result(None)
         except LLMException as exc:
             log.debug(
                 "aiokvcache: cluster %d's caches not installed ahead: %s", link.cluster_id, exc
             )
         finally:
-            self._prefetching.pop(id(link), None)
-            if not done.done():
-                done.set_result(None)
+            del self._queued[id(link)]
 
-    async def _after_prefetch(self, link: Link) -> None:
-        """Once the link's background install (if any) is over: a lookup
-        then finds what it installed instead of mapping it a second time."""
-        done = self._prefetching.get(id(link))
+    def _asking_on(self, link: Link) -> set[Any]:
+        """What lookups on ``link`` are in flight (:meth:`_shared`'s keys)."""
+        return {what for (lid, what) in self._asking if lid == id(link)}
+
+    async def _before_lookup(self, link: Link, cache_id: int) -> None:
+        """A lookup of ``cache_id`` on ``link`` goes first: a background
+        install of it not started yet is taken off the queue (the lookup
+        installs it); one under way is waited for (it then finds the cache
+        installed instead of mapping it a second time)."""
+        queued = self._queued.get(id(link))
+        if queued is not None:
+            queued.pop(cache_id, None)
+        done = self._installing.get((id(link), cache_id))
         if done is not None:
             await asyncio.shield(done)
 
@@ -137,7 +170,7 @@ class Lookups:
             return rc
 
         async def ask() -> RemoteCache:
-            await self._after_prefetch(link)
+            await self._before_lookup(link, cache_id)
             with self._state.lock:
                 rc = link.remote.get(cache_id)
             if rc is not None:
@@ -186,7 +219,6 @@ class Lookups:
         concurrent asks share one, see :meth:`_shared`)."""
 
         async def ask() -> tuple[RemoteCache, int]:
-            await self._after_prefetch(link)
             await self.ensure_ctl(link)
             answer = await self._ask(link, CacheByKey(key))
             return install_remote(self._state, link, answer.meta), answer.batch_index
@@ -199,7 +231,6 @@ class Lookups:
         rebind; concurrent asks share one, see :meth:`_shared`)."""
 
         async def ask() -> RemoteCache:
-            await self._after_prefetch(link)
             await self.ensure_ctl(link)
             answer = await self._ask(link, BlocksByKey(key))
             remote = install_remote(self._state, link, answer.meta)
@@ -213,7 +244,6 @@ class Lookups:
 
     async def remotes_by_addr(self, link: Link, addrs: list[int]) -> None:
         """Ask the peer which caches hold ``addrs``; record every one it names."""
-        await self._after_prefetch(link)
         await self.ensure_ctl(link)
         for k in range(0, len(addrs), MAX_ADDRS_PER_REQUEST):
             chunk = tuple(addrs[k : k + MAX_ADDRS_PER_REQUEST])

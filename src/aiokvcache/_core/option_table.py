@@ -674,7 +674,9 @@ OPTIONS: tuple[Option, ...] = (
         "shared gets its blocks, a private file mapping its copy. A peer's pages are mapped only "
         "where the peer made them, at most 2 GiB per cache. A link this side makes to a "
         "same-host peer installs the caches the peer has then (the newest 32) in the "
-        "background once it is up, so that their mapping is not made by the first transfer.",
+        "background once it is up, so that their mapping is not made by the first transfer; "
+        "those caches are then exposed to this side, so the peer retiring one waits for its "
+        "answer (a frozen side is cut off and the memory quarantined, design.md).",
         'on (`"1"`)',
         ours=True,
     ),

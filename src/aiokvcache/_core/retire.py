@@ -48,6 +48,7 @@ class Retirement:
         """The peer retires a cache: stop our jobs on it, wait for them, then confirm."""
         st = self._state
         with st.lock:
+            link.retired.add(cache_id)
             rc = link.remote.pop(cache_id, None)
             if rc is None:
                 return

@@ -141,6 +141,10 @@ class Link:
     broken: bool = False
     reason: str = ""
     remote: dict[int, RemoteCache] = field(default_factory=dict)  # by remote cache id
+    #: Ids of caches the peer retired (its invalidate): never recorded again,
+    #: whatever metadata of them an install still holds (a background one,
+    #: Lookups._prefetch, runs off the service loop). The peer's ids grow.
+    retired: set[int] = field(default_factory=set)
     #: The peer's blocks cache each BlocksCacheKey was last found bound to
     #: (model id -> its record). A blocks key leaves its cache only when the
     #: cache retires, so a record still valid is still bound (Transfers).

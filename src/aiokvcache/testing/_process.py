@@ -60,6 +60,28 @@ def process_frozen(pid: int) -> bool:
     return True
 
 
+def _state(pid: int) -> bytes | None:
+    """The state letter of process ``pid``'s main thread, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _wait_frozen(pid: int, timeout: float) -> float:
+    end = time.monotonic() + timeout
+    pause = 0.0002
+    while not process_frozen(pid):
+        if _state(pid) in (None, b"Z", b"X"):  # exited (a zombie not reaped yet too)
+            raise ProcessLookupError(pid)
+        if time.monotonic() > end:
+            raise TimeoutError(f"process {pid} not stopped {timeout:g} s after SIGSTOP")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)
+    return time.monotonic()
+
+
 def freeze_process(pid: int, timeout: float = 5.0) -> float:
     """``SIGSTOP`` process ``pid`` and return once every one of its threads
     is stopped: ``time.monotonic()`` then.
@@ -69,20 +91,13 @@ def freeze_process(pid: int, timeout: float = 5.0) -> float:
     progress thread woken by our bytes, say) can still run for a while
     after ``kill()`` returned. A test that then asserts nothing was
     answered would fail for the machine's load. :class:`ProcessLookupError`
-    if it is gone; :class:`TimeoutError` if it is not stopped in ``timeout``
-    seconds (it ignores nothing, but a process in uninterruptible sleep
-    stops only when it wakes)."""
+    if it is gone or exits meanwhile (a zombie included); :class:`TimeoutError`
+    if it is not stopped in ``timeout`` seconds (a process in uninterruptible
+    sleep stops only when it wakes)."""
+    if _state(pid) in (None, b"Z", b"X"):
+        raise ProcessLookupError(pid)
     os.kill(pid, signal.SIGSTOP)
-    end = time.monotonic() + timeout
-    pause = 0.0002
-    while not process_frozen(pid):
-        if not os.path.exists(f"/proc/{pid}"):
-            raise ProcessLookupError(pid)
-        if time.monotonic() > end:
-            raise TimeoutError(f"process {pid} not stopped {timeout:g} s after SIGSTOP")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.01)
-    return time.monotonic()
+    return _wait_frozen(pid, timeout)
 
 
 class _Slower:
@@ -274,10 +289,15 @@ class JsonChild:
         """Send ``sig``; ``time.monotonic()`` just after it was sent
         (:class:`PeerExited` if it is gone). ``SIGSTOP`` returns once every
         thread of the child is stopped (:func:`freeze_process`)."""
+        proc = self._proc()
         try:
+            # Through the process object, which knows whether it reaped the
+            # child (its pid may belong to another process then).
+            if proc.returncode is not None:
+                raise ProcessLookupError(proc.pid)
+            proc.send_signal(signal.Signals(sig))
             if sig == signal.SIGSTOP:
-                return freeze_process(self.pid)
-            self._proc().send_signal(signal.Signals(sig))
+                return _wait_frozen(proc.pid, 5.0)
         except ProcessLookupError:
             raise PeerExited(f"{self.label} exited (rc {self.returncode})") from None
         return time.monotonic()
