@@ -12,7 +12,7 @@ import contextlib
 from typing import Any
 
 from .._loader import native
-from .errors import LLMStatusCode, make_error
+from .errors import LLMException, LLMStatusCode, make_error
 from .state import Link, LocalCache, RemoteCache, State
 from .types import CacheDesc, DataType, Placement
 
@@ -154,29 +154,10 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
             )
         existing = link.remote.get(cid)
         if existing is None and cid in link.retired:
-            raise make_error(
-                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                f"cache {cid} of cluster {link.cluster_id} was retired",
-            )
+            raise _retired(link, cid)
     if existing is not None:
         return existing
-    engine = state.engine
-    rkey_ids: list[int] = []
-    try:
-        for reg in regions:
-            rkey_ids.append(engine.rkey_unpack(link.ep, reg["rkey"], reg["base"], reg["len"]))
-    except (native.PeerInputError, OverflowError) as exc:
-        # The key's bytes, or the region it claims: the peer's metadata is
-        # bad (the engine refused it before UCX read it); the link stays.
-        release_keys(state, rkey_ids)
-        raise make_error(
-            LLMStatusCode.LLM_FAILED, f"cluster {link.cluster_id} sent a malformed key: {exc}"
-        ) from None
-    except native.NativeError as exc:
-        release_keys(state, rkey_ids)
-        raise make_error(
-            LLMStatusCode.LLM_LINK_FAILED, f"cannot use cluster {link.cluster_id}'s keys: {exc}"
-        ) from exc
+    rkey_ids = _unpack_keys(state, link, regions)
     rc = RemoteCache(
         cid, desc, addrs, [rkey_ids[r] for r in tensor_region], rkey_ids, bool(is_blocks)
     )
@@ -195,12 +176,39 @@ def install_remote(state: State, link: Link, meta: dict[str, Any]) -> RemoteCach
     if not stored:
         release_keys(state, rkey_ids)
         if retired:
-            raise make_error(
-                LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
-                f"cache {cid} of cluster {link.cluster_id} was retired",
-            )
+            raise _retired(link, cid)
         raise make_error(LLMStatusCode.LLM_LINK_FAILED, f"link to cluster {link.cluster_id} broke")
     return rc
+
+
+def _retired(link: Link, cid: int) -> LLMException:
+    """A cache the peer retired (``Link.retired``): never recorded again."""
+    return make_error(
+        LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+        f"cache {cid} of cluster {link.cluster_id} was retired",
+    )
+
+
+def _unpack_keys(state: State, link: Link, regions: list[dict[str, Any]]) -> list[int]:
+    """The native ids of ``regions``' keys, unpacked (and, same-host, mapped)."""
+    engine = state.engine
+    rkey_ids: list[int] = []
+    try:
+        for reg in regions:
+            rkey_ids.append(engine.rkey_unpack(link.ep, reg["rkey"], reg["base"], reg["len"]))
+    except (native.PeerInputError, OverflowError) as exc:
+        # The key's bytes, or the region it claims: the peer's metadata is
+        # bad (the engine refused it before UCX read it); the link stays.
+        release_keys(state, rkey_ids)
+        raise make_error(
+            LLMStatusCode.LLM_FAILED, f"cluster {link.cluster_id} sent a malformed key: {exc}"
+        ) from None
+    except native.NativeError as exc:
+        release_keys(state, rkey_ids)
+        raise make_error(
+            LLMStatusCode.LLM_LINK_FAILED, f"cannot use cluster {link.cluster_id}'s keys: {exc}"
+        ) from exc
+    return rkey_ids
 
 
 def release_keys(state: State, rkey_ids: list[int]) -> None:
