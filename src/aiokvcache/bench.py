@@ -443,8 +443,8 @@ def _table(summary: dict[str, Any], verified: bool) -> str:
     if alloc:
         lines.append(
             f"\n  allocate_cache took {ms(alloc['prompt'])} ms here and {ms(alloc['decode'])} ms "
-            "on the decode side:\n  their pages are faulted in then, not in the cold round "
-            "(aiokvcache.prefault)"
+            "on the decode side:\n  their pages are faulted in then, and the decode's cache is "
+            "mapped here once the link is up,\n  not in the cold round (aiokvcache.prefault)"
         )
     return "\n".join(lines)
 
