@@ -21,7 +21,7 @@ import pytest
 import aiokvcache as kv
 from aiokvcache._core import catalog, lookups
 from aiokvcache._core.retire import RETIRE_TIMEOUT_S
-from aiokvcache.testing import PeerProcess, cluster_info
+from aiokvcache.testing import PeerProcess, cluster_info, options
 from support.instances import instance, link_of, runtime, wait_for
 
 MiB = 1 << 20
@@ -164,3 +164,28 @@ async def test_deallocating_a_cache_a_frozen_initiator_never_used_frees_its_memo
             )
         finally:
             peer.thaw()
+
+
+async def test_finalizing_while_caches_install_ends_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """finalize() while the background installs run (one in a worker thread):
+    it returns without waiting for the queue, and nothing is recorded on the
+    broken link after."""
+    slow_installs(monkeypatch)
+    async with instance("shm", 2) as dec:
+        for _ in range(CACHES):
+            dec.cache_manager.allocate_cache(u8(2, 64 << 10))
+        dd = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
+        await dd.init(options("shm", listen=False))
+        rc, per = await dd.link_clusters([cluster_info(str(dec.listen_address), 2)])
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        link = link_of(dd, 2)
+        assert await wait_for(lambda: bool(runtime(dd).service.lookups._installing))
+        start = time.monotonic()
+        await dd.finalize()
+        took = time.monotonic() - start
+        assert took < 3 * MAP_S + 2, f"finalize took {took:.1f} s"
+        installed = len(link.remote)
+        await asyncio.sleep(2 * MAP_S)
+        assert len(link.remote) <= installed, "a cache was recorded after finalize"
