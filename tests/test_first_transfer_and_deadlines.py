@@ -154,19 +154,17 @@ async def test_a_peer_that_will_not_list_its_caches_still_serves_the_first_push(
         if refusal == "param_invalid":
             monkeypatch.setattr(handler.PeerHandler, "_served_all", refuse)
         else:
-            real = handler.metadata
-
-            def bad_metadata(state: Any, rec: Any) -> Any:
-                meta = real(state, rec)
-                return {**meta, "regions": [{**meta["regions"][0], "rkey": b"x"}]}
-
-            monkeypatch.setattr(handler, "metadata", bad_metadata)
             asked = handler.PeerHandler._serve_lookup
 
             def lookup(self: Any, link: Any, request: Any) -> Any:
-                if request.op.value != "caches":  # only that answer is bad
-                    monkeypatch.setattr(handler, "metadata", real)
-                return asked(self, link, request)
+                answer = asked(self, link, request)
+                if request.op.value == "caches":  # only that answer is bad: a 1-byte key
+                    bad = [
+                        {**m, "regions": [{**m["regions"][0], "rkey": b"x"}]}
+                        for m in answer["caches"]
+                    ]
+                    answer = {"caches": bad}
+                return answer
 
             monkeypatch.setattr(handler.PeerHandler, "_serve_lookup", lookup)
         rc, per = await dd.link_clusters([cluster_info(str(dec.listen_address), 2)])

@@ -10,7 +10,8 @@ Once a link we made to a same-host peer is up, its caches are asked for
 and installed in the background (:meth:`Lookups.prefetch_soon`): a
 same-host cache is mapped into this process, and making those page-table
 entries costs about as much as copying the cache once (4 KiB pages), so
-the first transfer would pay it. Lookups on the link wait for it.
+the first transfer would pay it. A lookup by id takes its cache off that
+queue, or waits for its install if one is under way (never for the others).
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ class Lookups:
             answer = await self._ask(link, Caches())
             for meta in answer.caches[:MAX_CACHES_PER_ANSWER]:
                 cid = meta.get("cache_id")
-                if type(cid) is int and ("id", cid) not in self._asking_on(link):
-                    queued.setdefault(cid, meta)
+                if type(cid) is int and (id(link), ("id", cid)) not in self._asking:
+                    queued.setdefault(cid, meta)  # not when a look-up of it is under way
             while queued and not link.broken:
                 cid, meta = next(iter(queued.items()))
                 done: asyncio.Future[None] = loop.create_future()
@@ -145,10 +146,6 @@ class Lookups:
             )
         finally:
             del self._queued[id(link)]
-
-    def _asking_on(self, link: Link) -> set[Any]:
-        """What lookups on ``link`` are in flight (:meth:`_shared`'s keys)."""
-        return {what for (lid, what) in self._asking if lid == id(link)}
 
     async def _before_lookup(self, link: Link, cache_id: int) -> None:
         """A lookup of ``cache_id`` on ``link`` goes first: a background

@@ -49,21 +49,15 @@ def process_frozen(pid: int) -> bool:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue  # a thread that just exited
-        if state not in (b"T", b"t"):
-            return False
-    return True
+    states = (_state(f"/proc/{pid}/task/{tid}/stat") for tid in tids)
+    # None: a thread that just exited.
+    return all(state in (None, b"T", b"t") for state in states)
 
 
-def _state(pid: int) -> bytes | None:
-    """The state letter of process ``pid``'s main thread, None if it is gone."""
+def _state(stat: str) -> bytes | None:
+    """The state letter in a ``/proc/.../stat`` file, None if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(stat, "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
@@ -73,7 +67,11 @@ def _wait_frozen(pid: int, timeout: float) -> float:
     end = time.monotonic() + timeout
     pause = 0.0002
     while not process_frozen(pid):
-        if _state(pid) in (None, b"Z", b"X"):  # exited (a zombie not reaped yet too)
+        if _state(f"/proc/{pid}/stat") in (
+            None,
+            b"Z",
+            b"X",
+        ):  # exited (a zombie not reaped yet too)
             raise ProcessLookupError(pid)
         if time.monotonic() > end:
             raise TimeoutError(f"process {pid} not stopped {timeout:g} s after SIGSTOP")
@@ -94,7 +92,7 @@ def freeze_process(pid: int, timeout: float = 5.0) -> float:
     if it is gone or exits meanwhile (a zombie included); :class:`TimeoutError`
     if it is not stopped in ``timeout`` seconds (a process in uninterruptible
     sleep stops only when it wakes)."""
-    if _state(pid) in (None, b"Z", b"X"):
+    if _state(f"/proc/{pid}/stat") in (None, b"Z", b"X"):
         raise ProcessLookupError(pid)
     os.kill(pid, signal.SIGSTOP)
     return _wait_frozen(pid, timeout)
