@@ -51,7 +51,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 
 import aiokvcache as kv  # noqa: E402
-from aiokvcache._core import planner as blocks  # noqa: E402
+from aiokvcache._core.transfer import planner as blocks  # noqa: E402
 from aiokvcache.testing import cluster_info, options  # noqa: E402
 
 # The test suite's peer program and its clients (tests/support, not installed).

@@ -194,7 +194,7 @@ async def measure_puts(
     link: Link, size: int, window: int, *, distinct: bool, seconds: float, iters: int | None
 ) -> float:
     """Awaited puts per second with ``window`` in flight, in steady state."""
-    from aiokvcache._core.runner import run_jobs
+    from aiokvcache._core.transfer.runner import run_jobs
 
     jobs = [[link.put_job(0, i * size if distinct else 0, size)] for i in range(window)]
     done = 0
@@ -258,7 +258,7 @@ async def ticker(samples: list[float], stop: asyncio.Event, period: float = 0.00
 
 async def measure_lag(link: Link, total: int, *, min_seconds: float, max_pushes: int) -> Lag:
     """Ticker lateness on an idle loop, then while pushes of ``total`` bytes are in flight."""
-    from aiokvcache._core.runner import run_jobs
+    from aiokvcache._core.transfer.runner import run_jobs
 
     lag = Lag()
     stop = asyncio.Event()

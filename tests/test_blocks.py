@@ -23,8 +23,8 @@ from aiokvcache import (
     LLMStatusCode,
     Placement,
 )
-from aiokvcache._core import notify
-from aiokvcache._core import planner as blocks
+from aiokvcache._core.transfer import notify
+from aiokvcache._core.transfer import planner as blocks
 from aiokvcache.testing import (
     Pair,
     assert_still,
@@ -548,7 +548,7 @@ async def test_push_blocks_by_key_asks_the_peer_once_and_follows_a_rebind(
     prompt asks the peer once, then uses its record while it is valid; when
     the owner deallocates the cache and binds the key to a new one, the next
     push lands in the new one (asked again), however soon it comes."""
-    from aiokvcache._core import lookups
+    from aiokvcache._core.peers import lookups
 
     asked: list[Any] = []
     real = lookups.Lookups.remote_blocks

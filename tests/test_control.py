@@ -20,8 +20,8 @@ import pytest_asyncio
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from aiokvcache._core import connection, control
-from aiokvcache._core.control import (
+from aiokvcache._core.wire import connection, control
+from aiokvcache._core.wire.control import (
     MAX_FRAME,
     PROTOCOL_VERSION,
     Closed,
@@ -34,7 +34,7 @@ from aiokvcache._core.control import (
     decode,
     encode,
 )
-from aiokvcache._core.peerstatus import LinkRefused, PeerRefusal
+from aiokvcache._core.wire.peerstatus import LinkRefused, PeerRefusal
 from aiokvcache.errors import LLMException, LLMStatusCode, LLMTimeoutError
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]

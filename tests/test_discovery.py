@@ -190,7 +190,7 @@ def test_a_grpc_event_for_another_instances_closed_loop_is_no_service_error(
     anything else still is."""
     import asyncio
 
-    from aiokvcache._core.servicethread import _grpc_event_for_a_closed_loop, _on_loop_error
+    from aiokvcache._core.peers.servicethread import _grpc_event_for_a_closed_loop, _on_loop_error
 
     class PollerCompletionQueue:
         def _handle_events(self) -> None: ...

@@ -3,7 +3,7 @@
 * Every ``LLMStatusCode`` member, aliases included, is documented in
   docs/troubleshooting.md: as a heading of its own or in the first cell of a
   table row.
-* Every ``aiokvcache.*`` option key of ``aiokvcache._core.options`` is in
+* Every ``aiokvcache.*`` option key of ``aiokvcache._core.config.options`` is in
   docs/tuning.md.
 * docs/reference.md has a mkdocstrings entry for every public name.
 * ``mkdocs build --strict`` succeeds (skipped without the ``docs`` extra).
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import aiokvcache
-from aiokvcache._core import options
+from aiokvcache._core.config import options
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

@@ -19,7 +19,7 @@ import pytest
 import pytest_asyncio
 
 from aiokvcache import _bridge
-from aiokvcache._core.runner import run_jobs
+from aiokvcache._core.transfer.runner import run_jobs
 from aiokvcache._loader import native
 from aiokvcache.errors import LLMException, LLMStatusCode, LLMTimeoutError
 from aiokvcache.testing import freeze_process

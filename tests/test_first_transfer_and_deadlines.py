@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import aiokvcache as kv
-from aiokvcache._core import lookups
+from aiokvcache._core.peers import lookups
 from aiokvcache.testing import PeerProcess, cluster_info
 from support.harness import rss_kb
 from support.instances import instance, is_up, link_of, wait_for
@@ -144,7 +144,7 @@ async def test_a_peer_that_will_not_list_its_caches_still_serves_the_first_push(
     """A peer that refuses ``caches`` (an older one: an unknown request) or
     answers it with metadata that does not check: the link stays, the
     first push looks its cache up as always and lands."""
-    from aiokvcache._core import handler
+    from aiokvcache._core.peers import handler
 
     def refuse(self: Any, link: Any) -> Any:
         raise kv.LLMException("no such request", kv.LLMStatusCode.LLM_PARAM_INVALID)
@@ -257,7 +257,7 @@ async def test_the_calls_own_timeout_is_named_as_such() -> None:
 
 def test_what_landed_is_written_one_way() -> None:
     assert kv.LLMException("x").landed is None and kv.LLMException("x").deadline is None
-    from aiokvcache._core.errors import landed_text
+    from aiokvcache._core.model.errors import landed_text
 
     assert landed_text([]) == "no layer"
     assert landed_text({3}) == "layer 3"
@@ -280,7 +280,7 @@ async def test_the_calls_timeout_is_named_when_a_slow_lookup_left_less_than_sync
     """timeout=1.5 s, sync_kv_timeout=1000 ms, a look-up that takes 0.8 s: the
     jobs get the 0.7 s left of the call's timeout, which is what fires, and
     what the error names (it named sync_kv_timeout)."""
-    from aiokvcache._core import transfers as tr
+    from aiokvcache._core.transfer import transfers as tr
 
     async with linked_to_a_decoder(1000) as (dec, cm, src, made):
         key = kv.CacheKeyByIdAndIndex(2, made["cache_id"], 0)

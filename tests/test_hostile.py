@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import aiokvcache as kv
-from aiokvcache._core import control, frames, handshake
+from aiokvcache._core.wire import control, frames, handshake
 from aiokvcache._loader import native
 from aiokvcache.testing import cluster_info, options
 from support.harness import AsyncPeer, rss_kb

@@ -16,7 +16,7 @@ import anyio.lowlevel
 import numpy as np
 import pytest
 
-import aiokvcache._core.notify as cm_module
+import aiokvcache._core.transfer.notify as cm_module
 from aiokvcache import (
     BlocksCacheKey,
     CacheDesc,

@@ -171,6 +171,45 @@ def test_nothing_below_knows_what_is_above(layer: int, name: str) -> None:
     assert not bad, f"the {name} layer imports upward: {bad}"
 
 
+#: The core's planes, bottom up: each imports only the planes before it
+#: (its ``__init__`` says what it holds). The modules at the core's top
+#: (``runtime``, ``caches``) assemble them.
+CORE_PLANES = ("model", "config", "wire", "memory", "peers", "transfer")
+MAX_CORE_TOP_MODULES = 6
+
+
+def _plane(mod: str) -> str | None:
+    parts = mod.split(".")
+    if len(parts) < 3 or parts[1] != "_core":
+        return None
+    return parts[2]
+
+
+def test_the_core_is_cut_into_its_planes() -> None:
+    core = PKG / "_core"
+    packages = sorted(p.name for p in core.iterdir() if (p / "__init__.py").is_file())
+    assert packages == sorted(CORE_PLANES), f"the core's subpackages are not its planes: {packages}"
+    top = sorted(p.name for p in core.glob("*.py"))
+    assert len(top) <= MAX_CORE_TOP_MODULES, f"too many modules at the core's top: {top}"
+    assert all((core / p / "__init__.py").read_text().startswith('"""') for p in CORE_PLANES)
+
+
+def test_each_core_plane_imports_only_the_planes_below() -> None:
+    graph = import_graph()
+    bad = []
+    for m, deps in graph.items():
+        here = _plane(m)
+        if here not in CORE_PLANES:
+            continue
+        for d in deps:
+            there = _plane(d)
+            if there is None or there == here:
+                continue
+            if there not in CORE_PLANES or CORE_PLANES.index(there) > CORE_PLANES.index(here):
+                bad.append(f"{m} ({here}) imports {d} ({there})")
+    assert not bad, f"a core plane imports upward: {bad}"
+
+
 # The tools beside the library: they use it as a user would, through its public
 # modules only.
 TOOLS = ("aiokvcache.bench", "aiokvcache.__main__", "aiokvcache._benchpeer")

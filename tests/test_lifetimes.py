@@ -410,7 +410,7 @@ async def test_push_after_deallocate_returned_fails_two_processes(transport: str
 
 
 class _ProbeSplitter:
-    """A hostile control-plane peer (aiokvcache._core.control.Handler).
+    """A hostile control-plane peer (aiokvcache._core.wire.control.Handler).
 
     Of each two ``probe_info`` requests the victim sends, the first gets a
     valid probe buffer (a region of a bare engine child) and the second,
@@ -447,7 +447,7 @@ class _ProbeSplitter:
 
 
 async def test_overlapping_probe_back_requests_do_not_crash_the_victim(transport: str) -> None:
-    from aiokvcache._core import control  # the hostile peer speaks the wire itself
+    from aiokvcache._core.wire import control  # the hostile peer speaks the wire itself
 
     async with (
         AsyncPeer("engine", transport, "4096", lifetime=100) as data,

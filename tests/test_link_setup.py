@@ -22,9 +22,11 @@ from typing import Any
 import pytest
 
 import aiokvcache as kv
-from aiokvcache._core import control, handshake, probe, wire
-from aiokvcache._core.peerstatus import PeerRefusal
-from aiokvcache._core.servicethread import ReleaseWatch
+from aiokvcache._core.peers import probe
+from aiokvcache._core.peers.servicethread import ReleaseWatch
+from aiokvcache._core.wire import control, handshake
+from aiokvcache._core.wire import messages as wire
+from aiokvcache._core.wire.peerstatus import PeerRefusal
 from aiokvcache._loader import native
 from aiokvcache.testing import cluster_info, make_pair
 from support.instances import instance, runtime
@@ -240,7 +242,7 @@ async def test_an_initiator_that_asks_a_read_back_probe_gets_one(
     jobs: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An older initiator (it does not know put_probe): probe_back without a nonce."""
-    from aiokvcache._core import linker
+    from aiokvcache._core.peers import linker
 
     monkeypatch.setattr(linker, "offers_put_probe", lambda slot: False)
     async with kv.testing.pair("tcp") as pr:

@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import aiokvcache as kv
-from aiokvcache._core import catalog, lookups
+from aiokvcache._core.memory import catalog
+from aiokvcache._core.peers import lookups
 from aiokvcache.testing import cluster_info, options
 from support.instances import link_of, runtime, wait_for
 

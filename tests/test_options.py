@@ -425,7 +425,7 @@ def test_net_devices_option() -> None:
 
 
 def test_every_option_of_the_table_is_an_llmconfig_property_built_from_it() -> None:
-    from aiokvcache._core.option_table import OPTIONS
+    from aiokvcache._core.config.table import OPTIONS
 
     for opt in OPTIONS:
         prop = LLMConfig.__dict__.get(opt.prop)
@@ -438,7 +438,7 @@ def test_every_option_of_the_table_is_an_llmconfig_property_built_from_it() -> N
 
 
 def test_every_engine_options_field_comes_from_one_option_with_its_default() -> None:
-    from aiokvcache._core.option_table import OPTIONS
+    from aiokvcache._core.config.table import OPTIONS
 
     owners: dict[str, str] = {}
     for opt in OPTIONS:
@@ -455,12 +455,12 @@ def test_every_engine_options_field_comes_from_one_option_with_its_default() -> 
 def test_tuning_tables_are_generated_from_the_option_table() -> None:
     from pathlib import Path
 
-    from aiokvcache._core.option_docs import regenerate
+    from aiokvcache._core.config.docs import regenerate
 
     path = Path(__file__).resolve().parents[1] / "docs" / "tuning.md"
     text = path.read_text(encoding="utf-8")
     assert text.count("<!-- generated: ") == 2
     assert regenerate(text) == text, (
         "docs/tuning.md's tables differ from the option table: run "
-        "python -m aiokvcache._core.option_docs docs/tuning.md"
+        "python -m aiokvcache._core.config.docs docs/tuning.md"
     )

@@ -26,10 +26,11 @@ from typing import Any
 import pytest
 
 import aiokvcache as kv
-from aiokvcache._core import frames, handshake, wire
-from aiokvcache._core.ctlregion import PROBE_BYTES
-from aiokvcache._core.errors import LLMException
-from aiokvcache._core.peerstatus import PeerRefusal
+from aiokvcache._core.memory.ctlregion import PROBE_BYTES
+from aiokvcache._core.model.errors import LLMException
+from aiokvcache._core.wire import frames, handshake
+from aiokvcache._core.wire import messages as wire
+from aiokvcache._core.wire.peerstatus import PeerRefusal
 from aiokvcache.testing import PeerProcess
 from support.instances import instance, runtime
 
@@ -326,7 +327,7 @@ async def _send_notifications(sender: kv.LLMDataDist, cid: int, payloads: list[b
     import numpy as np
 
     from aiokvcache._bridge import OP_PUT
-    from aiokvcache._core.runner import run_jobs
+    from aiokvcache._core.transfer.runner import run_jobs
 
     rt = runtime(sender)
     ep = rt.state.links[cid].ep
@@ -364,7 +365,7 @@ async def test_a_notification_with_an_infinite_number_is_dropped_as_malformed(
     never an exception in the victim's completion handler."""
     import tempfile
 
-    from aiokvcache._core.codec import encode
+    from aiokvcache._core.wire.codec import encode
     from aiokvcache.testing import cluster_info
 
     note: dict[str, Any] = {"t": "tag", "i": 3, "b": 0, "l": 1}

@@ -43,10 +43,11 @@ from hypothesis import strategies as st
 
 import aiokvcache as kv
 from aiokvcache._bridge import OP_PUT
-from aiokvcache._core import frames, handshake, wire
-from aiokvcache._core.catalog import desc_to_wire
-from aiokvcache._core.ctlregion import PROBE_BYTES
-from aiokvcache._core.runner import run_jobs
+from aiokvcache._core.memory.catalog import desc_to_wire
+from aiokvcache._core.memory.ctlregion import PROBE_BYTES
+from aiokvcache._core.transfer.runner import run_jobs
+from aiokvcache._core.wire import frames, handshake
+from aiokvcache._core.wire import messages as wire
 from aiokvcache._loader import native
 from aiokvcache.testing import PeerProcess, cluster_info
 from support.fuzz import SECONDS, Mutator, Run, encodable
@@ -668,7 +669,7 @@ async def test_fuzz_cache_metadata_and_probe_slots(transport: str, log: Any) -> 
 async def test_fuzz_notifications(transport: str, log: Any) -> None:
     """A linked peer sends notifications whose payloads (tag, cache id, batch
     index, layer, block list) are mutated or raw bytes."""
-    from aiokvcache._core import notify
+    from aiokvcache._core.transfer import notify
 
     run = Run(f"notifications-{transport}")
     m = run.mutator
@@ -847,7 +848,7 @@ def test_a_peers_answer_parses_or_is_a_bad_reply(request: Any, body: dict[str, A
 @PARSERS
 @given(bodies)
 def test_a_peers_error_frame_parses_or_is_a_protocol_error(body: dict[str, Any]) -> None:
-    from aiokvcache._core.peerstatus import PeerRefusal
+    from aiokvcache._core.wire.peerstatus import PeerRefusal
 
     with contextlib.suppress(frames.ProtocolError):
         refusal = PeerRefusal.from_payload(body)
@@ -867,7 +868,7 @@ def test_handshake_messages_parse_or_are_protocol_errors(body: dict[str, Any], k
 @PARSERS
 @given(values | st.binary(max_size=300))
 def test_a_notification_payload_is_taken_or_dropped(value: Any) -> None:
-    from aiokvcache._core.notify import Receiver
+    from aiokvcache._core.transfer.notify import Receiver
 
     data = value if isinstance(value, bytes) else encodable(value)
     if data is None:
@@ -959,7 +960,7 @@ def test_a_notification_with_its_fields_is_taken_or_dropped(fields: dict[str, An
     """The notification parser, fed payloads that carry the fields it reads
     (t, i, b, l, k) with values of any type, ``inf`` and ``nan`` included:
     taken, or counted and dropped; never an exception."""
-    from aiokvcache._core.notify import Receiver
+    from aiokvcache._core.transfer.notify import Receiver
 
     data = encodable(fields)
     if data is None:

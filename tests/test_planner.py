@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiokvcache._core import planner
-from aiokvcache._core.errors import LLMException, LLMStatusCode
-from aiokvcache._core.types import CacheDesc, DataType, Placement
+from aiokvcache._core.model.errors import LLMException, LLMStatusCode
+from aiokvcache._core.model.types import CacheDesc, DataType, Placement
+from aiokvcache._core.transfer import planner
 
 LOCAL_BASE = 1 << 40
 REMOTE_BASE = 1 << 41

@@ -19,8 +19,9 @@ from typing import Any
 import pytest
 
 import aiokvcache as kv
-from aiokvcache._core import catalog, lookups
-from aiokvcache._core.retire import RETIRE_TIMEOUT_S
+from aiokvcache._core.memory import catalog
+from aiokvcache._core.peers import lookups
+from aiokvcache._core.peers.retire import RETIRE_TIMEOUT_S
 from aiokvcache.testing import PeerProcess, cluster_info, options
 from support.instances import instance, link_of, runtime, wait_for
 

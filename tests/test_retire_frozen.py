@@ -15,7 +15,7 @@ import signal
 import time
 
 import aiokvcache as kv
-from aiokvcache._core.retire import RETIRE_TIMEOUT_S
+from aiokvcache._core.peers.retire import RETIRE_TIMEOUT_S
 from aiokvcache.testing import options
 from support.harness import AsyncPeer
 

@@ -28,7 +28,8 @@ import numpy as np
 import pytest
 
 import aiokvcache as kv
-from aiokvcache._core import control, handshake, wire
+from aiokvcache._core.wire import control, handshake
+from aiokvcache._core.wire import messages as wire
 from aiokvcache._loader import native
 from aiokvcache.testing import cluster_info, options
 from support.instances import is_up, link_of, runtime, wait_event, wait_for

@@ -110,7 +110,7 @@ async def test_a_malformed_probe_result_fails_that_link_only() -> None:
     LLMException`` does not catch: link_clusters raises it instead of
     answering LINK_FAILED for that cluster (before 0202f12 no probe result
     could fail to decode)."""
-    from aiokvcache._core import wire
+    from aiokvcache._core.wire import messages as wire
 
     two = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
     one = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
@@ -203,7 +203,8 @@ def test_the_docstrings_say_what_the_handshake_and_the_probe_do() -> None:
     that claims another id, unconditionally (without a token AUTH goes with
     HELLO), and Linker._try_link's that each side puts a nonce and reads it
     back (with a new peer, each side only puts)."""
-    from aiokvcache._core import control, linker
+    from aiokvcache._core.peers import linker
+    from aiokvcache._core.wire import control
 
     def flat(text: str | None) -> str:
         return " ".join((text or "").split())

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from aiokvcache._core.errors import LLMException, LLMStatusCode
-from aiokvcache._core.options import LLMConfig
+from aiokvcache._core.config.options import LLMConfig
+from aiokvcache._core.model.errors import LLMException, LLMStatusCode
 
 
 def test_peer_timeout_setter_message_names_the_unit() -> None:
@@ -63,7 +63,7 @@ def test_a_cache_by_addr_answer_with_a_bad_entry_installs_nothing(
     CacheMetas.decode: the whole answer is checked before any entry is
     installed (the entries used to be installed one by one, so those before a
     non-dict one stayed), and the error names the answer."""
-    from aiokvcache._core import lookups as lookups_mod
+    from aiokvcache._core.peers import lookups as lookups_mod
 
     installed: list[dict[str, Any]] = []
     monkeypatch.setattr(

@@ -3,7 +3,7 @@
 Peers are child processes (``tests/support/tr_peer.py``, an LLMDataDist driven
 by JSON lines); every test runs over shm and tcp unless marked otherwise.
 Reaching inside the library: ``_runtime`` below (our own instance's worker
-address and table of cache records), ``aiokvcache._core.control`` (a hostile
+address and table of cache records), ``aiokvcache._core.wire.control`` (a hostile
 control-plane peer, item 3a) and, in the support program, its *internal* ops
 (forge a notification, serve crafted metadata, flood probe_back).
 
@@ -976,7 +976,7 @@ class _Quiet:
         pass
 
     async def handle_request(self, conn: Any, op: str, body: dict[str, Any]) -> dict[str, Any]:
-        from aiokvcache._core.errors import LLMStatusCode, make_error
+        from aiokvcache._core.model.errors import LLMStatusCode, make_error
 
         raise make_error(LLMStatusCode.LLM_FAILED, "nothing here")
 
@@ -988,7 +988,7 @@ class _Quiet:
 
 
 async def test_a_peer_that_never_reads_cannot_grow_the_victims_queue(transport: str) -> None:
-    from aiokvcache._core import control
+    from aiokvcache._core.wire import control
     from aiokvcache._loader import native
 
     async with TrPeer(*peer_args(transport, 2, auth_token=TOKEN)) as victim:

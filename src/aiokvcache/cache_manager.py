@@ -16,13 +16,8 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _telemetry as _t
-from ._core import layerwise, planner
-from ._core.errors import LLMStatusCode, make_error, param_invalid
-from ._core.layerwise import CacheTask
-from ._core.notify import Notification, Notifications
-from ._core.runner import check_timeout
-from ._core.transfers import BlocksCall
-from ._core.types import (
+from ._core.model.errors import LLMStatusCode, make_error, param_invalid
+from ._core.model.types import (
     BlocksCacheKey,
     Cache,
     CacheDesc,
@@ -38,6 +33,11 @@ from ._core.types import (
     check_layer_range,
     check_tag,
 )
+from ._core.transfer import layerwise, planner
+from ._core.transfer.layerwise import CacheTask
+from ._core.transfer.notify import Notification, Notifications
+from ._core.transfer.runner import check_timeout
+from ._core.transfer.transfers import BlocksCall
 from ._telemetry import measure as _measure
 
 if TYPE_CHECKING:

@@ -12,10 +12,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ._core.errors import LLMStatusCode, make_error, param_invalid
-from ._core.options import EngineOptions
+from ._core.config.options import EngineOptions
+from ._core.model.errors import LLMStatusCode, make_error, param_invalid
+from ._core.model.types import LLMClusterInfo, LLMRole, check_int, check_isinstance, check_uint64
 from ._core.runtime import Runtime
-from ._core.types import LLMClusterInfo, LLMRole, check_int, check_isinstance, check_uint64
 from .cache_manager import CacheManager
 
 __all__ = ["LLMDataDist"]

@@ -6,5 +6,5 @@ public name for them.
 
 from __future__ import annotations
 
-from ._core.errors import *  # noqa: F403 - this module is their public home
-from ._core.errors import __all__ as __all__
+from ._core.model.errors import *  # noqa: F403 - this module is their public home
+from ._core.model.errors import __all__ as __all__

@@ -5,5 +5,5 @@ Defined in the private core; this module is their public home.
 
 from __future__ import annotations
 
-from ._core.options import *  # noqa: F403 - this module is their public home
-from ._core.options import __all__ as __all__
+from ._core.config.options import *  # noqa: F403 - this module is their public home
+from ._core.config.options import __all__ as __all__

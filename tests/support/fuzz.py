@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from aiokvcache._core.codec import MAX_DEPTH, encode
+from aiokvcache._core.wire.codec import MAX_DEPTH, encode
 
 __all__ = ["SECONDS", "Mutator", "Run", "encodable"]
 

@@ -144,7 +144,7 @@ def forged_payload(claim: int, tag: str, cache_id: int, layer: int) -> bytes:
     """A notification payload claiming to come from cluster ``claim``: the
     d2734be wire format, whose receiver took the source from "c" (a receiver
     that ignores "c" reads the same dict as a plain notification)."""
-    from aiokvcache._core import control
+    from aiokvcache._core.wire import control
 
     return control.encode(
         {"t": tag, "c": claim, "i": cache_id, "b": 0 if layer >= 0 else None, "l": layer}
@@ -346,7 +346,7 @@ async def main(args: argparse.Namespace) -> None:
             handler._serve_lookup = serve
             return {"armed": evil_op}
         if op == "meta":
-            from aiokvcache._core.catalog import metadata
+            from aiokvcache._core.memory.catalog import metadata
 
             st = rt.state
             with st.lock:

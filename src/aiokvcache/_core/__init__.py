@@ -2,14 +2,10 @@
 
 Layers, one direction of knowledge (``tests/test_layout.py`` holds it):
 public modules -> ``_core`` -> ``_bridge`` -> ``_native``. Inside the core,
-bottom up: ``errors``, ``types`` (gathering ``checks``, ``cachedesc``,
-``keys``, ``clusterinfo``, ``transferconfigs``), ``option_table`` and
-``options`` (the vocabulary), ``planner`` (segment tables), ``codec``,
-``frames``, ``handshake``, ``connection``, ``control`` and ``wire`` (the
-control plane's wire), ``state`` (what two threads share), ``catalog`` (cache
-metadata), ``runner`` (the one transfer path), ``notify`` (receiver
-notifications), ``servicethread``, ``links``, ``linker``, ``probe``,
-``handler``, ``lookups``, ``retire`` (the peer service's parts, held by
-``service``), ``caches``, ``copies``, ``slots``, ``transfers``, ``layerprep``
-and ``layerwise`` (every cache and transfer call), ``runtime``.
+planes, bottom up, each importing only those before it: ``model`` (errors,
+checks, descriptors, keys), ``config`` (the options), ``wire`` (what crosses a
+socket), ``memory`` (what two threads share), ``peers`` (the service thread
+and the links), ``transfer`` (every cache and transfer call). On top of them,
+``caches`` (registering and freeing local caches) and ``runtime`` (one engine,
+assembled).
 """

@@ -17,11 +17,11 @@ import numpy as np
 import numpy.typing as npt
 
 from .._loader import native
-from .cachedesc import invalidate_cache
-from .errors import LLMStatusCode, make_error, param_invalid
-from .service import PeerService
-from .state import Lease, LocalCache, State
-from .types import BlocksCacheKey, Cache, CacheDesc, CacheKey, check_int, check_isinstance
+from .memory.state import Lease, LocalCache, State
+from .model.cachedesc import invalidate_cache
+from .model.errors import LLMStatusCode, make_error, param_invalid
+from .model.types import BlocksCacheKey, Cache, CacheDesc, CacheKey, check_int, check_isinstance
+from .peers.service import PeerService
 
 __all__ = ["LocalCaches"]
 

@@ -20,16 +20,16 @@ from .._bridge import Bridge
 from .._loader import native
 from .._loopside import LoopSide, ServiceGone
 from .caches import LocalCaches
-from .control import LocalInfo
-from .copies import LocalCopies
-from .errors import LLMStatusCode, make_error
-from .notify import Receiver
-from .options import EngineOptions
-from .runner import Runner, engine_finalized
-from .service import PeerService, overall
-from .state import Link, State
-from .transfers import Transfers
-from .types import LLMClusterInfo
+from .config.options import EngineOptions
+from .memory.state import Link, State
+from .model.errors import LLMStatusCode, make_error
+from .model.types import LLMClusterInfo
+from .peers.service import PeerService, overall
+from .transfer.copies import LocalCopies
+from .transfer.notify import Receiver
+from .transfer.runner import Runner, engine_finalized
+from .transfer.transfers import Transfers
+from .wire.control import LocalInfo
 
 __all__ = ["Runtime"]
 
