@@ -264,7 +264,7 @@ def valid_bodies(cache_id: int, slot: int) -> dict[str, dict[str, Any]]:
 
 
 def test_every_request_op_has_a_body_to_mutate() -> None:
-    assert set(valid_bodies(1, 0)) == {op.value for op in wire.Op}
+    assert set(valid_bodies(1, 0)) == {op.value for op in wire.RequestOp}
 
 
 def linked_frames(m: Mutator, bodies: dict[str, dict[str, Any]], seal: Any) -> list[bytes]:

@@ -126,7 +126,7 @@ def kv_options() -> dict[str, Any]:
     return {}
 
 
-class _ServiceErrors(logging.Handler):
+class _ServiceLoopErrors(logging.Handler):
     """What reached a peer-service loop's exception handler (logged at ERROR)."""
 
     def __init__(self) -> None:
@@ -140,7 +140,7 @@ class _ServiceErrors(logging.Handler):
 @contextlib.contextmanager
 def _no_service_errors(what: str) -> Iterator[None]:
     logger = logging.getLogger("aiokvcache.service")
-    handler = _ServiceErrors()
+    handler = _ServiceLoopErrors()
     logger.addHandler(handler)
     try:
         yield

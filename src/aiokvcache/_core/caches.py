@@ -1,9 +1,9 @@
 """This instance's own caches: memory, records, keys and their retirement.
 
 :class:`LocalCaches` turns engine memory or user memory into a cache record
-(:class:`.state.LocalCache`) in the registry, checks keys before they are
-bound, finds live records for the public calls and hands retirement to the
-peer service, which tells linked peers before memory goes.
+(:class:`.state.LocalCache`) in the cache table, checks keys before they are
+bound, finds live records for the public calls and hands a cache that goes
+to :class:`.retire.Retirement`, which tells linked peers before memory goes.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .memory.state import Lease, LocalCache, State
 from .model.cachedesc import invalidate_cache
 from .model.errors import LLMStatusCode, make_error, param_invalid
 from .model.types import BlocksCacheKey, Cache, CacheDesc, CacheKey, check_int, check_isinstance
-from .peers.service import PeerService
+from .peers.retire import Retirement
 
 __all__ = ["LocalCaches"]
 
@@ -127,9 +127,9 @@ def _register_regions(engine: Any, size: int, addrs: list[int], exports: list[An
 class LocalCaches:
     """Allocation, registration, lookup, keys and retirement of our own caches."""
 
-    def __init__(self, state: State, service: PeerService) -> None:
+    def __init__(self, state: State, retirement: Retirement) -> None:
         self.state = state
-        self.service = service
+        self.retirement = retirement
 
     def local(self, name: str, cache: Any) -> LocalCache:
         """The live record of ``cache``, or KV_CACHE_NOT_EXIST naming ``name``."""
@@ -318,7 +318,7 @@ class LocalCaches:
 
     def retire(self, rec: LocalCache) -> None:
         """Deallocate / unregister: see :meth:`.retire.Retirement.retire_local`."""
-        self.service.retire_local(rec)
+        self.retirement.retire_local(rec)
 
     # ------------------------------------------------------------ finalize
 

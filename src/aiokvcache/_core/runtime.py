@@ -137,11 +137,13 @@ class Runtime:
         self.receiver = Receiver(side)
         self.service = PeerService(self.state)
         #: This instance's caches: memory, records, keys, retirement.
-        self.caches = LocalCaches(self.state, self.service)
+        self.caches = LocalCaches(self.state, self.service.retirement)
         #: Copies between this instance's caches.
         self.copies = LocalCopies(self.state, side)
         #: Lookups of peers' caches and transfers to and from them.
-        self.transfers = Transfers(self.state, self.service, self.runner)
+        self.transfers = Transfers(
+            self.state, self.service.thread, self.service.lookups, self.runner
+        )
         self.bridge.on_notify = self.receiver.on_notify
         self.bridge.on_endpoint_error = self._on_endpoint_error
         self._closed = False
@@ -160,7 +162,7 @@ class Runtime:
     @property
     def listen_address(self) -> tuple[str, int] | None:
         """(host, port) the control server listens on, or None."""
-        return self.service.listen_address
+        return self.service.linker.listen_address
 
     def links(self) -> dict[int, Link]:
         """A snapshot of the links by cluster id."""
@@ -204,7 +206,7 @@ class Runtime:
         return await self._on_service(coro)
 
     async def _on_service(self, coro: Any) -> Any:
-        cf: concurrent.futures.Future[Any] = self.service.call(coro)
+        cf: concurrent.futures.Future[Any] = self.service.thread.call(coro)
         try:
             return await self.side.from_service(cf)
         except ServiceGone:
@@ -212,19 +214,19 @@ class Runtime:
 
     def _on_endpoint_error(self, ep: int, ucs_status: int) -> None:
         reason = f"transport error: {native.ucs_status_string(ucs_status)}"
-        self.service.endpoint_failed(ep, reason)
+        self.service.links.endpoint_failed(ep, reason)
 
     async def listen(self, host: str, port: int) -> None:
         """Start the control server on the service thread."""
-        await self.on_service(self.service.listen(host, port))
+        await self.on_service(self.service.linker.listen(host, port))
 
     async def relisten(self, spec: tuple[str, int] | None) -> None:
         """Listen at ``spec`` (host, port) instead, or stop listening (None)."""
-        await self.on_service(self.service.relisten(spec))
+        await self.on_service(self.service.linker.relisten(spec))
 
     def set_role(self, role: int) -> None:
         """The role this instance tells peers from now on."""
-        self.service.set_role(role)
+        self.service.linker.set_role(role)
 
     async def register(self, role: int) -> None:
         """Register in etcd (``aiokvcache.etcdEndpoint``, on the service thread)."""
@@ -238,7 +240,7 @@ class Runtime:
         self, infos: list[LLMClusterInfo], timeout_ms: int
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Link each cluster (on the service thread): the overall status and one per cluster."""
-        results = await self.on_service(self.service.link_all(infos, timeout_ms))
+        results = await self.on_service(self.service.linker.link_all(infos, timeout_ms))
         return overall(results), results
 
     async def unlink_clusters(
@@ -246,7 +248,7 @@ class Runtime:
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Unlink each cluster id (on the service thread): the overall status and
         one per cluster."""
-        results = await self.on_service(self.service.unlink_all(ids, timeout_ms, force))
+        results = await self.on_service(self.service.linker.unlink_all(ids, timeout_ms, force))
         return overall(results), results
 
     async def close(self) -> None:
@@ -278,7 +280,7 @@ class Runtime:
         # Tell peers first, so the transport errors they are about to see
         # read as a shutdown, not a failure.
         with contextlib.suppress(Exception):
-            await self._on_service(self.service.announce_finalizing())
+            await self._on_service(self.service.links.announce_finalizing())
         # Local copies run in worker threads and cannot be stopped: the
         # engine unmaps every region when it closes, so wait for them first.
         copies = self.caches.copy_leases()
@@ -291,7 +293,7 @@ class Runtime:
         self.bridge.close()
         with contextlib.suppress(Exception):
             await self._on_service(self.service.close())
-        self.service.stop()
+        self.service.thread.stop()
         await self.transfers.end_tasks()
         self.caches.drop_all()
         # The engine is closed (its worker and every connection gone): user

@@ -429,7 +429,7 @@ class _Node:
         }
 
 
-class _ServiceErrors(logging.Handler):
+class _LoggedFailures(logging.Handler):
     """What reached this process's peer-service loop (logged at ERROR), and
     any exception the library caught and logged with its traceback (a
     completion handler, a connection's reader, a request's handler: input
@@ -444,7 +444,7 @@ class _ServiceErrors(logging.Handler):
             self.messages.append(f"{record.name}: {record.getMessage()}"[:300])
 
 
-_SERVICE_ERRORS = _ServiceErrors()
+_SERVICE_ERRORS = _LoggedFailures()
 
 
 def watch_service_errors() -> None:

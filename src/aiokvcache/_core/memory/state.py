@@ -5,7 +5,7 @@ service thread (peers' requests, link changes, invalidations). The locking
 rule is one lock, :attr:`State.lock`:
 
 * every read that must be consistent and every write of the tables here
-  (``Registry``'s dicts, ``State.links``, ``Link.remote``, the ``valid`` and
+  (``CacheTable``'s dicts, ``State.links``, ``Link.remote``, the ``valid`` and
   ``jobs`` fields of records) happens with the lock held;
 * the lock is held only for short, non-blocking work: dict operations,
   ``engine.submit`` / ``engine.cancel`` (queue a command, never wait), never
@@ -49,7 +49,7 @@ from ..model.types import BlocksCacheKey, Cache, CacheDesc, CacheKey
 from ..wire.control import ControlConnection, LocalInfo
 from .ctlregion import ControlRegion
 
-__all__ = ["Lease", "Link", "LocalCache", "Registry", "RemoteCache", "State"]
+__all__ = ["CacheTable", "Lease", "Link", "LocalCache", "RemoteCache", "State"]
 
 
 @dataclass(eq=False, slots=True)
@@ -189,7 +189,7 @@ def _retired(holder: Any) -> LLMException:
     return make_error(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, what)
 
 
-class Registry:
+class CacheTable:
     """Our caches and the keys bound to them (all access under the state lock)."""
 
     def __init__(self) -> None:
@@ -282,7 +282,7 @@ class State:
         self.options = options
         self.engine = engine
         self.local = local
-        self.registry = Registry()
+        self.registry = CacheTable()
         self.links: dict[int, Link] = {}
         self.linking: set[int] = set()
         #: Set once finalize() begins; read by both threads.

@@ -30,7 +30,6 @@ from ..wire.messages import (
     CacheMeta,
     CacheMetas,
     Caches,
-    Done,
     Finalizing,
     Invalidate,
     KeyedCacheMeta,
@@ -39,6 +38,7 @@ from ..wire.messages import (
     ProbeInfo,
     ProbeResult,
     Request,
+    Served,
     Unlink,
     parse_request,
 )
@@ -109,7 +109,7 @@ class PeerHandler:
                 # transport errors that follow read as a shutdown, not a failure.
                 log.info("aiokvcache: cluster %d is finalizing", link.cluster_id)
                 self._links.break_link(link, PEER_FINALIZING)
-                return Done()
+                return Served()
             case Unlink():
                 # A plain unlink: our side goes, and our transfers on the link
                 # are released, before the peer's call returns: it may then
@@ -119,9 +119,9 @@ class PeerHandler:
                 # The peer's own jobs on the link were over before it asked (see
                 # Linker.unlink_all): nothing it posted can reach our memory.
                 self._links.quiesced(link)
-                return Done()
+                return Served()
             case Alive():
-                return Done()  # the answer is the point (Links._heartbeat)
+                return Served()  # the answer is the point (Links._heartbeat)
             case ProbeInfo():
                 return self._prober.probe_info()
             case ProbeBack(timeout=timeout, nonce=nonce, slot=slot):
@@ -138,7 +138,7 @@ class PeerHandler:
                 return answer
             case Invalidate(cache_id=cache_id):
                 await self._retirement.drop_remote(link, cache_id)
-                return Done()
+                return Served()
         raise TypeError(f"no server for {request!r}")
 
     async def _probe_back(self, link: Link, timeout: float, nonce: bytes, slot: int) -> ProbeResult:

@@ -20,14 +20,11 @@ owner's loop itself. Shared tables follow :mod:`.state`'s locking rule.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-from collections.abc import Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
-from ..memory.state import Link, LocalCache, RemoteCache, State
+from ..memory.state import State
 from ..model.errors import LLMStatusCode
-from ..model.types import BlocksCacheKey, CacheKey, LLMClusterInfo
 from .discovery import Registry
 from .handler import PeerHandler
 from .linker import Linker
@@ -38,9 +35,6 @@ from .retire import Retirement
 from .servicethread import ServiceThread
 
 __all__ = ["PeerService", "overall"]
-
-T = TypeVar("T")
-
 
 def overall(results: Sequence[LLMStatusCode]) -> LLMStatusCode:
     """The last non-success status of ``results``, else SUCCESS (as
@@ -54,8 +48,9 @@ def overall(results: Sequence[LLMStatusCode]) -> LLMStatusCode:
 class PeerService:
     """The service thread and the parts of the control plane that run on it.
 
-    The methods below are the calls the runtime and the public classes make;
-    each is one part's.
+    It assembles the parts and closes them; callers use the part that does
+    the work (``thread.call``, ``linker.link_all``, ``lookups.remote_by_id``,
+    ``retirement.retire_local`` ...), never a forward through here.
     """
 
     def __init__(self, state: State) -> None:
@@ -74,17 +69,6 @@ class PeerService:
         #: This instance's etcd entry and watch (aiokvcache.etcdEndpoint), or None.
         self.registry: Registry | None = None
 
-    # ------------------------------------------------------------- thread
-
-    def call(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run ``coro`` on the service loop; the caller awaits the result
-        through its loop side (see :meth:`.servicethread.ServiceThread.call`)."""
-        return self.thread.call(coro)
-
-    def stop(self) -> None:
-        """Stop the loop (pending tasks are cancelled) and join the thread."""
-        self.thread.stop()
-
     async def close(self) -> None:
         """Leave etcd, close the server and every connection; cancel background
         work (service loop)."""
@@ -94,25 +78,6 @@ class PeerService:
         await self.links.close_all()
         await self.thread.cancel_spawned()
         self.prober.close()
-
-    # -------------------------------------------------------------- links
-
-    @property
-    def listen_address(self) -> tuple[str, int] | None:
-        """The bound (host, port) of the control server, if it listens."""
-        return self.linker.listen_address
-
-    async def listen(self, host: str, port: int) -> None:
-        """Start the control server (service loop)."""
-        await self.linker.listen(host, port)
-
-    async def relisten(self, spec: tuple[str, int] | None) -> None:
-        """switch_role's listener (see :meth:`.linker.Linker.relisten`)."""
-        await self.linker.relisten(spec)
-
-    def set_role(self, role: int) -> None:
-        """Announce ``role`` in later handshakes."""
-        self.linker.set_role(role)
 
     async def register(self, role: int) -> None:
         """Register in etcd (``aiokvcache.etcdEndpoint``) with ``role`` and the
@@ -128,52 +93,10 @@ class PeerService:
             opts.etcd_prefix,
             opts.etcd_lease_ttl_s,
         )
-        await registry.start(role, self.listen_address)
+        await registry.start(role, self.linker.listen_address)
         self.registry = self.linker.registry = registry
 
     async def update_registration(self, role: int) -> None:
         """The role or the control address changed (switch_role): tell etcd."""
         if self.registry is not None:
-            await self.registry.update(role, self.listen_address)
-
-    async def link_all(
-        self, infos: Sequence[LLMClusterInfo], timeout_ms: int
-    ) -> list[LLMStatusCode]:
-        """Link every cluster concurrently; one status each (service loop)."""
-        return await self.linker.link_all(infos, timeout_ms)
-
-    async def unlink_all(
-        self, cluster_ids: Sequence[int], timeout_ms: int, force: bool
-    ) -> list[LLMStatusCode]:
-        """Unlink each cluster in turn (see :meth:`.linker.Linker.unlink_all`)."""
-        return await self.linker.unlink_all(cluster_ids, timeout_ms, force)
-
-    def endpoint_failed(self, ep: int, reason: str) -> None:
-        """The engine reported an endpoint error (from any thread)."""
-        self.links.endpoint_failed(ep, reason)
-
-    async def announce_finalizing(self) -> None:
-        """Tell every linked peer we are going, so its errors read as a shutdown."""
-        await self.links.announce_finalizing()
-
-    # ------------------------------------------------------------ caches
-
-    def retire_local(self, rec: LocalCache) -> None:
-        """Our cache ``rec`` goes (see :meth:`.retire.Retirement.retire_local`)."""
-        self.retirement.retire_local(rec)
-
-    async def remote_by_id(self, link: Link, cache_id: int) -> RemoteCache:
-        """The peer's cache ``cache_id``, fetched once per link (service loop)."""
-        return await self.lookups.remote_by_id(link, cache_id)
-
-    async def remote_by_key(self, link: Link, key: CacheKey) -> tuple[RemoteCache, int]:
-        """The peer's cache and batch index bound to ``key`` (service loop)."""
-        return await self.lookups.remote_by_key(link, key)
-
-    async def remote_blocks(self, link: Link, key: BlocksCacheKey) -> RemoteCache:
-        """The peer's blocks cache bound to ``key`` (service loop)."""
-        return await self.lookups.remote_blocks(link, key)
-
-    async def remotes_by_addr(self, link: Link, addrs: list[int]) -> None:
-        """Ask the peer which caches hold ``addrs``; record every one (service loop)."""
-        await self.lookups.remotes_by_addr(link, addrs)
+            await self.registry.update(role, self.linker.listen_address)

@@ -2,7 +2,7 @@
 
 :class:`Prepare` checks the call's block arguments once, then turns each
 transfer config into a :class:`Target`: the destination's layers
-(:class:`Layer`: addresses, rkeys, notification fields) and the span plan
+(:class:`LayerPlan`: addresses, rkeys, notification fields) and the span plan
 every layer shares. Bad input raises here; the pipeline in
 :mod:`.layerwise` only sends what was resolved.
 """
@@ -31,7 +31,7 @@ from . import notify
 from . import planner as blocks
 from .transfers import Transfers
 
-__all__ = ["TENSORS_PER_LAYER", "Config", "Layer", "Prepare", "Target", "describe"]
+__all__ = ["TENSORS_PER_LAYER", "Config", "LayerPlan", "Prepare", "Target", "describe"]
 
 TENSORS_PER_LAYER = 2  # transfer_cache_async sends K and V of each layer
 
@@ -39,7 +39,7 @@ Config = TransferConfig | TransferWithCacheKeyConfig
 
 
 @dataclass(eq=False)
-class Layer:
+class LayerPlan:
     local_addrs: list[int]
     remote_addrs: list[int]
     rkeys: list[int]
@@ -57,7 +57,7 @@ class Target:
     link: Link
     src_range: range
     plan: blocks.SpanPlan
-    layers: dict[int, Layer]  # by source layer
+    layers: dict[int, LayerPlan]  # by source layer
     remotes: list[RemoteCache]
     tag: str | bytes | None
     block_list: bytes | bool | None = False  # False: not a blocks destination
@@ -80,7 +80,7 @@ class Target:
 
         group.first.add_done_callback(done)
 
-    def payload(self, layer: Layer) -> bytes:
+    def payload(self, layer: LayerPlan) -> bytes:
         """The notification the destination gets once ``layer`` landed."""
         if self.block_list is False:
             return notify.payload(self.tag, layer.cache_id, layer.batch_index, layer.dst_layer)
@@ -274,10 +274,10 @@ class Prepare:
             remote, plan = await self._slot_key(i, config, key, link, s_off, s_len)
             batch = key.batch_index
         dst_range = self._dst_range(i, config, remote, src_range)
-        layers: dict[int, Layer] = {}
+        layers: dict[int, LayerPlan] = {}
         n = TENSORS_PER_LAYER
         for sl, dl in zip(src_range, dst_range, strict=True):
-            layers[sl] = Layer(
+            layers[sl] = LayerPlan(
                 self.src.addrs[sl * n : (sl + 1) * n],
                 remote.addrs[dl * n : (dl + 1) * n],
                 remote.tensor_rkey[dl * n : (dl + 1) * n],
@@ -410,7 +410,7 @@ class Prepare:
                 )
             remotes[rc.cache_id] = rc
             per_tensor.append(hit)
-        layers: dict[int, Layer] = {}
+        layers: dict[int, LayerPlan] = {}
         for k, sl in enumerate(src_range):
             pairs = per_tensor[k * n : (k + 1) * n]
             rc0, t0 = pairs[0]
@@ -419,7 +419,7 @@ class Prepare:
                 slot = rc0.desc.size // rc0.desc.batch_size
                 rel = addrs[k * n] - rc0.addrs[t0]
                 batch = rel // slot if rel % slot == 0 else None
-            layers[sl] = Layer(
+            layers[sl] = LayerPlan(
                 self.src.addrs[sl * n : (sl + 1) * n],
                 addrs[k * n : (k + 1) * n],
                 [rc.tensor_rkey[t] for rc, t in pairs],
@@ -437,7 +437,7 @@ class Prepare:
         link: Link,
         src_range: range,
         plan: blocks.SpanPlan,
-        layers: dict[int, Layer],
+        layers: dict[int, LayerPlan],
         remotes: list[RemoteCache],
     ) -> Target:
         tag = config.tag
@@ -494,7 +494,7 @@ async def _resolve(
             out[a] = hit
     if not missing:
         return out
-    await cm.on_service(cm.service.remotes_by_addr(link, missing))
+    await cm.on_service(cm.lookups.remotes_by_addr(link, missing))
     starts, rest = index()
     for a in missing:
         hit = lookup(starts, rest, a)

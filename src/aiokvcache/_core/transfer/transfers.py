@@ -2,9 +2,9 @@
 
 Public methods check their own arguments' types and ranges, then call one
 method here, which checks them against the local cache, resolves remote
-caches (through the peer service), checks bounds against them, plans
-segment tables (:mod:`.planner`, :mod:`.slots`) and runs them
-(:class:`.runner.Runner`).
+caches (:class:`.lookups.Lookups`, on the peer-service thread), checks
+bounds against them, plans segment tables (:mod:`.planner`, :mod:`.slots`)
+and runs them (:class:`.runner.Runner`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from ..._loopside import LoopSide, ServiceGone, TaskHandle
 from ..memory.state import Link, LocalCache, RemoteCache, State
 from ..model.errors import LLMException, LLMStatusCode, LLMTimeoutError, make_error, param_invalid
 from ..model.types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex, check_cache_key
-from ..peers.service import PeerService
+from ..peers.lookups import Lookups
+from ..peers.servicethread import ServiceThread
 from . import notify, planner
 from .runner import Runner, engine_finalized, run_jobs, time_left
 from .slots import SlotTransfer, copy_inline, slot_plan
@@ -168,9 +169,13 @@ class _BlocksJobs:
 class Transfers:
     """Lookups of remote caches and every transfer path to and from peers."""
 
-    def __init__(self, state: State, service: PeerService, runner: Runner) -> None:
+    def __init__(
+        self, state: State, thread: ServiceThread, lookups: Lookups, runner: Runner
+    ) -> None:
         self.state = state
-        self.service = service
+        #: The peer-service thread, and our lookups of peers' caches that run on it.
+        self.thread = thread
+        self.lookups = lookups
         self.runner = runner
         #: The owner's loop (asyncio or trio).
         self.side: LoopSide = runner.bridge.side
@@ -201,7 +206,7 @@ class Transfers:
 
     async def on_service(self, coro: Coroutine[Any, Any, T]) -> T:
         """``coro`` run on the peer-service thread, awaited on the owner's loop."""
-        cf: concurrent.futures.Future[T] = self.service.call(coro)
+        cf: concurrent.futures.Future[T] = self.thread.call(coro)
         try:
             return await self.side.from_service(cf)
         except ServiceGone:
@@ -234,7 +239,7 @@ class Transfers:
         if rc is not None:
             return rc
         fetched: RemoteCache = await self._ask(
-            self.service.remote_by_id(link, cache_id),
+            self.lookups.remote_by_id(link, cache_id),
             tmo,
             f"{what} timed out looking up the {role} cache",
         )
@@ -251,7 +256,7 @@ class Transfers:
         """The remote cache and batch index a CacheKey / CacheKeyByIdAndIndex names."""
         if isinstance(key, CacheKey):
             found: tuple[RemoteCache, int] = await self._ask(
-                self.service.remote_by_key(link, key),
+                self.lookups.remote_by_key(link, key),
                 tmo,
                 f"{what} timed out looking up the {role} cache",
             )
@@ -264,7 +269,7 @@ class Transfers:
     ) -> RemoteCache:
         """The remote blocks cache bound to ``key``, asked (and recorded on the link)."""
         found: RemoteCache = await self._ask(
-            self.service.remote_blocks(link, key), tmo, f"{what} timed out looking up {key!r}"
+            self.lookups.remote_blocks(link, key), tmo, f"{what} timed out looking up {key!r}"
         )
         with self.state.lock:
             link.blocks_keys[key.model_id] = found

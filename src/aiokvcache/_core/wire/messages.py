@@ -1,6 +1,6 @@
 """The requests linked peers send each other, typed: one op, one request, one answer.
 
-Each op is named once, in :class:`Op` (its value is the string on the wire).
+Each op is named once, in :class:`RequestOp` (its value is the string on the wire).
 Each has a frozen request class and a frozen answer class, with ``encode()``
 (the dict a control connection carries) and a validating ``decode()``. A
 peer's malformed request raises LLM_PARAM_INVALID, which goes back to it as
@@ -38,17 +38,17 @@ __all__ = [
     "CacheMeta",
     "CacheMetas",
     "Caches",
-    "Done",
     "Finalizing",
     "Invalidate",
     "KeyedCacheMeta",
     "Message",
-    "Op",
     "ProbeBack",
     "ProbeInfo",
     "ProbeResult",
     "ProbeSlot",
     "Request",
+    "RequestOp",
+    "Served",
     "Unlink",
     "ask",
     "parse_request",
@@ -62,7 +62,7 @@ PROBE_BYTES = 64
 MAX_ADDRS_PER_REQUEST = 4096
 
 
-class Op(enum.StrEnum):
+class RequestOp(enum.StrEnum):
     """A peer request's name on the wire."""
 
     FINALIZING = "finalizing"
@@ -83,10 +83,16 @@ class Op(enum.StrEnum):
 LINK_UP = "link_up"
 
 
-#: The metadata lookups: served with no await between the registry check and
+#: The metadata lookups: served with no await between the cache-table check and
 #: the queued answer (see ``PeerHandler.handle_request``).
 LOOKUPS = frozenset(
-    {Op.CACHE_BY_ID, Op.CACHE_BY_KEY, Op.BLOCKS_BY_KEY, Op.CACHE_BY_ADDR, Op.CACHES}
+    {
+        RequestOp.CACHE_BY_ID,
+        RequestOp.CACHE_BY_KEY,
+        RequestOp.BLOCKS_BY_KEY,
+        RequestOp.CACHE_BY_ADDR,
+        RequestOp.CACHES,
+    }
 )
 
 #: The most caches one ``caches`` answer names (the newest), and the most an
@@ -145,7 +151,7 @@ class Request(Message, Generic[R]):
     :mod:`.peerstatus`)."""
 
     __slots__ = ()
-    op: ClassVar[Op]
+    op: ClassVar[RequestOp]
     peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = COMMON
 
     def reply(self, body: dict[str, Any]) -> R:
@@ -172,7 +178,7 @@ async def ask(conn: ControlConnection, request: Request[R], timeout: float | Non
 
 
 @dataclass(frozen=True, slots=True)
-class Done(_Empty):
+class Served(_Empty):
     """The answer of a request served with nothing to say."""
 
 
@@ -312,42 +318,42 @@ class CacheMetas(Message):
 
 
 @dataclass(frozen=True, slots=True)
-class Finalizing(_Empty, Request[Done]):
+class Finalizing(_Empty, Request[Served]):
     """We are finalizing: the peer breaks its link to us now."""
 
-    op: ClassVar[Op] = Op.FINALIZING
+    op: ClassVar[RequestOp] = RequestOp.FINALIZING
 
-    def reply(self, body: dict[str, Any]) -> Done:
-        return Done.decode(body)
+    def reply(self, body: dict[str, Any]) -> Served:
+        return Served.decode(body)
 
 
 @dataclass(frozen=True, slots=True)
-class Unlink(_Empty, Request[Done]):
+class Unlink(_Empty, Request[Served]):
     """A plain unlink: the peer answers once its jobs on the link are released."""
 
-    op: ClassVar[Op] = Op.UNLINK
+    op: ClassVar[RequestOp] = RequestOp.UNLINK
 
-    def reply(self, body: dict[str, Any]) -> Done:
-        return Done.decode(body)
+    def reply(self, body: dict[str, Any]) -> Served:
+        return Served.decode(body)
 
 
 @dataclass(frozen=True, slots=True)
-class Alive(_Empty, Request[Done]):
+class Alive(_Empty, Request[Served]):
     """Are you there? Asked when the data path fell silent: an answer on
     the control connection is something arriving from the peer too (a
     congested data path queues the keep-alives behind bulk bytes)."""
 
-    op: ClassVar[Op] = Op.ALIVE
+    op: ClassVar[RequestOp] = RequestOp.ALIVE
 
-    def reply(self, body: dict[str, Any]) -> Done:
-        return Done.decode(body)
+    def reply(self, body: dict[str, Any]) -> Served:
+        return Served.decode(body)
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeInfo(_Empty, Request[ProbeSlot]):
     """Ask for a probe slot and the key to the peer's control region."""
 
-    op: ClassVar[Op] = Op.PROBE_INFO
+    op: ClassVar[RequestOp] = RequestOp.PROBE_INFO
 
     def reply(self, body: dict[str, Any]) -> ProbeSlot:
         return ProbeSlot.decode(body)
@@ -362,7 +368,7 @@ class ProbeBack(Request[ProbeResult]):
     done and it found our nonce in its slot (see :mod:`.probe`). Without:
     the peer puts a nonce of its own and reads it back."""
 
-    op: ClassVar[Op] = Op.PROBE_BACK
+    op: ClassVar[RequestOp] = RequestOp.PROBE_BACK
     timeout: float
     nonce: bytes = b""
     slot: int = 0
@@ -389,10 +395,10 @@ class ProbeBack(Request[ProbeResult]):
 
 
 @dataclass(frozen=True, slots=True)
-class Invalidate(Request[Done]):
+class Invalidate(Request[Served]):
     """Our cache ``cache_id`` goes: the peer answers once it stopped using it."""
 
-    op: ClassVar[Op] = Op.INVALIDATE
+    op: ClassVar[RequestOp] = RequestOp.INVALIDATE
     cache_id: int
 
     def encode(self) -> dict[str, Any]:
@@ -405,15 +411,15 @@ class Invalidate(Request[Done]):
             raise param_invalid("invalidate: cache_id must be int")
         return cls(cid)
 
-    def reply(self, body: dict[str, Any]) -> Done:
-        return Done.decode(body)
+    def reply(self, body: dict[str, Any]) -> Served:
+        return Served.decode(body)
 
 
 @dataclass(frozen=True, slots=True)
 class CacheById(Request[CacheMeta]):
     """The metadata of the peer's cache ``cache_id``."""
 
-    op: ClassVar[Op] = Op.CACHE_BY_ID
+    op: ClassVar[RequestOp] = RequestOp.CACHE_BY_ID
     peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
     cache_id: int
 
@@ -435,7 +441,7 @@ class CacheById(Request[CacheMeta]):
 class CacheByKey(Request[KeyedCacheMeta]):
     """The peer's cache bound to ``key``, and the key's batch index."""
 
-    op: ClassVar[Op] = Op.CACHE_BY_KEY
+    op: ClassVar[RequestOp] = RequestOp.CACHE_BY_KEY
     peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
     key: CacheKey
 
@@ -469,7 +475,7 @@ class CacheByKey(Request[KeyedCacheMeta]):
 class BlocksByKey(Request[CacheMeta]):
     """The peer's blocks cache bound to ``key``."""
 
-    op: ClassVar[Op] = Op.BLOCKS_BY_KEY
+    op: ClassVar[RequestOp] = RequestOp.BLOCKS_BY_KEY
     peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
     key: BlocksCacheKey
 
@@ -493,7 +499,7 @@ class CacheByAddr(Request[CacheMetas]):
     """The peer's caches that hold any of ``addrs`` (at most
     :data:`MAX_ADDRS_PER_REQUEST`)."""
 
-    op: ClassVar[Op] = Op.CACHE_BY_ADDR
+    op: ClassVar[RequestOp] = RequestOp.CACHE_BY_ADDR
     peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
     addrs: tuple[int, ...]
 
@@ -521,7 +527,7 @@ class Caches(_Empty, Request[CacheMetas]):
     :data:`MAX_CACHES_PER_ANSWER`): asked once a link to a same-host peer is
     up, so that its mappings are made before the first transfer."""
 
-    op: ClassVar[Op] = Op.CACHES
+    op: ClassVar[RequestOp] = RequestOp.CACHES
     peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
 
     def reply(self, body: dict[str, Any]) -> CacheMetas:
