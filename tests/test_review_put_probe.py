@@ -185,7 +185,7 @@ async def test_a_peer_cannot_hold_many_put_probe_waits_on_one_link() -> None:
                 return_exceptions=True,
             )
 
-        await asyncio.wrap_future(runtime(peer).service.call(flood()))
+        await asyncio.wrap_future(runtime(peer).service.thread.call(flood()))
         assert most <= 8, f"{most} put-probe waits of one peer ran at once on the victim"
     finally:
         await peer.finalize()
