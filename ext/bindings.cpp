@@ -90,8 +90,29 @@ struct PyEngine : Engine {
 
 namespace {
 
+// A job's op, for every call that takes one: OP_PUT or OP_GET.
+akv::Op op_from(int op) {
+  if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
+    throw akv::InvalidArgument("op must be OP_PUT or OP_GET");
+  }
+  return static_cast<akv::Op>(op);
+}
+
+// A job's guard, for every call that takes one: None (no guard) or
+// (rkey id, address, expected word[, strict]).
+akv::GuardIn guard_from(const py::handle& obj) {
+  if (obj.is_none()) return akv::GuardIn{};
+  auto g = obj.cast<py::tuple>();
+  if (g.size() != 3 && g.size() != 4) {
+    throw akv::InvalidArgument("a guard is (rkey id, address, expected word[, strict])");
+  }
+  akv::GuardIn guard{g[0].cast<uint64_t>(), g[1].cast<uint64_t>(), g[2].cast<uint64_t>(),
+                     g.size() == 4 && g[3].cast<bool>()};
+  if (guard.rkey_id == 0) throw akv::InvalidArgument("a guard's rkey id must not be 0");
+  return guard;
+}
+
 // (op, ep_id, segments, payload, timeout_ms[, guard]) rows: one crossing.
-// guard: None or (rkey id, address, expected word[, strict]).
 std::vector<akv::JobSpec> specs_from(const py::list& jobs) {
   std::vector<akv::JobSpec> specs;
   specs.reserve(jobs.size());
@@ -100,21 +121,9 @@ std::vector<akv::JobSpec> specs_from(const py::list& jobs) {
     if (row.size() != 5 && row.size() != 6) {
       throw akv::InvalidArgument("a job is (op, ep_id, segments, payload, timeout_ms[, guard])");
     }
-    int op = row[0].cast<int>();
-    if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
-      throw akv::InvalidArgument("op must be OP_PUT or OP_GET");
-    }
-    akv::GuardIn guard{};
-    if (row.size() == 6 && !row[5].is_none()) {
-      auto g = row[5].cast<py::tuple>();
-      if (g.size() != 3 && g.size() != 4) {
-        throw akv::InvalidArgument("a guard is (rkey id, address, expected word[, strict])");
-      }
-      guard = akv::GuardIn{g[0].cast<uint64_t>(), g[1].cast<uint64_t>(), g[2].cast<uint64_t>(),
-                           g.size() == 4 && g[3].cast<bool>()};
-      if (guard.rkey_id == 0) throw akv::InvalidArgument("a guard's rkey id must not be 0");
-    }
-    specs.push_back(akv::JobSpec{static_cast<akv::Op>(op), row[1].cast<uint64_t>(),
+    akv::Op op = op_from(row[0].cast<int>());
+    akv::GuardIn guard = row.size() == 6 ? guard_from(row[5]) : akv::GuardIn{};
+    specs.push_back(akv::JobSpec{op, row[1].cast<uint64_t>(),
                                  segments_from(row[2].cast<py::buffer>()),
                                  row[3].cast<std::string>(), row[4].cast<uint64_t>(), guard});
   }
@@ -157,7 +166,8 @@ void bind_errors(py::module_& m) {
   });
 }
 
-// Constants Python reads: ops, entry kinds, statuses (status.def), limits.
+// Constants Python reads: ops, entry kinds, statuses (status.def), transports
+// (transports.def), limits.
 void bind_constants(py::module_& m) {
   m.attr("OP_PUT") = static_cast<int>(akv::Op::kPut);
   m.attr("OP_GET") = static_cast<int>(akv::Op::kGet);
@@ -173,6 +183,13 @@ void bind_constants(py::module_& m) {
 #include "status.def"
 #undef AKV_STATUS
   m.attr("STATUSES") = py::tuple(statuses);
+  // (name, "UCX TLS", "means", "use when") rows (transports.def): the option
+  // table and the docs read these instead of repeating the table.
+  py::list transports;
+#define AKV_TRANSPORT(name, tls, means, use_when) transports.append(py::make_tuple(#name, tls, means, use_when));
+#include "transports.def"
+#undef AKV_TRANSPORT
+  m.attr("TRANSPORTS") = py::tuple(transports);
   m.attr("MAX_PAYLOAD") = akv::Engine::kMaxPayload;
   m.attr("NOTE_KEY_LEN") = akv::Engine::kNoteKeyLen;
   m.attr("INLINE_COPIED") = akv::Engine::kInlineCopied;
@@ -368,12 +385,10 @@ void bind_engine_jobs(py::class_<PyEngine>& cls) {
       .def(
           "submit",
           [](PyEngine& e, int op, uint64_t ep, const py::buffer& segs, const py::bytes& payload, uint64_t timeout_ms) {
-            if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
-              throw akv::InvalidArgument("op must be OP_PUT or OP_GET");
-            }
+            akv::Op checked = op_from(op);
             std::vector<akv::SegmentIn> v = segments_from(segs);
             std::string p = payload;
-            return e.submit(static_cast<akv::Op>(op), ep, std::move(v), std::move(p), timeout_ms);
+            return e.submit(checked, ep, std::move(v), std::move(p), timeout_ms);
           },
           py::arg("op"), py::arg("ep_id"), py::arg("segments"), py::arg("payload") = py::bytes(),
           py::arg("timeout_ms") = 0)
@@ -388,21 +403,11 @@ void bind_engine_jobs(py::class_<PyEngine>& cls) {
       .def(
           "copy_inline",
           [](PyEngine& e, int op, uint64_t ep, const py::list& tables, uint64_t max_bytes, const py::object& guard) {
-            if (op != static_cast<int>(akv::Op::kPut) && op != static_cast<int>(akv::Op::kGet)) {
-              throw akv::InvalidArgument("op must be OP_PUT or OP_GET");
-            }
+            akv::Op checked = op_from(op);
             std::vector<std::vector<akv::SegmentIn>> jobs;
             jobs.reserve(tables.size());
             for (const auto& t : tables) jobs.push_back(segments_from(t.cast<py::buffer>()));
-            akv::GuardIn g{};
-            if (!guard.is_none()) {
-              auto t = guard.cast<py::tuple>();
-              if (t.size() != 3 && t.size() != 4) {
-                throw akv::InvalidArgument("a guard is (rkey id, address, expected word[, strict])");
-              }
-              g = akv::GuardIn{t[0].cast<uint64_t>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>(), false};
-            }
-            return e.copy_inline(static_cast<akv::Op>(op), ep, jobs, max_bytes, g);
+            return e.copy_inline(checked, ep, jobs, max_bytes, guard_from(guard));
           },
           py::arg("op"), py::arg("ep_id"), py::arg("tables"), py::arg("max_bytes"), py::arg("guard") = py::none());
 }

@@ -13,12 +13,15 @@
 namespace akv {
 namespace {
 
+// UCX's TLS for transport ``t`` (transports.def); nullptr: UCX's own choice.
 const char* transport_list(const std::string& t) {
-  if (t == "auto") return nullptr;
-  if (t == "shm") return "sm,self";
-  if (t == "tcp") return "tcp,self";
-  if (t == "rdma") return "ib,self";
-  throw InvalidArgument("transport must be one of auto, shm, tcp, rdma, not '" + t + "'");
+  std::string names;
+#define AKV_TRANSPORT(name, tls, means, use_when)  \
+  if (t == #name) return *(tls) ? (tls) : nullptr; \
+  names += names.empty() ? #name : ", " #name;
+#include "transports.def"
+#undef AKV_TRANSPORT
+  throw InvalidArgument("transport must be one of " + names + ", not '" + t + "'");
 }
 
 std::string capture(const std::function<void(FILE*)>& fn) {

@@ -5,9 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aiokvcache._core.config.table import TRANSPORT_TABLE, TRANSPORTS
 from aiokvcache._loader import native
 from aiokvcache.errors import LLMStatusCode
 from support.native_pair import SlowPair
@@ -74,6 +77,34 @@ def test_module_was_built_from_this_table() -> None:
     spec.loader.exec_module(gen)
     table = gen.parse((ROOT / "ext" / "status.def").read_text())
     assert [(r.value, r.name, r.words, r.llm_name) for r in table] == list(native.STATUSES)
+
+
+_TRANSPORT_ROW = re.compile(
+    r'AKV_TRANSPORT\((\w+),\s*"([^"]*)",\s*((?:"[^"]*"\s*)+),\s*((?:"[^"]*"\s*)+)\)'
+)
+
+
+def _transport_rows() -> list[tuple[str, str, str, str]]:
+    lines = (ROOT / "ext" / "transports.def").read_text().splitlines()
+    text = "\n".join(line.split("//", 1)[0] for line in lines)
+
+    def joined(literals: str) -> str:
+        return "".join(re.findall(r'"([^"]*)"', literals))
+
+    return [(m[1], m[2], joined(m[3]), joined(m[4])) for m in _TRANSPORT_ROW.finditer(text)]
+
+
+def test_the_transports_are_one_table_the_engine_and_the_options_read() -> None:
+    # The engine's TLS choice, native.TRANSPORTS and the option table (and so
+    # docs/tuning.md) come from ext/transports.def; a stale module differs.
+    rows = _transport_rows()
+    assert [r[0] for r in rows] == ["auto", "shm", "tcp", "rdma"]
+    assert rows == list(native.TRANSPORTS)
+    assert TRANSPORTS == tuple(r[0] for r in rows)
+    assert [(t.name, t.ucx_tls or "") for t in TRANSPORT_TABLE] == [(r[0], r[1]) for r in rows]
+    with pytest.raises(native.InvalidArgumentError) as info:
+        native.Engine("carrier-pigeon")
+    assert "must be one of auto, shm, tcp, rdma, not 'carrier-pigeon'" in str(info.value)
 
 
 # ------------------------------------------------------------ exceptions
@@ -134,6 +165,25 @@ def test_bad_arguments_are_invalid_arguments(engine: Any) -> None:
         native.Engine("tcp", max_inflight_bytes=0)
     with pytest.raises(native.InvalidArgumentError, match="bad UCX option"):
         native.Engine("tcp", ucx_options={"NO_SUCH_OPTION": "1"})
+
+
+def test_every_call_that_takes_a_guard_checks_it_alike(engine: Any) -> None:
+    # One parser for submit_many's and copy_inline's guards: the same shapes
+    # are refused with the same words, and rkey id 0 (no guard) is never a guard.
+    rows = np.zeros((1, 4), np.uint64)
+    calls: list[Callable[[Any], object]] = [
+        lambda g: engine.submit_many([(native.OP_PUT, 1, rows, b"", 0, g)]),
+        lambda g: engine.copy_inline(native.OP_PUT, 1, [rows], 1 << 20, g),
+    ]
+    for call in calls:
+        with pytest.raises(native.InvalidArgumentError, match="a guard is"):
+            call((1, 2))
+        with pytest.raises(native.InvalidArgumentError, match="a guard is"):
+            call((1, 2, 3, True, 5))
+        with pytest.raises(native.InvalidArgumentError, match="rkey id must not be 0"):
+            call((0, 4096, 1))
+        with pytest.raises(native.InvalidArgumentError, match="op must be"):
+            engine.copy_inline(7, 1, [rows], 1 << 20, None)
 
 
 def test_type_errors_stay_type_errors(engine: Any) -> None:
@@ -423,3 +473,86 @@ def test_the_prewarm_option_reaches_the_engine() -> None:
 
     assert asyncio.run(engine_of({})) is True  # the default
     assert asyncio.run(engine_of({"aiokvcache.prewarm": "0"})) is False
+
+
+# A warm-up that fails (the process near RLIMIT_NOFILE: the helper's accept()
+# fails) must leave the process as it would be without it; without the warm-up
+# the same limits make engine creation fail cleanly. The child scans headroom
+# from 6 fds up, and starts later engines (prewarm off) at every fd offset.
+
+_SCAN = textwrap.dedent(
+    """
+    import os, re, resource, sys
+    from aiokvcache._loader import native
+
+    transport, prewarm = sys.argv[1], sys.argv[2] == "1"
+
+    def fds():
+        out = []
+        for f in os.listdir("/proc/self/fd"):
+            try:
+                t = os.readlink(f"/proc/self/fd/{f}")
+            except OSError:
+                continue
+            if t != "anon_inode:[eventfd]":  # one UCX keeps across engines
+                out.append(re.sub(r"\\[\\d+\\]", "", t))
+        return sorted(out)
+
+    native.Engine(transport, prewarm=prewarm).close()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    base = fds()
+    # Headroom from 6 fds up (fewer trips a UCX assertion with or without
+    # the warm-up: not what this checks) to plenty.
+    for k in range(6, 41):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + k, hard))
+        try:
+            native.Engine(transport, prewarm=prewarm).close()
+        except native.NativeError:
+            pass  # may fail to start: cleanly is all that is asked
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        if fds() != base:
+            print(f"LEAK with {k} fds of headroom: {fds()} (was {base})")
+            sys.exit(3)
+        for pad in range(12):  # later engines, their fds at every offset
+            extra = [os.open(os.devnull, os.O_RDONLY) for _ in range(pad)]
+            try:
+                native.Engine(transport).close()
+            except native.NativeError as exc:
+                print(f"LATER ENGINE FAILED after {k} fds of headroom, pad {pad}: {exc}")
+                sys.exit(4)
+            finally:
+                for f in extra:
+                    os.close(f)
+    print("clean")
+    """
+)
+
+
+def _scan(transport: str, prewarm: bool) -> tuple[int | str, str]:
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _SCAN, transport, "1" if prewarm else "0"],
+            capture_output=True,
+            text=True,
+            timeout=150,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return "hung", out
+    return done.returncode, (done.stdout + done.stderr)[-3000:]
+
+
+@pytest.mark.timeout(400)
+def test_a_prewarm_under_fd_pressure_leaves_the_process_as_without_it() -> None:
+    """Near RLIMIT_NOFILE the warm-up's failed flush left UCX handlers on closed
+    fds, and a later engine whose sockets landed there failed, hung or crashed."""
+    rc, out = _scan("tcp", prewarm=False)
+    if rc != 0:
+        pytest.skip(f"this UCX does not survive fd pressure even without the warm-up: {out}")
+    rc, out = _scan("tcp", prewarm=True)
+    assert rc == 0 and out.strip().endswith("clean"), (
+        f"with aiokvcache.prewarm on, an engine started near RLIMIT_NOFILE left "
+        f"the process changed (rc {rc}):\n{out}"
+    )

@@ -25,6 +25,9 @@ ST_RETIRED: int  # 7 -> LLM_KV_CACHE_NOT_EXIST
 STATUSES: tuple[tuple[int, str, str, str], ...]
 # END GENERATED
 
+# (name, "UCX TLS" or "" for UCX's choice, "means", "use when") per transport
+# (ext/transports.def), in table order.
+TRANSPORTS: tuple[tuple[str, str, str, str], ...]
 MAX_PAYLOAD: int
 NOTE_KEY_LEN: int
 MAX_QUEUED_NOTES: int

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..._loader import native
 from ..model.types import INT32_MAX, INT64_MAX, UINT16_MAX, UINT32_MAX, check_int, check_isinstance
 
 KEY_LISTEN_IP_INFO = "llm.listenIpInfo"
@@ -96,34 +97,11 @@ class Transport:
     use_when: str
 
 
-#: The data-plane transports, in the order the docs list them.
-TRANSPORT_TABLE = (
-    Transport(
-        "auto",
-        None,
-        "Shared memory between processes on one host, TCP (or RDMA, where UCX has it) between "
-        "hosts. A `UCX_TLS` in the environment is honoured.",
-        "Almost always.",
-    ),
-    Transport(
-        "shm",
-        "sm,self",
-        "Shared memory only (posix, sysv, cma): same host only.",
-        "Both sides are on one host and you want to be sure no byte goes over a socket.",
-    ),
-    Transport(
-        "tcp",
-        "tcp,self",
-        "TCP sockets only, also on one host.",
-        "Hosts without RDMA, containers without shared `/dev/shm`, or to test the cross-host "
-        "path on one machine.",
-    ),
-    Transport(
-        "rdma",
-        "ib,self",
-        "InfiniBand / RoCE verbs only.",
-        "Hosts with RDMA NICs and a UCX built with verbs (below).",
-    ),
+#: The data-plane transports, in the order the docs list them: the rows of
+#: ``ext/transports.def``, which the engine reads too.
+TRANSPORT_TABLE = tuple(
+    Transport(name, tls or None, means, use_when)
+    for name, tls, means, use_when in native.TRANSPORTS
 )
 #: Data-plane transports ``transport`` may name.
 TRANSPORTS = tuple(t.name for t in TRANSPORT_TABLE)
