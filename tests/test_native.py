@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokvcache._core.config.table import TRANSPORT_TABLE, TRANSPORTS
+from aiokvcache._core.config.values import TRANSPORT_TABLE, TRANSPORTS
 from aiokvcache._loader import native
 from aiokvcache.errors import LLMStatusCode
 from support.native_pair import SlowPair

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 
-from .table import OPTIONS, TRANSPORT_TABLE
+from .table import OPTIONS
+from .values import TRANSPORT_TABLE
 
 
 def tuning_table() -> str:

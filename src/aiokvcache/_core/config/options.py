@@ -61,14 +61,10 @@ from .table import (
     OPTION_BY_KEY,
     OPTION_BY_PROP,
     OPTIONS,
-    TRANSPORTS,
-    BadValue,
     Option,
-    Transport,
-    accept_bool,
     default,
-    parse_transport,
 )
+from .values import TRANSPORTS, BadValue, Transport, accept_bool, parse_transport
 
 __all__ = [
     "DEFAULT_MAX_INFLIGHT_BYTES",

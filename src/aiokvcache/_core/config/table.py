@@ -1,23 +1,39 @@
 """The engine option table: every option of ``LLMDataDist.init`` declared
-once (key, property, fields, parser, range, default, doc, UCX mapping), with
-the value parsers and the data-plane transports.
+once, with keywords (key, property, fields, parser, range, default, doc, UCX
+mapping): adding an option is one entry in :data:`OPTIONS` (and its
+:class:`~.options.EngineOptions` field).
 
+:mod:`.values` holds the parsers the entries name and the transports;
 :mod:`.options` builds :class:`~.options.LLMConfig` and
-:class:`~.options.EngineOptions` from it; ``docs/tuning.md``'s tables are
-generated from it (:mod:`.docs`).
+:class:`~.options.EngineOptions` from the table; ``docs/tuning.md``'s tables
+are generated from it (:mod:`.docs`).
 """
 
 from __future__ import annotations
 
-import ipaddress
-import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..._loader import native
-from ..model.types import INT32_MAX, INT64_MAX, UINT16_MAX, UINT32_MAX, check_int, check_isinstance
+from ..model.types import INT32_MAX, INT64_MAX, UINT16_MAX, UINT32_MAX
+from .values import (
+    TRANSPORTS,
+    BadValue,
+    accept_bool,
+    accept_int,
+    accept_text,
+    accept_token,
+    emit_flag,
+    parse_auth_token,
+    parse_etcd_endpoint,
+    parse_etcd_prefix,
+    parse_flag,
+    parse_listen,
+    parse_mem_pool,
+    parse_net_devices,
+    parse_transport,
+    parse_uint,
+)
 
 KEY_LISTEN_IP_INFO = "llm.listenIpInfo"
 KEY_SYNC_KV_TIMEOUT = "llm.SyncKvCacheWaitTime"
@@ -86,154 +102,11 @@ NO_EFFECT_KEYS = frozenset(
 ENV_TRANSPORT = "AIOKVCACHE_TRANSPORT"
 
 
-@dataclass(frozen=True)
-class Transport:
-    """A data-plane transport ``transport`` may name."""
-
-    name: str
-    #: UCX's ``TLS`` for it; None: UCX's own choice (``UCX_TLS`` honoured).
-    ucx_tls: str | None
-    means: str
-    use_when: str
-
-
-#: The data-plane transports, in the order the docs list them: the rows of
-#: ``ext/transports.def``, which the engine reads too.
-TRANSPORT_TABLE = tuple(
-    Transport(name, tls or None, means, use_when)
-    for name, tls, means, use_when in native.TRANSPORTS
-)
-#: Data-plane transports ``transport`` may name.
-TRANSPORTS = tuple(t.name for t in TRANSPORT_TABLE)
-
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_MAX_INFLIGHT_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_UNCONFIRMED_BYTES = 2 * 1024 * 1024
 _MAX_COPY_LANES = 64
-# page_shift of a memory pool config, as LLM-DataDist checks it: [10, 31).
-_PAGE_SHIFT_MIN, _PAGE_SHIFT_MAX = 10, 30
 
-
-# --------------------------------------------------------------------------
-# value parsers, shared by LLMConfig setters and EngineOptions.from_options;
-# each raises BadValue, which the callers turn into their own error type.
-
-
-class BadValue(Exception):
-    pass
-
-
-_DIGITS = re.compile(r"[0-9]+")
-_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
-
-
-def _parse_uint(text: str, lo: int, hi: int) -> int:
-    if not _DIGITS.fullmatch(text):
-        raise BadValue(f"must be a decimal integer in [{lo}, {hi}], got {text!r}")
-    value = int(text)
-    if not lo <= value <= hi:
-        raise BadValue(f"must be in [{lo}, {hi}], got {value}")
-    return value
-
-
-def _parse_flag(text: str) -> bool:
-    if text == "1":
-        return True
-    if text == "0":
-        return False
-    raise BadValue(f'must be "1" or "0", got {text!r}')
-
-
-def _check_host(host: str) -> str:
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            return str(ipaddress.IPv6Address(host[1:-1]))
-        except ValueError:
-            raise BadValue(f"bad IPv6 address {host!r}") from None
-    try:
-        return str(ipaddress.IPv4Address(host))
-    except ValueError:
-        pass
-    labels = host.split(".")
-    if len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels):
-        # A dotted all-numeric name is a mistyped IPv4 address, not a host name.
-        if not all(label.isdigit() for label in labels):
-            return host
-    raise BadValue(f"bad host {host!r}: expected an IPv4 address, [IPv6] or a host name")
-
-
-def _parse_listen(text: str) -> tuple[str, int]:
-    if ";" in text:
-        raise BadValue(f"only one listen address is supported, got {text!r}")
-    host, sep, port = text.rpartition(":")
-    if not sep or not host:
-        raise BadValue(f'must be "ip:port", got {text!r}')
-    return _check_host(host), _parse_uint(port, 0, UINT16_MAX)
-
-
-def _parse_mem_pool(text: str) -> int:
-    try:
-        cfg = json.loads(text)
-    except ValueError:
-        raise BadValue(
-            f"must be JSON such as '{{\"memory_size\": 1073741824}}', got {text!r}"
-        ) from None
-    if not isinstance(cfg, dict):
-        raise BadValue(f"must be a JSON object, got {text!r}")
-    size = cfg.get("memory_size")
-    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= INT64_MAX:
-        raise BadValue(f'needs "memory_size", a positive integer, got {text!r}')
-    shift = cfg.get("page_shift")
-    if shift is not None and (
-        isinstance(shift, bool)
-        or not isinstance(shift, int)
-        or not _PAGE_SHIFT_MIN <= shift <= _PAGE_SHIFT_MAX
-    ):
-        raise BadValue(
-            f'"page_shift" must be an integer in [{_PAGE_SHIFT_MIN}, {_PAGE_SHIFT_MAX}], '
-            f"got {shift!r}"
-        )
-    return size
-
-
-_NET_DEVICE = re.compile(r"[A-Za-z0-9_.:@-]{1,64}")
-
-
-def _parse_net_devices(text: str) -> str:
-    names = text.split(",")
-    if text != "all" and not all(_NET_DEVICE.fullmatch(n) for n in names):
-        raise BadValue(f"must be 'all' or a comma list of interface names, got {text!r}")
-    return text
-
-
-def _parse_etcd_endpoint(text: str) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
-        raise BadValue(f"must be host:port (etcd's client URL, e.g. 127.0.0.1:2379), got {text!r}")
-    return text
-
-
-_ETCD_PREFIX = re.compile(r"/([A-Za-z0-9._-]+/)*")
-
-
-def _parse_etcd_prefix(text: str) -> str:
-    if not _ETCD_PREFIX.fullmatch(text):
-        raise BadValue(
-            f"must be a key prefix that starts and ends with '/' (e.g. /aiokvcache/), got {text!r}"
-        )
-    return text
-
-
-def parse_transport(text: str) -> str:
-    if text not in TRANSPORTS:
-        raise BadValue(f"must be one of {', '.join(TRANSPORTS)}, got {text!r}")
-    return text
-
-
-def _parse_auth_token(text: str) -> bytes:
-    if not text:
-        raise BadValue("must not be empty")
-    return text.encode("utf-8")
 
 
 # --------------------------------------------------------------------------
@@ -281,483 +154,493 @@ class Option:
         return dict(zip(self.fields, value, strict=True))
 
 
-def _accept_int(
-    lo: int, hi: int, *, digits: bool = False, gap: int = 0
-) -> Callable[[str, Any], Any]:
-    """An int in ``[lo, hi]`` (or a digit string when ``digits``); with
-    ``gap``, the values in ``(0, gap)`` are refused."""
-
-    def accept(name: str, value: Any) -> int:
-        if digits and isinstance(value, str):
-            return int(setter_value(name, lambda t: _parse_uint(t, lo, hi), value))
-        v = check_int(name, value, lo, hi)
-        if 0 < v < gap:
-            raise ValueError(f"{name} must be 0 or >= {gap} ms, got {v}")
-        return v
-
-    return accept
+#: ``unset`` not given: the property reads the default.
+_SAME: Any = object()
 
 
-def _accept_text(parse: Callable[[str], Any]) -> Callable[[str, Any], Any]:
-    """A ``str`` that ``parse`` accepts, kept as given."""
-
-    def accept(name: str, value: Any) -> str:
-        check_isinstance(name, value, str)
-        setter_value(name, parse, value)
-        return str(value)
-
-    return accept
+def _fields(prop: str, field: str | None, fields: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The EngineOptions fields an option sets: ``fields``, else ``field``,
+    else the one named like its property."""
+    if fields is not None:
+        return fields
+    return (field or prop,)
 
 
-def accept_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be bool, got {type(value).__name__}")
-    return value
-
-
-def _accept_token(name: str, value: Any) -> str:
-    check_isinstance(name, value, (str, bytes))
-    if isinstance(value, bytes):
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ValueError(
-                f"{name} bytes must be UTF-8 (pass e.g. token.hex() instead)"
-            ) from None
-    setter_value(name, _parse_auth_token, value)
-    return str(value)
-
-
-def _emit_flag(value: Any) -> str:
-    return "1" if value else "0"
-
-
-def _uint(
+def uint_option(
     key: str,
+    *,
     prop: str,
-    fld: str | None,
     lo: int,
     hi: int,
     default: Any,
     doc: str,
     default_text: str,
     range_text: str,
-    **kw: Any,
+    field: str | None = None,
+    fields: tuple[str, ...] | None = None,
+    gap: int = 0,
+    digits: bool = False,
+    unset: Any = _SAME,
+    **more: Any,
 ) -> Option:
-    gap = kw.pop("gap", 0)
-    digits = kw.pop("digits", False)
+    """An integer in ``[lo, hi]`` (with ``gap``: 0, or at least ``gap``);
+    ``digits``: the property also takes a digit string."""
 
     def parse(text: str) -> int:
-        v = _parse_uint(text, lo, hi)
+        v = parse_uint(text, lo, hi)
         if 0 < v < gap:
             raise BadValue(f"must be 0 or >= {gap} ms, got {v}")
         return v
 
     return Option(
-        key,
-        prop,
-        (fld,) if fld else (),
-        parse,
-        _accept_int(lo, hi, digits=digits, gap=gap),
-        str,
-        default,
-        kw.pop("unset", default),
-        doc,
-        default_text,
-        range_text,
-        **kw,
+        key=key,
+        prop=prop,
+        fields=_fields(prop, field, fields),
+        parse=parse,
+        accept=accept_int(lo, hi, digits=digits, gap=gap),
+        emit=str,
+        default=default,
+        unset=default if unset is _SAME else unset,
+        doc=doc,
+        default_text=default_text,
+        range_text=range_text,
+        **more,
     )
 
 
-def _flag(
-    key: str, prop: str, fld: str | None, default: bool, doc: str, default_text: str, **kw: Any
-) -> Option:
-    return Option(
-        key,
-        prop,
-        (fld,) if fld else (),
-        _parse_flag,
-        accept_bool,
-        _emit_flag,
-        default,
-        default,
-        doc,
-        default_text,
-        '`"1"` / `"0"`',
-        **kw,
-    )
-
-
-def _text(
+def flag_option(
     key: str,
+    *,
     prop: str,
-    fields: tuple[str, ...],
+    default: bool,
+    doc: str,
+    default_text: str,
+    field: str | None = None,
+    fields: tuple[str, ...] | None = None,
+    **more: Any,
+) -> Option:
+    """On or off: ``"1"`` / ``"0"`` as text, a ``bool`` as a property."""
+    return Option(
+        key=key,
+        prop=prop,
+        fields=_fields(prop, field, fields),
+        parse=parse_flag,
+        accept=accept_bool,
+        emit=emit_flag,
+        default=default,
+        unset=default,
+        doc=doc,
+        default_text=default_text,
+        range_text='`"1"` / `"0"`',
+        **more,
+    )
+
+
+def text_option(
+    key: str,
+    *,
+    prop: str,
     parse: Callable[[str], Any],
     default: Any,
     unset: Any,
     doc: str,
     default_text: str,
     range_text: str,
-    **kw: Any,
+    field: str | None = None,
+    fields: tuple[str, ...] | None = None,
+    **more: Any,
 ) -> Option:
+    """A ``str`` that ``parse`` accepts, kept as given."""
     return Option(
-        key,
-        prop,
-        fields,
-        parse,
-        _accept_text(parse),
-        str,
-        default,
-        unset,
-        doc,
-        default_text,
-        range_text,
-        **kw,
+        key=key,
+        prop=prop,
+        fields=_fields(prop, field, fields),
+        parse=parse,
+        accept=accept_text(parse),
+        emit=str,
+        default=default,
+        unset=unset,
+        doc=doc,
+        default_text=default_text,
+        range_text=range_text,
+        **more,
     )
 
 
 #: Every option LLMConfig sets and EngineOptions reads, in the order
 #: LLMConfig.generate_options emits them (the docs list aiokvcache's own first).
 OPTIONS: tuple[Option, ...] = (
-    _uint(
+    uint_option(
         KEY_RDMA_TRAFFIC_CLASS,
-        "rdma_traffic_class",
-        "rdma_traffic_class",
-        0,
-        255,
-        None,
-        "RDMA traffic class, ``[0, 255]``: UCX's ``IB_TRAFFIC_CLASS`` for this engine's rdma "
-        "lanes (no effect without RDMA); unset: UCX's default.",
-        "UCX's",
-        "0 to 255",
+        prop="rdma_traffic_class",
+        lo=0,
+        hi=255,
+        default=None,
         ucx="IB_TRAFFIC_CLASS",
+        default_text="UCX's",
+        range_text="0 to 255",
+        doc=(
+            "RDMA traffic class, ``[0, 255]``: UCX's ``IB_TRAFFIC_CLASS`` for this engine's rdma "
+            "lanes (no effect without RDMA); unset: UCX's default."
+        ),
     ),
-    _uint(
+    uint_option(
         KEY_RDMA_SERVICE_LEVEL,
-        "rdma_service_level",
-        "rdma_service_level",
-        0,
-        7,
-        None,
-        "RDMA service level, ``[0, 7]``: UCX's ``IB_SL`` for this engine's rdma lanes (no "
-        "effect without RDMA); unset: UCX's default.",
-        "UCX's",
-        "0 to 7",
+        prop="rdma_service_level",
+        lo=0,
+        hi=7,
+        default=None,
         ucx="IB_SL",
+        default_text="UCX's",
+        range_text="0 to 7",
+        doc=(
+            "RDMA service level, ``[0, 7]``: UCX's ``IB_SL`` for this engine's rdma lanes (no "
+            "effect without RDMA); unset: UCX's default."
+        ),
     ),
-    _text(
+    text_option(
         KEY_LISTEN_IP_INFO,
-        "listen_ip_info",
-        ("listen_host", "listen_port"),
-        lambda t: _parse_listen(t),
-        None,
-        "",
-        'Control-plane listen address ``"ip:port"`` (port 0 = pick one); ``""`` when unset '
-        "(client only).",
-        "unset: client only",
-        '`"host:port"`, port 0 picks one',
+        prop="listen_ip_info",
+        fields=("listen_host", "listen_port"),
+        parse=parse_listen,
+        default=None,
+        unset="",
+        default_text="unset: client only",
+        range_text='`"host:port"`, port 0 picks one',
+        doc=(
+            'Control-plane listen address ``"ip:port"`` (port 0 = pick one); ``""`` when unset '
+            "(client only)."
+        ),
     ),
-    _uint(
+    uint_option(
         KEY_SYNC_KV_TIMEOUT,
-        "sync_kv_timeout",
-        "sync_kv_timeout_ms",
-        1,
-        INT32_MAX,
-        DEFAULT_SYNC_KV_TIMEOUT_MS,
-        "Per-layer transfer timeout in ms (default 1000); an int or a digit string in "
-        "``[1, 2**31-1]``.",
-        "1000 ms",
-        "1 to 2**31-1",
+        prop="sync_kv_timeout",
+        field="sync_kv_timeout_ms",
+        lo=1,
+        hi=INT32_MAX,
+        default=DEFAULT_SYNC_KV_TIMEOUT_MS,
         digits=True,
+        default_text="1000 ms",
+        range_text="1 to 2**31-1",
+        doc=(
+            "Per-layer transfer timeout in ms (default 1000); an int or a digit string in ``[1, "
+            "2**31-1]``."
+        ),
     ),
-    _flag(
+    flag_option(
         KEY_ENABLE_REMOTE_CACHE_ACCESSIBLE,
-        "enable_remote_cache_accessible",
-        "enable_remote_cache_accessible",
-        True,
-        "Whether peers may push into / pull from this instance's caches (default True in "
-        "aiokvcache).",
-        "on",
+        prop="enable_remote_cache_accessible",
+        default=True,
+        default_text="on",
+        doc=(
+            "Whether peers may push into / pull from this instance's caches (default True in "
+            "aiokvcache)."
+        ),
     ),
-    _flag(
+    flag_option(
         KEY_ENABLE_CACHE_MANAGER,
-        "enable_cache_manager",
-        None,
-        True,
-        "Accepted for LLM-DataDist compatibility; the cache manager is always on.",
-        "on",
+        prop="enable_cache_manager",
+        fields=(),
+        default=True,
         effect=False,
+        default_text="on",
+        doc="Accepted for LLM-DataDist compatibility; the cache manager is always on.",
     ),
-    _text(
+    text_option(
         KEY_MEM_POOL_CONFIG,
-        "mem_pool_cfg",
-        ("mem_pool_bytes",),
-        lambda t: _parse_mem_pool(t),
-        None,
-        "",
-        'JSON ``{"memory_size": N}``: optional cap on DEVICE cache bytes; ``""`` when unset.',
-        "unset: no cap",
-        'JSON `{"memory_size": N}`',
+        prop="mem_pool_cfg",
+        fields=("mem_pool_bytes",),
+        parse=parse_mem_pool,
+        default=None,
+        unset="",
         effect=False,
+        default_text="unset: no cap",
+        range_text='JSON `{"memory_size": N}`',
+        doc='JSON ``{"memory_size": N}``: optional cap on DEVICE cache bytes; ``""`` when unset.',
     ),
-    _text(
+    text_option(
         KEY_HOST_MEM_POOL_CONFIG,
-        "host_mem_pool_cfg",
-        ("host_mem_pool_bytes",),
-        lambda t: _parse_mem_pool(t),
-        None,
-        "",
-        'JSON ``{"memory_size": N}``: optional cap on HOST cache bytes; ``""`` when unset.',
-        "unset: no cap",
-        'JSON `{"memory_size": N}`',
+        prop="host_mem_pool_cfg",
+        fields=("host_mem_pool_bytes",),
+        parse=parse_mem_pool,
+        default=None,
+        unset="",
+        default_text="unset: no cap",
+        range_text='JSON `{"memory_size": N}`',
+        doc='JSON ``{"memory_size": N}``: optional cap on HOST cache bytes; ``""`` when unset.',
     ),
-    _uint(
+    uint_option(
         KEY_LINK_TOTAL_TIME,
-        "link_total_time",
-        "link_total_time_s",
-        0,
-        UINT32_MAX,
-        0,
-        "Total time for a link attempt in seconds, ``[0, 2**32-1]``; 0 (default) = the library "
-        "default.",
-        "0 s: no cap",
-        "0 to 2**32-1",
+        prop="link_total_time",
+        field="link_total_time_s",
+        lo=0,
+        hi=UINT32_MAX,
+        default=0,
+        default_text="0 s: no cap",
+        range_text="0 to 2**32-1",
+        doc=(
+            "Total time for a link attempt in seconds, ``[0, 2**32-1]``; 0 (default) = the "
+            "library default."
+        ),
     ),
-    _uint(
+    uint_option(
         KEY_LINK_RETRY_COUNT,
-        "link_retry_count",
-        "link_retry_count",
-        1,
-        100,
-        1,
-        "Link attempts within :attr:`link_total_time`, ``[1, 100]``, default 1.",
-        "1",
-        "1 to 100",
+        prop="link_retry_count",
+        lo=1,
+        hi=100,
+        default=1,
+        default_text="1",
+        range_text="1 to 100",
+        doc="Link attempts within :attr:`link_total_time`, ``[1, 100]``, default 1.",
     ),
-    _text(
+    text_option(
         KEY_TRANSPORT,
-        "transport",
-        ("transport",),
-        lambda t: parse_transport(t),
-        "auto",
-        "auto",
-        'Transports the data plane may use: ``"auto"`` (default), ``"shm"``, ``"tcp"`` or '
-        '``"rdma"``.',
-        "`auto`",
-        ", ".join(f"`{t}`" for t in TRANSPORTS),
+        prop="transport",
+        fields=("transport",),
+        parse=parse_transport,
+        default="auto",
+        unset="auto",
         ours=True,
         ucx="TLS",
+        default_text="`auto`",
+        range_text=", ".join(f"`{t}`" for t in TRANSPORTS),
+        doc=(
+            'Transports the data plane may use: ``"auto"`` (default), ``"shm"``, ``"tcp"`` or '
+            '``"rdma"``.'
+        ),
     ),
     Option(
         KEY_AUTH_TOKEN,
-        "auth_token",
-        ("auth_token",),
-        lambda t: _parse_auth_token(t),
-        _accept_token,
-        str,
-        None,
-        None,
-        "Shared secret; a peer without it cannot link.  A ``str``, or ``bytes`` that are UTF-8.",
-        "unset",
-        "a non-empty `str`, or UTF-8 `bytes`",
+        prop="auth_token",
+        fields=("auth_token",),
+        parse=parse_auth_token,
+        accept=accept_token,
+        emit=str,
+        default=None,
+        unset=None,
         ours=True,
+        default_text="unset",
+        range_text="a non-empty `str`, or UTF-8 `bytes`",
+        doc=(
+            "Shared secret; a peer without it cannot link.  A ``str``, or ``bytes`` that are "
+            "UTF-8."
+        ),
     ),
-    _uint(
+    uint_option(
         KEY_MAX_INFLIGHT_BYTES,
-        "max_inflight_bytes",
-        "max_inflight_bytes",
-        1,
-        INT64_MAX,
-        DEFAULT_MAX_INFLIGHT_BYTES,
-        "Backpressure window of the native engine in bytes, ``[1, 2**63-1]``, default 64 MiB.",
-        "64 MiB",
-        "1 to 2**63-1",
+        prop="max_inflight_bytes",
+        lo=1,
+        hi=INT64_MAX,
+        default=DEFAULT_MAX_INFLIGHT_BYTES,
         ours=True,
+        default_text="64 MiB",
+        range_text="1 to 2**63-1",
+        doc="Backpressure window of the native engine in bytes, ``[1, 2**63-1]``, default 64 MiB.",
     ),
-    _uint(
+    uint_option(
         KEY_MAX_UNCONFIRMED_BYTES,
-        "max_unconfirmed_bytes",
-        "max_unconfirmed_bytes",
-        0,
-        INT64_MAX,
-        DEFAULT_MAX_UNCONFIRMED_BYTES,
-        "Per link, the most bytes of transfers that the peer has not yet confirmed, "
-        "``[0, 2**63-1]``, default 2 MiB; 0 means no bound. It bounds what a frozen peer can "
-        'still apply after a call raised (``docs/design.md``, "Late writes").',
-        "2 MiB",
-        "0 (no bound) to 2**63-1",
+        prop="max_unconfirmed_bytes",
+        lo=0,
+        hi=INT64_MAX,
+        default=DEFAULT_MAX_UNCONFIRMED_BYTES,
         ours=True,
+        default_text="2 MiB",
+        range_text="0 (no bound) to 2**63-1",
+        doc=(
+            "Per link, the most bytes of transfers that the peer has not yet confirmed, "
+            "``[0, 2**63-1]``, default 2 MiB; 0 means no bound. It bounds what a frozen peer can "
+            'still apply after a call raised (``docs/design.md``, "Late writes").'
+        ),
     ),
-    _uint(
+    uint_option(
         KEY_COPY_LANES,
-        "copy_lanes",
-        "copy_lanes",
-        0,
-        _MAX_COPY_LANES,
-        0,
-        f"Threads that run same-host direct copies, ``[0, {_MAX_COPY_LANES}]``; 1 copies on the "
-        "progress thread, 0 (default) picks half the cores, at most 8.",
-        "0: half the cores, at most 8",
-        f"0 to {_MAX_COPY_LANES}",
+        prop="copy_lanes",
+        lo=0,
+        hi=_MAX_COPY_LANES,
+        default=0,
         ours=True,
+        default_text="0: half the cores, at most 8",
+        range_text=f"0 to {_MAX_COPY_LANES}",
+        doc=(
+            f"Threads that run same-host direct copies, ``[0, {_MAX_COPY_LANES}]``; 1 copies on "
+            "the progress thread, 0 (default) picks half the cores, at most 8."
+        ),
     ),
-    _uint(
+    uint_option(
         KEY_PROGRESS_SPIN_US,
-        "progress_spin_us",
-        "progress_spin_us",
-        0,
-        100_000,
-        100,
-        "Microseconds the progress thread keeps polling after its last work on a transfer of "
-        "its own before it sleeps, ``[0, 100000]``, default 100: a caller that awaits each small "
-        "transfer then finds it awake instead of paying two thread wake-ups. A peer's arriving "
-        "bytes or a connect start no spin; idle it never spins.",
-        "100 µs",
-        "0 to 100000",
+        prop="progress_spin_us",
+        lo=0,
+        hi=100_000,
+        default=100,
         ours=True,
+        default_text="100 µs",
+        range_text="0 to 100000",
+        doc=(
+            "Microseconds the progress thread keeps polling after its last work on a transfer of "
+            "its own before it sleeps, ``[0, 100000]``, default 100: a caller that awaits each "
+            "small transfer then finds it awake instead of paying two thread wake-ups. A peer's "
+            "arriving bytes or a connect start no spin; idle it never spins."
+        ),
     ),
-    _flag(
+    flag_option(
         KEY_DIRECT_COPY,
-        "direct_copy",
-        "direct_copy",
-        True,
-        "Move bytes to and from same-host peers with one memcpy into their mapped shared "
-        "memory (default on); off, every byte goes through UCX's own lanes.",
-        'on (`"1"`)',
+        prop="direct_copy",
+        default=True,
         ours=True,
+        default_text='on (`"1"`)',
+        doc=(
+            "Move bytes to and from same-host peers with one memcpy into their mapped shared "
+            "memory (default on); off, every byte goes through UCX's own lanes."
+        ),
     ),
-    _flag(
+    flag_option(
         KEY_PREWARM,
-        "prewarm",
-        "prewarm",
-        True,
-        "At init, run each operation a link uses once over an endpoint to a helper worker of "
-        "the engine's own UCX context (default on): UCX selects and caches its protocols then, "
-        "not in the first link (about 40 ms of CPU over tcp here, against 8-10 for a later "
-        "link); init takes that much longer.",
-        'on (`"1"`)',
+        prop="prewarm",
+        default=True,
         ours=True,
+        default_text='on (`"1"`)',
+        doc=(
+            "At init, run each operation a link uses once over an endpoint to a helper worker of "
+            "the engine's own UCX context (default on): UCX selects and caches its protocols "
+            "then, not in the first link (about 40 ms of CPU over tcp here, against 8-10 for a "
+            "later link); init takes that much longer."
+        ),
     ),
-    _flag(
+    flag_option(
         KEY_PREFAULT,
-        "prefault",
-        "prefault",
-        True,
-        "Fault in every page of a cache when it is allocated or registered, and the pages a "
-        "same-host peer's cache has when its key is installed (default on): a cache's first "
-        "transfer otherwise faults each page in on both sides (25x slower than the next, "
-        "512 MiB over shared memory here); the allocation takes that time instead. Its memory "
-        "is committed then: register_cache makes the user's pages writable without writing "
-        "them (MADV_POPULATE_WRITE), so untouched memory becomes resident, a sparse file mapped "
-        "shared gets its blocks, a private file mapping its copy. A peer's pages are mapped only "
-        "where the peer made them, at most 2 GiB per cache. A link this side makes to a "
-        "same-host peer installs the caches the peer has then (the newest 32) in the "
-        "background once it is up, so that their mapping is not made by the first transfer; "
-        "those caches are then exposed to this side, so the peer retiring one waits for its "
-        "answer (a frozen side is cut off and the memory quarantined, design.md).",
-        'on (`"1"`)',
+        prop="prefault",
+        default=True,
         ours=True,
+        default_text='on (`"1"`)',
+        doc=(
+            "Fault in every page of a cache when it is allocated or registered, and the pages a "
+            "same-host peer's cache has when its key is installed (default on): a cache's first "
+            "transfer otherwise faults each page in on both sides (25x slower than the next, 512 "
+            "MiB over shared memory here); the allocation takes that time instead. Its memory is "
+            "committed then: register_cache makes the user's pages writable without writing them "
+            "(MADV_POPULATE_WRITE), so untouched memory becomes resident, a sparse file mapped "
+            "shared gets its blocks, a private file mapping its copy. A peer's pages are mapped "
+            "only where the peer made them, at most 2 GiB per cache. A link this side makes to a "
+            "same-host peer installs the caches the peer has then (the newest 32) in the "
+            "background once it is up, so that their mapping is not made by the first transfer; "
+            "those caches are then exposed to this side, so the peer retiring one waits for its "
+            "answer (a frozen side is cut off and the memory quarantined, design.md)."
+        ),
     ),
-    _uint(
+    uint_option(
         KEY_HANDSHAKE_TIMEOUT,
-        "handshake_timeout",
-        "handshake_timeout_ms",
-        1,
-        INT32_MAX,
-        5000,
-        "Milliseconds an accepted control connection may take to finish its handshake, "
-        "``[1, 2**31-1]``, default 5000: a socket that sends nothing holds a slot no longer.",
-        "5000 ms",
-        "1 to 2**31-1",
+        prop="handshake_timeout",
+        field="handshake_timeout_ms",
+        lo=1,
+        hi=INT32_MAX,
+        default=5000,
         ours=True,
+        default_text="5000 ms",
+        range_text="1 to 2**31-1",
+        doc=(
+            "Milliseconds an accepted control connection may take to finish its handshake, ``[1, "
+            "2**31-1]``, default 5000: a socket that sends nothing holds a slot no longer."
+        ),
     ),
-    _uint(
+    uint_option(
         KEY_MAX_CONNECTIONS,
-        "max_connections",
-        "max_connections",
-        1,
-        UINT16_MAX,
-        1024,
-        "Established control connections the listener keeps at once, ``[1, 65535]``, default "
-        "1024; a handshake beyond that is refused.",
-        "1024",
-        "1 to 65535",
+        prop="max_connections",
+        lo=1,
+        hi=UINT16_MAX,
+        default=1024,
         ours=True,
+        default_text="1024",
+        range_text="1 to 65535",
+        doc=(
+            "Established control connections the listener keeps at once, ``[1, 65535]``, default "
+            "1024; a handshake beyond that is refused."
+        ),
     ),
-    _uint(
+    uint_option(
         KEY_PEER_TIMEOUT,
-        "peer_timeout",
-        "peer_timeout_ms",
-        0,
-        INT32_MAX,
-        5000,
-        "Milliseconds a linked peer may stay silent before the link is declared broken, ``0`` "
-        "(never) or ``[100, 2**31-1]``, default 5000. Each side's native progress thread sends "
-        "the other a keep-alive every quarter of it (off the GIL: starved Python threads are not "
-        "silence), so a frozen host or a cut cable is noticed without waiting for TCP.",
-        "5000 ms",
-        "0 (never), or 100 to 2**31-1",
-        ours=True,
+        prop="peer_timeout",
+        field="peer_timeout_ms",
+        lo=0,
+        hi=INT32_MAX,
+        default=5000,
         gap=100,
+        ours=True,
+        default_text="5000 ms",
+        range_text="0 (never), or 100 to 2**31-1",
+        doc=(
+            "Milliseconds a linked peer may stay silent before the link is declared broken, "
+            "``0`` (never) or ``[100, 2**31-1]``, default 5000. Each side's native progress "
+            "thread sends the other a keep-alive every quarter of it (off the GIL: starved "
+            "Python threads are not silence), so a frozen host or a cut cable is noticed without "
+            "waiting for TCP."
+        ),
     ),
-    _text(
+    text_option(
         KEY_NET_DEVICES,
-        "net_devices",
-        ("net_devices",),
-        lambda t: _parse_net_devices(t),
-        "all",
-        "all",
-        "The network interfaces the data plane may use and advertise, as UCX's "
-        '``NET_DEVICES``: ``"all"`` (default) or a comma list such as ``"eth1"`` or '
-        '``"eth1,eth2"``. On a multi-homed host (a management NIC beside the data NIC), name '
-        "the data NIC: UCX then listens, advertises and connects only there.",
-        "`all`",
-        "`all` or a comma list of interfaces",
+        prop="net_devices",
+        fields=("net_devices",),
+        parse=parse_net_devices,
+        default="all",
+        unset="all",
         ours=True,
         ucx="NET_DEVICES",
+        default_text="`all`",
+        range_text="`all` or a comma list of interfaces",
+        doc=(
+            "The network interfaces the data plane may use and advertise, as UCX's "
+            '``NET_DEVICES``: ``"all"`` (default) or a comma list such as ``"eth1"`` or '
+            '``"eth1,eth2"``. On a multi-homed host (a management NIC beside the data NIC), name '
+            "the data NIC: UCX then listens, advertises and connects only there."
+        ),
     ),
-    _text(
+    text_option(
         KEY_ETCD_ENDPOINT,
-        "etcd_endpoint",
-        ("etcd_endpoint",),
-        lambda t: _parse_etcd_endpoint(t),
-        None,
-        None,
-        "An etcd server (``host:port``) to register in and find peers through (the ``etcd`` "
-        "extra): this instance's role and control address go under :attr:`etcd_prefix` on a "
-        "lease of :attr:`etcd_lease_ttl` seconds, ``link_clusters`` resolves a cluster given "
-        "without ``remote_ip_info`` there, and a link to an instance whose entry went (its "
-        "lease ended) is broken. Unset (default): no etcd.",
-        "unset",
-        "`host:port`",
+        prop="etcd_endpoint",
+        fields=("etcd_endpoint",),
+        parse=parse_etcd_endpoint,
+        default=None,
+        unset=None,
         ours=True,
+        default_text="unset",
+        range_text="`host:port`",
+        doc=(
+            "An etcd server (``host:port``) to register in and find peers through (the ``etcd`` "
+            "extra): this instance's role and control address go under :attr:`etcd_prefix` on a "
+            "lease of :attr:`etcd_lease_ttl` seconds, ``link_clusters`` resolves a cluster given "
+            "without ``remote_ip_info`` there, and a link to an instance whose entry went (its "
+            "lease ended) is broken. Unset (default): no etcd."
+        ),
     ),
-    _text(
+    text_option(
         KEY_ETCD_PREFIX,
-        "etcd_prefix",
-        ("etcd_prefix",),
-        lambda t: _parse_etcd_prefix(t),
-        "/aiokvcache/",
-        "/aiokvcache/",
-        "The etcd key prefix instances register under (``<prefix>clusters/<cluster id>``): "
-        "instances that should find each other share it.",
-        "`/aiokvcache/`",
-        "`/`, or `/name/.../`",
+        prop="etcd_prefix",
+        fields=("etcd_prefix",),
+        parse=parse_etcd_prefix,
+        default="/aiokvcache/",
+        unset="/aiokvcache/",
         ours=True,
+        default_text="`/aiokvcache/`",
+        range_text="`/`, or `/name/.../`",
+        doc=(
+            "The etcd key prefix instances register under (``<prefix>clusters/<cluster id>``): "
+            "instances that should find each other share it."
+        ),
     ),
-    _uint(
+    uint_option(
         KEY_ETCD_LEASE_TTL,
-        "etcd_lease_ttl",
-        "etcd_lease_ttl_s",
-        1,
-        3600,
-        3,
-        "Seconds an instance's etcd entry outlives its last keep-alive, ``[1, 3600]``, default "
-        "3 (etcd rounds very short leases up to its own minimum, about 2 s): how soon peers "
-        "break their links to an instance that was killed, froze, or lost etcd.",
-        "3 s",
-        "1 to 3600",
+        prop="etcd_lease_ttl",
+        field="etcd_lease_ttl_s",
+        lo=1,
+        hi=3600,
+        default=3,
         ours=True,
+        default_text="3 s",
+        range_text="1 to 3600",
+        doc=(
+            "Seconds an instance's etcd entry outlives its last keep-alive, ``[1, 3600]``, "
+            "default 3 (etcd rounds very short leases up to its own minimum, about 2 s): how "
+            "soon peers break their links to an instance that was killed, froze, or lost etcd."
+        ),
     ),
 )
 OPTION_BY_KEY = {opt.key: opt for opt in OPTIONS}
@@ -769,8 +652,3 @@ def default(prop: str) -> Any:
     return OPTION_BY_PROP[prop].default
 
 
-def setter_value(name: str, parse: Any, text: str) -> Any:
-    try:
-        return parse(text)
-    except BadValue as exc:
-        raise ValueError(f"{name} {exc}") from None
