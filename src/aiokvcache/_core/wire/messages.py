@@ -1,8 +1,9 @@
 """The requests linked peers send each other, typed: one op, one request, one answer.
 
 Each op is named once, in :class:`RequestOp` (its value is the string on the wire).
-Each has a frozen request class and a frozen answer class, with ``encode()``
-(the dict a control connection carries) and a validating ``decode()``. A
+Each has a frozen request class and a frozen answer class that declare their
+fields once (``FIELDS``, :mod:`.fields`); one ``encode()`` writes the dict a
+control connection carries and one ``decode()`` checks it. A
 peer's malformed request raises LLM_PARAM_INVALID, which goes back to it as
 its request's error; a peer's malformed answer raises :class:`BadReply`,
 which the asking side turns into its own error. A cache's metadata travels
@@ -20,6 +21,18 @@ from typing import Any, ClassVar, Generic, Self, TypeVar
 from ..model.errors import LLMStatusCode, param_invalid
 from ..model.types import BlocksCacheKey, CacheKey
 from .control import ControlConnection
+from .fields import (
+    Field,
+    body,
+    dict_list,
+    int_list,
+    integer,
+    key,
+    nonce_and_slot,
+    packed,
+    positive_float,
+    problem_text,
+)
 from .peerstatus import COMMON, PeerRefusal
 
 __all__ = [
@@ -113,31 +126,45 @@ class BadReply(ValueError):
 
 
 class Message:
-    """A request or an answer: a frozen value with a wire form."""
+    """A request or an answer: a frozen value with a wire form.
+
+    Its fields are declared once, in ``FIELDS`` (:mod:`.fields`): the one
+    :meth:`encode` writes them and the one :meth:`decode` checks them, and a
+    body that does not fit is refused with :meth:`malformed`'s error."""
 
     __slots__ = ()
+    FIELDS: ClassVar[tuple[Field, ...]] = ()
+    #: What an answer is, in a refusal's words.
+    WHAT: ClassVar[str] = ""
 
     def encode(self) -> dict[str, Any]:
         """The body the control connection carries."""
-        raise NotImplementedError
+        out: dict[str, Any] = {}
+        for f in self.FIELDS:
+            f.write(tuple(getattr(self, a) for a in f.attrs), out)
+        return out
 
     @classmethod
     def decode(cls, body: dict[str, Any]) -> Self:
-        """The message ``body`` carries, checked field by field."""
-        raise NotImplementedError
+        """The message ``body`` carries, checked field by field (anything a
+        peer adds beyond the fields is ignored)."""
+        values: dict[str, Any] = {}
+        try:
+            for f in cls.FIELDS:
+                values.update(zip(f.attrs, f.read(body), strict=True))
+            msg = cls(**values)
+            msg.check()
+        except ValueError as exc:
+            raise cls.malformed(str(exc)) from None
+        return msg
 
-
-class _Empty(Message):
-    """A message without fields; whatever a peer puts in its body is ignored."""
-
-    __slots__ = ()
-
-    def encode(self) -> dict[str, Any]:
-        return {}
+    def check(self) -> None:
+        """Checks across fields, after each field's own (``ValueError``)."""
 
     @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        return cls()
+    def malformed(cls, words: str) -> Exception:
+        """The error for a body that does not fit: an answer's :class:`BadReply`."""
+        return BadReply(f"{cls.WHAT}: {words}")
 
 
 R = TypeVar("R", bound=Message)
@@ -148,15 +175,21 @@ class Request(Message, Generic[R]):
 
     ``peer_statuses``: the statuses the peer may refuse it with and what
     each becomes for our caller; any other is LLM_FAILED (see
-    :mod:`.peerstatus`)."""
+    :mod:`.peerstatus`). A malformed request is LLM_PARAM_INVALID, which goes
+    back to the peer as its request's error."""
 
     __slots__ = ()
     op: ClassVar[RequestOp]
+    answer: ClassVar[type[Message]]
     peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = COMMON
+
+    @classmethod
+    def malformed(cls, words: str) -> Exception:
+        return param_invalid(f"{cls.op.value}: {words}")
 
     def reply(self, body: dict[str, Any]) -> R:
         """The peer's answer to it, checked (:class:`BadReply`)."""
-        raise NotImplementedError
+        return self.answer.decode(body)  # type: ignore[return-value]
 
 
 async def ask(conn: ControlConnection, request: Request[R], timeout: float | None) -> R:
@@ -178,8 +211,10 @@ async def ask(conn: ControlConnection, request: Request[R], timeout: float | Non
 
 
 @dataclass(frozen=True, slots=True)
-class Served(_Empty):
+class Served(Message):
     """The answer of a request served with nothing to say."""
+
+    WHAT = "answer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,52 +222,34 @@ class ProbeSlot(Message):
     """A probe slot of the answering peer (``addr``, ``PROBE_BYTES`` long) and
     the key to its whole control region (``base``, ``span``, packed ``rkey``)."""
 
+    FIELDS = (
+        integer("addr", exact=True),
+        integer("length", "len", exact=True),
+        integer("base", exact=True),
+        integer("span", exact=True),
+        packed("rkey"),
+    )
+    WHAT = "the peer sent a bad probe buffer"
     addr: int
     length: int
     base: int
     span: int
     rkey: bytes
 
-    def encode(self) -> dict[str, Any]:
-        return {
-            "addr": self.addr,
-            "len": self.length,
-            "base": self.base,
-            "span": self.span,
-            "rkey": self.rkey,
-        }
-
-    @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        fields = [body.get(k) for k in ("addr", "len", "base", "span")]
-        packed = body.get("rkey")
-        if not all(type(v) is int for v in fields) or not isinstance(packed, bytes):
-            raise BadReply("the peer sent a bad probe buffer")
-        addr, length, base, span = (int(v) for v in fields)  # type: ignore[arg-type]
+    def check(self) -> None:
+        addr, base, span = self.addr, self.base, self.span
         if not (
-            length == PROBE_BYTES
+            self.length == PROBE_BYTES
             and 0 < base
             and 0 < span <= 1 << 30
             and base <= addr
             and addr + PROBE_BYTES <= base + span < 2**64
         ):
-            raise BadReply("the peer sent a bad probe buffer")
-        return cls(addr, length, base, span, packed)
+            raise ValueError("not a probe slot inside the region it names")
 
 
 #: Bytes of the nonce a data-path probe puts to the peer.
 PROBE_NONCE_BYTES = 16
-
-
-def _nonce_and_slot(body: dict[str, Any]) -> tuple[bytes, int]:
-    """A put probe's ``nonce`` and ``slot`` (both or neither: (b"", 0));
-    ValueError when they are malformed."""
-    nonce, slot = body.get("nonce"), body.get("slot")
-    if nonce is None and slot is None:
-        return b"", 0
-    if not isinstance(nonce, bytes) or len(nonce) != PROBE_NONCE_BYTES or type(slot) is not int:
-        raise ValueError(f"nonce must be {PROBE_NONCE_BYTES} bytes and slot an int")
-    return nonce, int(slot)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,121 +259,76 @@ class ProbeResult(Message):
     After a put probe (:class:`ProbeBack` with a nonce), also the nonce the
     peer put into our probe slot at ``slot``, for us to find there."""
 
+    FIELDS = (problem_text("problem"), nonce_and_slot(PROBE_NONCE_BYTES))
+    WHAT = "probe result"
     problem: str
     nonce: bytes = b""
     slot: int = 0
-
-    def encode(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"problem": self.problem}
-        if self.nonce:
-            body.update(nonce=self.nonce, slot=self.slot)
-        return body
-
-    @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        # Any empty value means the half worked; anything else is shown as text.
-        problem = body.get("problem")
-        try:
-            nonce, slot = _nonce_and_slot(body)
-        except ValueError as exc:
-            raise BadReply(f"probe result: {exc}") from None
-        return cls(f"{problem}" if problem else "", nonce, slot)
 
 
 @dataclass(frozen=True, slots=True)
 class CacheMeta(Message):
     """One cache's metadata (:func:`.catalog.metadata`, checked on install)."""
 
+    FIELDS = (body("meta"),)
+    WHAT = "cache metadata"
     meta: dict[str, Any]
-
-    def encode(self) -> dict[str, Any]:
-        return self.meta
-
-    @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        return cls(body)
 
 
 @dataclass(frozen=True, slots=True)
 class KeyedCacheMeta(Message):
     """The metadata of the cache bound to a key, and the key's batch index."""
 
+    FIELDS = (body("meta"), integer("batch_index", exact=True, lo=0, hi=2**63))
+    WHAT = "keyed cache metadata"
     meta: dict[str, Any]
     batch_index: int
-
-    def encode(self) -> dict[str, Any]:
-        return {**self.meta, "batch_index": self.batch_index}
-
-    @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        index = body.get("batch_index")
-        if type(index) is not int or not 0 <= index < 2**63:
-            raise BadReply("no valid batch_index")
-        return cls(body, index)
 
 
 @dataclass(frozen=True, slots=True)
 class CacheMetas(Message):
     """The metadata of every cache that holds one of the asked addresses."""
 
+    FIELDS = (dict_list("caches"),)
+    WHAT = "cache metadata list"
     caches: tuple[dict[str, Any], ...]
-
-    def encode(self) -> dict[str, Any]:
-        return {"caches": list(self.caches)}
-
-    @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        caches = body.get("caches")
-        if not isinstance(caches, list):
-            raise BadReply("caches is not a list")
-        if not all(isinstance(meta, dict) for meta in caches):
-            raise BadReply("a cache's metadata is not a dict")
-        return cls(tuple(caches))
 
 
 # ----------------------------------------------------------------- requests
 
 
 @dataclass(frozen=True, slots=True)
-class Finalizing(_Empty, Request[Served]):
+class Finalizing(Request[Served]):
     """We are finalizing: the peer breaks its link to us now."""
 
-    op: ClassVar[RequestOp] = RequestOp.FINALIZING
-
-    def reply(self, body: dict[str, Any]) -> Served:
-        return Served.decode(body)
+    op = RequestOp.FINALIZING
+    answer = Served
 
 
 @dataclass(frozen=True, slots=True)
-class Unlink(_Empty, Request[Served]):
+class Unlink(Request[Served]):
     """A plain unlink: the peer answers once its jobs on the link are released."""
 
-    op: ClassVar[RequestOp] = RequestOp.UNLINK
-
-    def reply(self, body: dict[str, Any]) -> Served:
-        return Served.decode(body)
+    op = RequestOp.UNLINK
+    answer = Served
 
 
 @dataclass(frozen=True, slots=True)
-class Alive(_Empty, Request[Served]):
+class Alive(Request[Served]):
     """Are you there? Asked when the data path fell silent: an answer on
     the control connection is something arriving from the peer too (a
     congested data path queues the keep-alives behind bulk bytes)."""
 
-    op: ClassVar[RequestOp] = RequestOp.ALIVE
-
-    def reply(self, body: dict[str, Any]) -> Served:
-        return Served.decode(body)
+    op = RequestOp.ALIVE
+    answer = Served
 
 
 @dataclass(frozen=True, slots=True)
-class ProbeInfo(_Empty, Request[ProbeSlot]):
+class ProbeInfo(Request[ProbeSlot]):
     """Ask for a probe slot and the key to the peer's control region."""
 
-    op: ClassVar[RequestOp] = RequestOp.PROBE_INFO
-
-    def reply(self, body: dict[str, Any]) -> ProbeSlot:
-        return ProbeSlot.decode(body)
+    op = RequestOp.PROBE_INFO
+    answer = ProbeSlot
 
 
 @dataclass(frozen=True, slots=True)
@@ -368,130 +340,55 @@ class ProbeBack(Request[ProbeResult]):
     done and it found our nonce in its slot (see :mod:`.probe`). Without:
     the peer puts a nonce of its own and reads it back."""
 
-    op: ClassVar[RequestOp] = RequestOp.PROBE_BACK
+    op = RequestOp.PROBE_BACK
+    answer = ProbeResult
+    FIELDS = (positive_float("timeout"), nonce_and_slot(PROBE_NONCE_BYTES))
     timeout: float
     nonce: bytes = b""
     slot: int = 0
-
-    def encode(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"timeout": self.timeout}
-        if self.nonce:
-            body.update(nonce=self.nonce, slot=self.slot)
-        return body
-
-    @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        tmo = body.get("timeout")
-        if not isinstance(tmo, float) or not tmo > 0:
-            raise param_invalid("probe_back: timeout must be a float > 0")
-        try:
-            nonce, slot = _nonce_and_slot(body)
-        except ValueError as exc:
-            raise param_invalid(f"probe_back: {exc}") from None
-        return cls(tmo, nonce, slot)
-
-    def reply(self, body: dict[str, Any]) -> ProbeResult:
-        return ProbeResult.decode(body)
 
 
 @dataclass(frozen=True, slots=True)
 class Invalidate(Request[Served]):
     """Our cache ``cache_id`` goes: the peer answers once it stopped using it."""
 
-    op: ClassVar[RequestOp] = RequestOp.INVALIDATE
+    op = RequestOp.INVALIDATE
+    answer = Served
+    FIELDS = (integer("cache_id"),)
     cache_id: int
-
-    def encode(self) -> dict[str, Any]:
-        return {"cache_id": self.cache_id}
-
-    @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        cid = body.get("cache_id")
-        if not isinstance(cid, int):
-            raise param_invalid("invalidate: cache_id must be int")
-        return cls(cid)
-
-    def reply(self, body: dict[str, Any]) -> Served:
-        return Served.decode(body)
 
 
 @dataclass(frozen=True, slots=True)
 class CacheById(Request[CacheMeta]):
     """The metadata of the peer's cache ``cache_id``."""
 
-    op: ClassVar[RequestOp] = RequestOp.CACHE_BY_ID
-    peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
+    op = RequestOp.CACHE_BY_ID
+    answer = CacheMeta
+    peer_statuses = LOOKUP_STATUSES
+    FIELDS = (integer("cache_id"),)
     cache_id: int
-
-    def encode(self) -> dict[str, Any]:
-        return {"cache_id": self.cache_id}
-
-    @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        cid = body.get("cache_id")
-        if not isinstance(cid, int):
-            raise param_invalid("cache_by_id: cache_id must be int")
-        return cls(cid)
-
-    def reply(self, body: dict[str, Any]) -> CacheMeta:
-        return CacheMeta.decode(body)
 
 
 @dataclass(frozen=True, slots=True)
 class CacheByKey(Request[KeyedCacheMeta]):
     """The peer's cache bound to ``key``, and the key's batch index."""
 
-    op: ClassVar[RequestOp] = RequestOp.CACHE_BY_KEY
-    peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
+    op = RequestOp.CACHE_BY_KEY
+    answer = KeyedCacheMeta
+    peer_statuses = LOOKUP_STATUSES
+    FIELDS = (key("key", CacheKey, ("cluster_id", "req_id", "model_id", "prefix_id")),)
     key: CacheKey
-
-    def encode(self) -> dict[str, Any]:
-        k = self.key
-        return {
-            "cluster_id": k.cluster_id,
-            "req_id": k.req_id,
-            "model_id": k.model_id,
-            "prefix_id": k.prefix_id,
-        }
-
-    @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        try:
-            key = CacheKey(
-                cluster_id=body["cluster_id"],
-                req_id=body["req_id"],
-                model_id=body["model_id"],
-                prefix_id=body["prefix_id"],
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise param_invalid(f"cache_by_key: bad key: {exc}") from None
-        return cls(key)
-
-    def reply(self, body: dict[str, Any]) -> KeyedCacheMeta:
-        return KeyedCacheMeta.decode(body)
 
 
 @dataclass(frozen=True, slots=True)
 class BlocksByKey(Request[CacheMeta]):
     """The peer's blocks cache bound to ``key``."""
 
-    op: ClassVar[RequestOp] = RequestOp.BLOCKS_BY_KEY
-    peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
+    op = RequestOp.BLOCKS_BY_KEY
+    answer = CacheMeta
+    peer_statuses = LOOKUP_STATUSES
+    FIELDS = (key("key", BlocksCacheKey, ("cluster_id", "model_id")),)
     key: BlocksCacheKey
-
-    def encode(self) -> dict[str, Any]:
-        return {"cluster_id": self.key.cluster_id, "model_id": self.key.model_id}
-
-    @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        try:
-            key = BlocksCacheKey(body["cluster_id"], body["model_id"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise param_invalid(f"blocks_by_key: bad key: {exc}") from None
-        return cls(key)
-
-    def reply(self, body: dict[str, Any]) -> CacheMeta:
-        return CacheMeta.decode(body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,39 +396,22 @@ class CacheByAddr(Request[CacheMetas]):
     """The peer's caches that hold any of ``addrs`` (at most
     :data:`MAX_ADDRS_PER_REQUEST`)."""
 
-    op: ClassVar[RequestOp] = RequestOp.CACHE_BY_ADDR
-    peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
+    op = RequestOp.CACHE_BY_ADDR
+    answer = CacheMetas
+    peer_statuses = LOOKUP_STATUSES
+    FIELDS = (int_list("addrs", MAX_ADDRS_PER_REQUEST),)
     addrs: tuple[int, ...]
-
-    def encode(self) -> dict[str, Any]:
-        return {"addrs": list(self.addrs)}
-
-    @classmethod
-    def decode(cls, body: dict[str, Any]) -> Self:
-        addrs = body.get("addrs")
-        if (
-            not isinstance(addrs, list)
-            or len(addrs) > MAX_ADDRS_PER_REQUEST
-            or not all(isinstance(a, int) for a in addrs)
-        ):
-            raise param_invalid("cache_by_addr: addrs must be a list of ints")
-        return cls(tuple(addrs))
-
-    def reply(self, body: dict[str, Any]) -> CacheMetas:
-        return CacheMetas.decode(body)
 
 
 @dataclass(frozen=True, slots=True)
-class Caches(_Empty, Request[CacheMetas]):
+class Caches(Request[CacheMetas]):
     """The metadata of the caches the peer serves (the newest
     :data:`MAX_CACHES_PER_ANSWER`): asked once a link to a same-host peer is
     up, so that its mappings are made before the first transfer."""
 
-    op: ClassVar[RequestOp] = RequestOp.CACHES
-    peer_statuses: ClassVar[Mapping[LLMStatusCode, LLMStatusCode]] = LOOKUP_STATUSES
-
-    def reply(self, body: dict[str, Any]) -> CacheMetas:
-        return CacheMetas.decode(body)
+    op = RequestOp.CACHES
+    answer = CacheMetas
+    peer_statuses = LOOKUP_STATUSES
 
 
 _REQUESTS: dict[str, type[Request[Any]]] = {
