@@ -1,6 +1,7 @@
 """The same awaitables under asyncio and trio: a peer in another process, its
-faults (frozen, slowed, killed), cancel scopes and deadlines, and the clear
-errors for a loop the instance does not belong to.
+faults (frozen, slowed, killed), cancel scopes and deadlines (a local copy's
+worker thread included), notifications iterators, and the loop an instance
+belongs to: the clear errors for another one, and runs in several threads.
 
 Every async test runs on both backends (anyio's plugin) and both transports,
 with the fixtures of aiokvcache's pytest plugin (``kv_pair``, ``kv_peer``,
@@ -9,9 +10,11 @@ with the fixtures of aiokvcache's pytest plugin (``kv_pair``, ``kv_peer``,
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
+import trio
 
 from aiokvcache import (
     Cache,
@@ -27,8 +31,10 @@ from aiokvcache import (
     DataType,
     LLMDataDist,
     LLMException,
+    LLMRole,
     LLMStatusCode,
     Placement,
+    testing,
 )
 from aiokvcache.testing import Pair, PeerProcess, assert_still, fill, make_pair
 
@@ -334,6 +340,27 @@ async def test_finalize_inside_a_cancelled_scope_still_finishes(transport: str) 
     await pr.close()
 
 
+@pytest.mark.timeout(60)
+async def test_a_copy_cut_by_a_cancel_scope_has_finished_when_it_raises(kv_pair: Pair) -> None:
+    """A local copy runs in a worker thread: a cancel scope that cut it must
+    not return while that thread still writes the destination."""
+    desc = CacheDesc(4, [1, 64 << 20], DataType.DT_UINT8, Placement.HOST)
+    src = kv_pair.p.allocate_cache(desc)
+    dst = kv_pair.p.allocate_cache(desc)
+    for t in src.tensors:
+        t[...] = 5
+    with anyio.CancelScope() as scope:
+        scope.cancel()  # cancelled before the copy even starts its thread...
+        await kv_pair.p.copy_cache(dst, src)
+    assert scope.cancelled_caught
+    with anyio.move_on_after(0.002) as scope:  # ...and while it runs
+        await kv_pair.p.copy_cache(dst, src)
+    assert scope.cancelled_caught
+    # Returned: the copy is whole and nothing writes any more.
+    assert all(int(t[0, -1]) == 5 and int(t[0, 0]) == 5 for t in dst.tensors)
+    await assert_still(dst, 0.1)
+
+
 async def test_notifications_iterator_ends_at_finalize(kv_pair: Pair) -> None:
     notes = kv_pair.d.notifications()
     got: list[Any] = []
@@ -352,6 +379,30 @@ async def test_notifications_iterator_ends_at_finalize(kv_pair: Pair) -> None:
             await first.wait()
             await kv_pair.decoder.finalize()  # the iterator ends: read() returns
     assert [n.tag for n in got] == ["last"]
+
+
+@pytest.mark.timeout(60)
+async def test_two_readers_of_one_notifications_iterator_both_end(kv_pair: Pair) -> None:
+    """The iterator kept one waiter: a second concurrent reader replaced the
+    first one's, which then never woke, not at close() nor at finalize()."""
+    notes = kv_pair.d.notifications()
+    ended: list[str] = []
+
+    async def read(name: str) -> None:
+        async for _ in notes:
+            pass
+        ended.append(name)
+
+    with anyio.move_on_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read, "a")
+            tg.start_soon(read, "b")
+            await anyio.sleep(0.1)
+            notes.close()  # documented: stops it at once
+            await anyio.sleep(0.5)
+            # finalize() ends every iterator too: still not the first reader.
+            await kv_pair.decoder.finalize()
+    assert sorted(ended) == ["a", "b"], f"readers that ended: {ended}"
 
 
 @pytest.mark.parametrize(
@@ -399,3 +450,158 @@ async def test_a_prefill_peer_thawed_before_its_freeze_goes_on(
         await kv_prefill_peer.join_layers("req-6", timeout=10)
     assert not frozen
     assert sha(dst) == want
+
+
+# ------------------------------------------- the loop an instance belongs to
+
+
+def _other_loop(owner: str, fn: Any) -> None:
+    """Run ``fn`` (an async function) on the other library, in a thread."""
+    thread = threading.Thread(
+        target=(lambda: asyncio.run(fn())) if owner == "trio" else (lambda: trio.run(fn))
+    )
+    thread.start()
+    thread.join(30)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("owner", ["trio", "asyncio"])
+def test_link_clusters_from_another_loop_is_refused_before_it_links(owner: str) -> None:
+    """Without the loop check first, the link was made anyway and the call
+    failed afterwards with a foreign message."""
+    seen: list[BaseException] = []
+    linked: list[list[int]] = []
+
+    async def main() -> None:
+        dec = LLMDataDist(LLMRole.DECODER, 2)
+        pro = LLMDataDist(LLMRole.PROMPT, 1)
+        await dec.init(testing.options("shm", listen=True))
+        await pro.init(testing.options("shm"))
+        try:
+
+            async def misuse() -> None:
+                try:
+                    await pro.link_clusters([testing.cluster_info(dec)], timeout=3000)
+                except BaseException as exc:
+                    seen.append(exc)
+
+            await anyio.to_thread.run_sync(_other_loop, owner, misuse)
+            await anyio.sleep(1)  # whatever the service thread went on doing
+            linked.append(sorted(pro._links))
+        finally:
+            await pro.finalize()
+            await dec.finalize()
+
+    # In a thread of its own: the anyio plugin's loop may run in this one.
+    runner = threading.Thread(target=anyio.run, args=(main,), kwargs={"backend": owner})
+    runner.start()
+    runner.join(50)
+    assert seen, "link_clusters from another loop raised nothing"
+    assert linked == [[]], f"{seen[0]!r}, and linked anyway: {linked}"
+    assert isinstance(seen[0], RuntimeError) and "init()" in str(seen[0]), repr(seen[0])
+
+
+TWO_RUNS_DESC = CacheDesc(4, [1, 1 << 20], DataType.DT_UINT8, Placement.HOST)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+def test_two_trio_runs_in_two_threads_transfer_between_them(transport: str) -> None:
+    """Each instance belongs to its own run: two trio runs of one process,
+    one instance each, must not get in each other's way."""
+    import queue
+
+    where: queue.Queue[tuple[str, int]] = queue.Queue()
+    got: dict[str, Any] = {}
+
+    async def decoder() -> None:
+        dec = LLMDataDist(LLMRole.DECODER, 2)
+        await dec.init(testing.options(transport, listen=True))
+        try:
+            dst = dec.cache_manager.allocate_cache(TWO_RUNS_DESC)
+            assert dec.listen_address is not None
+            where.put((dec.listen_address, dst.cache_id))
+            with trio.fail_after(30):
+                for i in range(10):
+                    await dec.cache_manager.wait_for_layers(f"r{i}", [0, 1], timeout=10)
+            got["bytes"] = bytes(dst.tensors[3][0, :4])
+        finally:
+            await dec.finalize()
+
+    async def prompt() -> None:
+        address, cache_id = await trio.to_thread.run_sync(where.get, True, 30)
+        pro = LLMDataDist(LLMRole.PROMPT, 1)
+        await pro.init(testing.options(transport))
+        try:
+            await pro.link_clusters([testing.cluster_info(address, 2)], timeout=5000)
+            src = pro.cache_manager.allocate_cache(TWO_RUNS_DESC)
+            src.tensors[3][...] = 7
+            for i in range(10):
+                with trio.fail_after(10):
+                    key = CacheKeyByIdAndIndex(2, cache_id)
+                    await pro.cache_manager.push_cache(key, src, tag=f"r{i}")
+            got["live"] = pro.cache_manager.stats()["live_jobs"]
+            await trio.sleep(0.3)
+        finally:
+            await pro.finalize()
+
+    runs = [threading.Thread(target=trio.run, args=(fn,)) for fn in (decoder, prompt)]
+    for r in runs:
+        r.start()
+    for r in runs:
+        r.join(60)
+    assert got == {"bytes": b"\x07" * 4, "live": 0}, got
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+def test_finalize_from_another_asyncio_loop_is_refused_while_the_owner_loop_runs() -> None:
+    """Closing from another loop resolved the owner loop's futures from the
+    wrong thread and never woke it: its waiting calls hung. The refusal
+    changes nothing; the owner's own finalize then ends its waiters."""
+    ready = threading.Event()
+    owner: dict[str, Any] = {}
+    refused = threading.Event()
+    ended = threading.Event()
+
+    def run_owner() -> None:
+        async def main() -> None:
+            dd = LLMDataDist(LLMRole.DECODER, 2)
+            await dd.init(testing.options("shm"))
+            owner["dd"] = dd
+            ready.set()
+
+            async def wait() -> None:
+                try:
+                    await dd.cache_manager.wait_for_layers("never", [0])
+                except LLMException as exc:
+                    owner["status"] = exc.status_code.name
+
+            waiter = asyncio.ensure_future(wait())
+            await asyncio.to_thread(refused.wait, 20)
+            assert not waiter.done()  # the refused finalize changed nothing
+            await dd.finalize()
+            await waiter
+            ended.set()
+
+        asyncio.run(main())
+
+    thread = threading.Thread(target=run_owner, daemon=True)
+    thread.start()
+    assert ready.wait(20)
+
+    async def finalize() -> None:
+        try:
+            await owner["dd"].finalize()
+        except RuntimeError as exc:
+            owner["refusal"] = str(exc)
+        refused.set()
+
+    other = threading.Thread(target=lambda: asyncio.run(finalize()))
+    other.start()
+    other.join(20)
+    assert ended.wait(20), owner
+    thread.join(5)
+    assert "the event loop that ran init()" in owner.get("refusal", ""), owner
+    assert owner["status"] == "LLM_ENGINE_FINALIZED"

@@ -1,7 +1,9 @@
 """The vLLM connector's push mode (``integrations/_prefill_push.py`` and the
 push half of ``integrations/_decode.py``): each load of a transfer its own,
-the decode's blocks given back only on the prefill's word, the push key and
-the KV layout checked, a load bound to its link, preemption.
+the decode's blocks given back only on the prefill's word (an abort and a
+shutdown included), the push key and the KV layout checked, a load bound to
+its link, preemption, and the prefill's end of a push (reported sent once,
+pushed however long the prefill took).
 
 Two kinds of test: a ``TransferAgent`` on the test's loop whose aiokvcache
 calls a :class:`Recorder` stands in for (support/kvlink_harness.py), and two
@@ -18,9 +20,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aiokvcache import LLMException, LLMStatusCode
 from aiokvcache.integrations._kvtypes import Peer
 from support.agent_pair import BS, LAYERS, Side, agent_pair, fill, same, wait_for
 from support.kvlink_harness import (
+    BLOCKS,
     D_ID,
     EVIL,
     P_ID,
@@ -149,6 +153,76 @@ async def test_a_prefill_that_never_answers_is_unlinked_before_the_blocks_go_bac
         await close_agent(agent)
 
 
+async def test_an_aborted_push_load_is_not_reported_before_the_prefill_stopped() -> None:
+    """An abort reported the load received at once: vLLM handed its blocks to
+    another request while the prefill still pushed into them."""
+    agent, rec = await make_agent(timeout=5.0, grace=1.0)
+    try:
+        agent.expect_push("d-req", Peer("h", 1, P_ID), "x", [7, 8, 9])
+        await until(lambda: "reg" in rec.kinds(P_ID))
+        agent.cancel_recv("d-req")
+        await asyncio.sleep(0.3)  # P has not answered: not "pushfail", not "pushed"
+        got = agent.take_results()
+        assert "d-req" not in got.finished_recving, (
+            "the blocks were given back while the prefill may still push into them"
+        )
+        # P's word that its pushes are quiescent (its answer to the cancel).
+        nonce = load_nonce(rec, P_ID, "x")
+        agent.deliver(P_ID, "pushfail", ["x", nonce, "the decode side cancelled it"])
+        await until(lambda: "d-req" in agent.take_results().finished_recving, timeout=2)
+    finally:
+        await close_agent(agent)
+
+
+async def test_an_abort_during_the_abort_wait_is_reported_as_an_abort_and_not_leaked() -> None:
+    """A load whose registration failed waits for the prefill's word; an abort
+    swallowed there was reported as a link failure, and its id kept for ever."""
+    agent, rec = await make_agent(timeout=2.0, grace=1.0)
+
+    async def notify(cluster: int, tag: str, timeout: float | None = None) -> None:
+        if '"reg"' in tag:
+            raise LLMException(LLMStatusCode.LLM_LINK_FAILED, "link went away")
+        rec.sent.append((cluster, [tag]))
+
+    rec.notify = notify  # type: ignore[method-assign]
+    try:
+        agent.expect_push("d-req", Peer("h", 1, P_ID), "x", [7, 8, 9])
+        await asyncio.sleep(0.2)  # registration failed; D waits for P's word
+        agent.cancel_recv("d-req")  # the engine aborts the request meanwhile
+        got = None  # reported at P's word or the deadline (2 s), not before
+        for _ in range(200):
+            r = agent.take_results()
+            if r.finished_recving:
+                got = r
+                break
+            await asyncio.sleep(0.02)
+        assert got is not None and "d-req" in got.finished_recving
+        await asyncio.sleep(0.05)
+        assert not agent.receiver.aborted, f"abort swallowed, id leaked: {agent.receiver.aborted}"
+        assert "d-req" not in got.failed_recving, "an aborted load reported as a failed one"
+    finally:
+        await close_agent(agent)
+
+
+async def test_shutdown_does_not_wait_a_push_load_deadline_for_a_message_it_cannot_get() -> None:
+    """Shutdown cancels the listener too: a push load's abort wait then sat
+    to its deadline for a word nobody could deliver, past close()'s join."""
+    agent, rec = await make_agent(timeout=8.0, grace=1.0)
+    try:
+        agent.expect_push("d-req", Peer("h", 1, P_ID), "x", [7, 8, 9])
+        await until(lambda: "reg" in rec.kinds(P_ID))
+        t0 = time.monotonic()
+        try:
+            await asyncio.wait_for(agent._shutdown(), 3.0)  # what close() runs
+        except TimeoutError:
+            raise AssertionError(
+                f"shutdown still waiting after {time.monotonic() - t0:.1f} s "
+                "(the push load's abort-wait runs to its deadline)"
+            ) from None
+    finally:
+        await close_agent(agent)
+
+
 def test_no_push_lands_after_the_decode_reported_the_load_failed(transport: str) -> None:
     """Real agents. D's timeout is 2 s; P's loop is starved while the
     registration arrives (1.2 s) and again across D's deadline while the
@@ -237,6 +311,23 @@ async def test_a_registration_for_another_kv_layout_is_refused() -> None:
         await until(lambda: "pushfail" in rec.kinds(D_ID))
         why = next(m for c, m in rec.sent if m[0] == "pushfail")[3]
         assert "layout" in why and not rec.pushes
+    finally:
+        await close_agent(agent)
+
+
+async def test_a_push_to_a_decode_side_with_more_blocks_than_the_prefill_lands() -> None:
+    """A registration names the decode's blocks: checked against the prefill's
+    block count, every push to a larger decode instance failed."""
+    agent, rec = await make_agent(blocks=BLOCKS)  # P: 64 blocks; D has 256
+    try:
+        agent.deliver(
+            D_ID, "reg", reg_args(agent, ["x", 0, 1, [[100, 3]], 0, 5.0])
+        )  # D's blocks 100..102
+        agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 12, True)
+        for layer in range(LAYERS):
+            agent.push_sender.layer_saved(["x"], layer)
+        await until(lambda: bool({"pushed", "pushfail"} & set(rec.kinds(D_ID))))
+        assert rec.kinds(D_ID) == ["pushed"], rec.sent
     finally:
         await close_agent(agent)
 
@@ -332,6 +423,58 @@ def test_push_preempt_blocks_the_engine_thread_until_quiescent(sides: tuple[Side
     wait_for(lambda: "d-req" in d.poll().finished_recving)
     assert same(p, [5, 6, 7], d, [9, 1, 12])
     assert np.array_equal(d.kv[0][[9, 1, 12]], p.kv[0][[5, 6, 7]])
+
+
+# ------------------------------------------------------------ the prefill's end of a push
+
+
+async def test_an_aborted_push_is_reported_sent_exactly_once() -> None:
+    """A push aborted while its "pushfail" was still on its way was reported
+    sent twice: vLLM's scheduler asserts on the second report and dies."""
+    agent, rec = await make_agent()
+    # D's side is slow or dead: the pushfail notification takes a while.
+    rec.notify_delay = lambda msg: 0.3 if msg[0] == "pushfail" else 0.0
+    try:
+        agent.deliver(D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0]))
+        agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 8, False)  # first chunk
+        for layer in range(LAYERS):
+            agent.push_sender.layer_saved(["x"], layer)
+        await until(lambda: len(rec.pushes) == LAYERS)
+        await asyncio.sleep(0.05)  # those pushes landed; none is running now
+        agent.push_sender.release("x", "p-req", True)  # the client aborted it
+        reports = []
+        # vLLM's worker collects results once per engine step.
+        for _ in range(60):
+            reports += list(agent.take_results().finished_sending)
+            await asyncio.sleep(0.01)
+        assert reports.count("p-req") == 1, f"reported sent {reports.count('p-req')}x: {reports}"
+    finally:
+        await close_agent(agent)
+
+
+async def test_a_long_prefill_is_still_pushed_when_the_decode_side_registers_after_it() -> None:
+    """The push's deadline ran from the prefill's first step: a prefill longer
+    than timeout + grace dropped the registration that came after it."""
+    agent, rec = await make_agent(timeout=0.5, grace=0.2)
+    try:
+        agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 4, False)  # chunk 1
+        for layer in range(LAYERS):
+            agent.push_sender.layer_saved(["x"], layer)
+        await asyncio.sleep(0.9)  # the prefill is still computing (chunked, busy engine)
+        agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 12, True)  # last chunk
+        for layer in range(LAYERS):
+            agent.push_sender.layer_saved(["x"], layer)
+        agent.push_sender.release("x", "p-req", False)  # finished: the proxy now calls D
+        await asyncio.sleep(0.05)
+        agent.deliver(
+            D_ID, "reg", reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0])
+        )  # D registers at once
+        await asyncio.sleep(0.3)  # well within P's timeout from the registration
+        assert "pushed" in rec.kinds(D_ID), (
+            f"D registered right after the prefill ended and got {rec.kinds(D_ID)}"
+        )
+    finally:
+        await close_agent(agent)
 
 
 # ------------------------------------------------------------ what pushed means

@@ -1,13 +1,18 @@
 """Discovery through etcd (aiokvcache.etcdEndpoint): instances that know only
 the etcd endpoint and each other's cluster ids link and push; a finalized
 instance leaves at once; one killed or frozen is dropped within its lease,
-sooner than the peer-silence heartbeat (on asyncio and trio, against a real
-etcd: tests/support/etcd.py)."""
+sooner than the peer-silence heartbeat; a hostile entry fails only its own
+link, and a key that is not a cluster id neither breaks a link nor blinds the
+watch (on asyncio and trio, against a real etcd: tests/support/etcd.py)."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import json
 import logging
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +47,12 @@ async def entry(endpoint: str, key: str) -> dict[str, Any] | None:
     return await anyio.to_thread.run_sync(etcd.get, endpoint, key)
 
 
-async def until(pred: Any, timeout: float) -> float:
-    """Seconds until ``pred()`` held (polled); fails after ``timeout``."""
+async def until(pred: Any, timeout: float, what: str = "") -> float:
+    """Seconds until ``pred()`` held (polled); fails after ``timeout``, saying ``what``."""
     start = time.monotonic()
     while not pred():
         if time.monotonic() - start > timeout:
-            pytest.fail(f"not within {timeout} s")
+            pytest.fail(f"not within {timeout} s: {what}" if what else f"not within {timeout} s")
         await anyio.sleep(0.02)
     return time.monotonic() - start
 
@@ -136,6 +141,109 @@ async def test_a_dead_or_frozen_peer_is_dropped_within_its_lease(
         assert err.value.status_code in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK)
         if how == "freeze":
             await peer.kill()  # it would register again, thawed
+
+
+# ----------------------------------------- entries and keys that are not a peer's
+
+
+def _b64(data: bytes | str) -> str:
+    raw = data.encode() if isinstance(data, str) else data
+    return base64.b64encode(raw).decode()
+
+
+def _post(endpoint: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        f"http://{endpoint}{path}", data=json.dumps(body).encode(), method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+    return out
+
+
+async def etcd_put(endpoint: str, key: str, value: bytes) -> None:
+    await anyio.to_thread.run_sync(
+        _post, endpoint, "/v3/kv/put", {"key": _b64(key), "value": _b64(value)}
+    )
+
+
+async def etcd_txn(endpoint: str, ops: list[dict[str, Any]]) -> None:
+    """Several puts/deletes in one revision (one watch response)."""
+    await anyio.to_thread.run_sync(_post, endpoint, "/v3/kv/txn", {"success": ops})
+
+
+@contextlib.asynccontextmanager
+async def linked(endpoint: str, prefix: str, **extra: Any) -> Any:
+    """A decoder (2, listening) and a prompt (1), both registered in etcd, the
+    prompt linked to the decoder by cluster id."""
+    opts = etcd.instance_options(endpoint, prefix, **extra)
+    decoder = LLMDataDist(LLMRole.DECODER, 2)
+    prompt = LLMDataDist(LLMRole.PROMPT, 1)
+    try:
+        await decoder.init(options("tcp", listen=True, **opts))
+        await prompt.init(options("tcp", **opts))
+        _rc, per = await prompt.link_clusters([etcd.by_id(2)], timeout=5000)
+        assert per == [S.LLM_SUCCESS]
+        yield decoder, prompt
+    finally:
+        await prompt.finalize()
+        await decoder.finalize()
+
+
+def _link_up(dd: LLMDataDist, cid: int) -> bool:
+    link = dd._links.get(cid)
+    return link is not None and not link.broken
+
+
+# A hostile or broken entry for cluster 5: link_clusters must report
+# LLM_LINK_FAILED for it (as for any entry without a usable address), not raise.
+HOSTILE = {
+    "port-overflows-int": b'{"address": ["127.0.0.1", 1e400]}',
+    "port-out-of-range": b'{"address": ["127.0.0.1", 70000]}',
+    "port-negative": b'{"address": ["127.0.0.1", -1]}',
+    "deeply-nested": b"[" * 100_000,
+}
+
+
+@pytest.mark.parametrize("value", list(HOSTILE.values()), ids=list(HOSTILE))
+async def test_a_hostile_etcd_entry_fails_its_link_and_nothing_else(
+    etcd_endpoint: str, prefix: str, value: bytes
+) -> None:
+    """Anyone who can write etcd can write such an entry: parsing it must not
+    raise out of link_clusters (nor overflow, nor recurse too deep)."""
+    async with LLMDataDist(LLMRole.PROMPT, 1) as prompt:
+        await prompt.init(options("tcp", **etcd.instance_options(etcd_endpoint, prefix)))
+        await etcd_put(etcd_endpoint, f"{prefix}clusters/5", value)
+        _rc, per = await prompt.link_clusters([etcd.by_id(5)], timeout=2000)
+        assert per == [S.LLM_LINK_FAILED]
+
+
+@pytest.mark.parametrize("tail", ["02", "\u0662"], ids=["leading-zero", "arabic-indic-two"])
+async def test_a_key_that_is_not_a_cluster_id_does_not_break_a_link(
+    etcd_endpoint: str, prefix: str, tail: str
+) -> None:
+    """``clusters/02`` and ``clusters/<ARABIC-INDIC DIGIT TWO>`` are not cluster
+    2's key (``clusters/2``): read as 2, their going broke the link to cluster 2."""
+    async with linked(etcd_endpoint, prefix) as (_decoder, prompt):
+        key = f"{prefix}clusters/{tail}"
+        await etcd_put(etcd_endpoint, key, b"{}")
+        await etcd_txn(etcd_endpoint, [{"requestDeleteRange": {"key": _b64(key)}}])
+        await anyio.sleep(1.0)  # the watch has seen it by now
+        assert _link_up(prompt, 2), "a foreign key's DELETE broke the link to cluster 2"
+
+
+async def test_a_malformed_key_does_not_blind_the_watch(etcd_endpoint: str, prefix: str) -> None:
+    """A key ``clusters/²`` (``str.isdigit`` but not ``int()``-able) in the same
+    watch response as cluster 2's DELETE aborted the watch: the DELETE was lost
+    (the link stayed, docs/discovery.md) and every resync failed on that key."""
+    async with linked(etcd_endpoint, prefix, peer_timeout=60_000) as (_decoder, prompt):
+        await etcd_txn(
+            etcd_endpoint,
+            [
+                {"requestPut": {"key": _b64(f"{prefix}clusters/\u00b2"), "value": _b64("{}")}},
+                {"requestDeleteRange": {"key": _b64(f"{prefix}clusters/2")}},
+            ],
+        )
+        await until(lambda: not _link_up(prompt, 2), 4, "link to 2 broken after its entry went")
 
 
 async def test_bad_etcd_options_are_refused_naming_the_key() -> None:

@@ -216,6 +216,26 @@ def test_a_released_id_is_remembered_until_its_key_expires() -> None:
     assert a.kind == "refused" and len(h) == 0
 
 
+def test_a_stale_claim_after_the_released_memory_evicted_it_is_refused() -> None:
+    """Once a released id fell out of a bounded memory, a claim with its still
+    valid key was granted: a read of blocks freed and reused long ago."""
+    h = holds()  # the agent's defaults
+    d_id = 22  # the decode's cluster
+    blocks = [4, 5, 6]
+    k = h.key("old", blocks, UNTIL)
+    assert not h.hold("old", blocks, 30.0, UNTIL, now=0.0)
+    assert h.free(d_id, "old", k, 3, blocks_digest(blocks), UNTIL, 0.0, 0)  # released
+    # The prefill serves more requests (each handed over and read).
+    for i in range(65536):
+        rid = f"r{i}"
+        h.hold(rid, [1], 30.0, UNTIL, now=1.0)
+        h.free(d_id, rid, h.key(rid, [1], UNTIL), 1, blocks_digest([1]), UNTIL, 1.0, 0)
+    h.tick(1.5, 0)
+    # A decode request with the old params claims it now.
+    a = h.claim(d_id, "old", "n", k, 5.0, 0, 3, 3, blocks_digest(blocks), UNTIL, 2.0, 0)
+    assert a.kind == "refused", "granted a read of blocks released (and reused) long ago"
+
+
 def test_an_expired_key_is_refused_before_the_hand_over() -> None:
     h = holds()
     a = claim(h, 1, "r", "n", now=0, key=key("r", until=500), until_ms=500, wall_ms=500)

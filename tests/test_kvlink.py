@@ -1,16 +1,19 @@
 """The vLLM connector's engine-independent half (``aiokvcache.integrations._kvlink``):
 two TransferAgents in one process, each with its own loop thread, moving
 NumPy "KV caches" in vLLM's CPU layout, driven from this (synchronous) thread
-as vLLM's worker drives them. No vLLM needed."""
+as vLLM's worker drives them: pulls and pushes, a load after the link went
+away, and the agent's own metrics sink next to the user's. No vLLM needed."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from aiokvcache.integrations._kvlink import cluster_id_for
+from aiokvcache import _telemetry, metrics
+from aiokvcache.integrations._kvlink import TransferAgent, cluster_id_for
 from aiokvcache.integrations._kvtypes import KVLayout, Peer, block_runs
 from support.agent_pair import BLOCK_BYTES, BS, LAYERS, Side, agent_pair, fill, same, wait_for
 
@@ -68,6 +71,28 @@ def test_the_load_metrics_are_what_the_pull_moved(sides: tuple[Side, Side]) -> N
     assert m["calls"]["pull_blocks"] == {"ok": 1}, m
     assert set(m["phases"]["pull_blocks"]) == {"submitted", "posted", "done", "seen"}
     assert m["phases"]["pull_blocks"]["done"] > 0, m
+
+
+def test_metrics_enabled_is_false_after_disable_while_an_agent_runs() -> None:
+    """The agent records through the public add_sink: its internal sink made
+    ``metrics.enabled()`` say True, so code that enables metrics only when off
+    never registered its collector in a vLLM process."""
+    assert not metrics.enabled(), "another test left a sink on"
+    side = Side("metrics-sink", "tcp", timeout=5.0, grace=1.0)
+    try:
+        assert _telemetry.active  # the agent's records are being made
+        assert not metrics.enabled(), "enabled() before anyone enabled metrics"
+        metrics.enable(prometheus=False, tracing=False)
+        assert metrics.enabled()
+        metrics.disable()
+        assert not metrics.enabled(), (
+            "metrics.disable() was called and no user sink is on, yet "
+            "metrics.enabled() is True: the connector's internal sink counts as one"
+        )
+    finally:
+        metrics.disable()
+        side.agent.close()
+    assert not _telemetry.active
 
 
 def test_pull_of_part_of_a_request(sides: tuple[Side, Side]) -> None:
@@ -167,3 +192,59 @@ def test_pull_from_a_dead_peer_fails_within_the_deadline(transport: str) -> None
         assert time.monotonic() - t0 < 10
     finally:
         d.agent.close()
+
+
+def test_a_load_after_the_link_went_away_relinks_instead_of_failing() -> None:
+    """A decode cached its link task to a prefill for ever: after the link
+    went (a heartbeat after a pause, an unlink), one load per broken link failed."""
+    import numpy as np
+
+    from aiokvcache import LLMClusterInfo
+
+    class Side:
+        def __init__(self, name: str) -> None:
+            self.kv = [np.zeros((16, 256), np.uint8) for _ in range(LAYERS)]
+            layout = KVLayout(LAYERS, 1, 16, 256, BS, tuple(a.ctypes.data for a in self.kv), "u8")
+            self.agent = TransferAgent(
+                cluster_id_for(name, 0), layout, transport="tcp", timeout=5.0, grace=1.0
+            )
+            host, port = self.agent.start().rsplit(":", 1)
+            self.peer = Peer(host, int(port), self.agent.cluster_id)
+
+    def wait(cond: Callable[[], bool], timeout: float = 15.0) -> None:
+        end = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < end, "timed out"
+            time.sleep(0.01)
+
+    p, d = Side("relink-prefill"), Side("relink-decode")
+    try:
+        got: dict[str, set[str]] = {"ok": set(), "failed": set()}
+
+        def ended(rid: str) -> bool:
+            r = d.agent.take_results()
+            got["ok"] |= r.finished_recving - r.failed_recving
+            got["failed"] |= r.failed_recving
+            return rid in got["ok"] | got["failed"]
+
+        for rid in ("p1", "p2"):
+            p.agent.hold(rid, 30, [1, 2], UNTIL)
+        key = p.agent.grant_key("p1", [1, 2], UNTIL)
+        d.agent.pull("d1", p.peer, "p1", [1, 2], [3, 4], key=key, until_ms=UNTIL)
+        wait(lambda: ended("d1"))
+        assert got["failed"] == set()
+        # The prefill side drops the link (as its heartbeat does after a pause).
+        info = LLMClusterInfo()
+        info.remote_cluster_id = d.agent.cluster_id
+        assert p.agent.links.dd is not None and p.agent._loop is not None
+        asyncio.run_coroutine_threadsafe(
+            p.agent.links.dd.unlink_clusters([info], force=True), p.agent._loop
+        ).result(10)
+        time.sleep(0.5)
+        key = p.agent.grant_key("p2", [1, 2], UNTIL)
+        d.agent.pull("d2", p.peer, "p2", [1, 2], [5, 6], key=key, until_ms=UNTIL)
+        wait(lambda: ended("d2"))
+        assert "d2" in got["ok"], "a load failed only because an old link had gone"
+    finally:
+        d.agent.close()
+        p.agent.close()

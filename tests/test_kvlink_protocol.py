@@ -1,5 +1,5 @@
 """The vLLM connector's hand-off protocol against hostile, duplicated and
-reordered messages, one agent at a time: a ``TransferAgent`` driven on the
+reordered messages and a slow peer, one agent at a time: a ``TransferAgent`` driven on the
 test's own loop, its aiokvcache calls replaced by a recorder (no network, no
 vLLM). Each test names the defect it proves (the vLLM connector's protocol
 review); each fails on the connector as it was before the state machines of
@@ -21,11 +21,16 @@ makes, by that: the table says what the old protocol did):
 | abort during a pull | no way to stop it |
 | grant from another cluster | accepted |
 | free after a local prefix hit | blocks held until the lease ended |
+
+Besides: a forged message costs the prefill's loop the same however many
+requests it holds, and a pull fails within its timeout however slow its claim
+is to go.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import tracemalloc
 from typing import Any
 
@@ -268,6 +273,39 @@ async def test_free_with_the_key_releases_at_once() -> None:
     await until(lambda: "r" in sent_rids(agent))
 
 
+async def test_a_bogus_done_costs_the_same_whatever_the_prefill_holds() -> None:
+    """Counted, not timed: a message that needs no key walked every held
+    request, so any linked peer could make P's loop thread spend O(held) each."""
+
+    class Counting(dict):  # type: ignore[type-arg]
+        walks = 0
+
+        def items(self):  # type: ignore[no-untyped-def]
+            Counting.walks += 1
+            return super().items()
+
+        def values(self):  # type: ignore[no-untyped-def]
+            Counting.walks += 1
+            return super().values()
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            Counting.walks += 1
+            return super().__iter__()
+
+    agent, _ = await make_agent()
+    try:
+        loop = asyncio.get_running_loop()
+        for i in range(5000):  # the state machine directly: no tick each
+            agent.pull_server.holds.hold(f"h{i}", [i % BLOCKS], 600.0, UNTIL, loop.time())
+        agent.pull_server.holds._holds = Counting(agent.pull_server.holds._holds)
+        for i in range(200):
+            agent.deliver(EVIL, "done", [f"nobody{i}", "n"])  # no key, changes nothing
+            agent.deliver(EVIL, "free", [f"nobody{i}", "k", 1, "d", UNTIL])
+        assert Counting.walks == 0, f"{Counting.walks} walks of 5000 held requests"
+    finally:
+        await close_agent(agent)
+
+
 # ------------------------------------------------------------------ pull, decode side
 
 
@@ -304,6 +342,27 @@ async def test_a_grant_from_another_cluster_is_ignored() -> None:
     agent.deliver(EVIL, "grant", ["r", nonce])
     await until(lambda: bool(agent.take_results().failed_recving), timeout=5)
     assert agent.stats["pulls"] == 0
+
+
+async def test_a_pull_fails_within_its_timeout_when_the_claim_is_slow_to_go() -> None:
+    """The deadline was counted after the claim's send, which a frozen prefill
+    holds up to link_timeout: the load failed after timeout + link_timeout."""
+    agent, rec = await make_agent(timeout=1.0, grace=0.2)
+    rec.notify_delay = lambda msg: 1.0 if msg[0] == "claim" else 0.0  # a frozen P
+    try:
+        t0 = time.monotonic()
+        agent.pull("d-req", Peer("h", 1, P_ID), "r", [1, 2, 3], [7, 8, 9], key="k" * 32)
+        failed: set[str] = set()
+
+        def done() -> bool:
+            failed.update(agent.take_results().failed_recving)
+            return "d-req" in failed
+
+        await until(done, timeout=10)
+        took = time.monotonic() - t0
+        assert took < 1.0 + 0.3, f"a pull with timeout 1 s failed after {took:.2f} s"
+    finally:
+        await close_agent(agent)
 
 
 def test_pushed_counts_from_a_peer_are_trusted_only_as_counts() -> None:

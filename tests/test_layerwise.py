@@ -1,11 +1,15 @@
 """transfer_cache_async / CacheTask, receiver notifications, and the layer-wise example.
 
-The API tests run on asyncio and on trio (``kv_pair``), over shm and TCP.
+The API tests run on asyncio and on trio (``kv_pair``), over shm and TCP. The
+synchronizer runs in the caller's context (its contextvars), a cancel stops
+sending at once, and a run that ends with a task in flight still ends (a child
+program, under each library).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +45,7 @@ from aiokvcache.testing import (
     same,
     snapshot,
 )
+from support.child_script import run_child
 
 pytestmark = pytest.mark.anyio
 
@@ -347,6 +352,34 @@ async def test_validation_moves_nothing(pair: Pair) -> None:
     assert pair.submitted() == submitted
 
 
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="none")
+
+
+@pytest.mark.timeout(60)
+async def test_the_layer_synchronizer_sees_the_callers_contextvars(kv_pair: Pair) -> None:
+    """Request ids and tracing spans live in contextvars: under trio the
+    pipeline ran in the run's initial context, so the synchronizer lost them."""
+    desc = CacheDesc(4, [1, 4096], DataType.DT_UINT8, Placement.HOST)
+    dst = kv_pair.d.allocate_cache(desc)
+    src = kv_pair.p.allocate_cache(desc)
+    seen: list[str] = []
+
+    class Sync:
+        async def synchronize_layer(self, layer: int, timeout: int | None) -> bool:
+            seen.append(REQUEST_ID.get())
+            return True
+
+    token = REQUEST_ID.set("req-42")
+    try:
+        cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, dst.cache_id))
+        with anyio.fail_after(10):
+            task = await kv_pair.p.transfer_cache_async(src, Sync(), [cfg])
+            await task
+    finally:
+        REQUEST_ID.reset(token)
+    assert seen == ["req-42", "req-42"], seen
+
+
 # ---------------------------------------------------- stop, cancel, timeout
 
 
@@ -448,6 +481,34 @@ async def test_cancel_midway_is_quiescent(transport: str, anyio_backend: str) ->
         assert all(layer_landed(dst, src, i) for i in range(layers))
     finally:
         await pr.close()
+
+
+@pytest.mark.timeout(60)
+async def test_cancel_right_after_transfer_cache_async_sends_nothing(kv_pair: Pair) -> None:
+    """``CacheTask.cancel()`` stops sending: under trio a cancel made before
+    the pipeline first ran was seen only after every layer was submitted."""
+    layers = 4
+    desc = CacheDesc(2 * layers, [1, 64 << 10], DataType.DT_UINT8, Placement.HOST)
+    dst = kv_pair.d.allocate_cache(desc)
+    src = kv_pair.p.allocate_cache(desc)
+    src.tensors[0][...] = 1
+
+    class Plain:
+        def synchronize_layer(self, layer: int, timeout: int | None) -> bool:
+            return True
+
+    cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, dst.cache_id))
+    before = kv_pair.p.stats()["jobs_submitted"]
+    task = await kv_pair.p.transfer_cache_async(src, Plain(), [cfg])
+    assert task.cancel()  # before anything was sent
+    with anyio.fail_after(10):
+        try:
+            await task
+        except BaseException as exc:  # CancelledError (asyncio), LLMException (trio)
+            if not isinstance(exc, (Exception, anyio.get_cancelled_exc_class())):
+                raise
+    sent = kv_pair.p.stats()["jobs_submitted"] - before
+    assert sent == 0, f"{sent} layers were submitted after task.cancel()"
 
 
 async def test_synchronize_get_results_and_task_timeout(pair: Pair) -> None:
@@ -621,3 +682,52 @@ async def test_finalize_during_a_task(transport: str) -> None:
         assert await task.get_results() == [S.LLM_ENGINE_FINALIZED]
     finally:
         await pr.close()
+
+
+# ------------------------------------------------------------ the run's end
+
+END_OF_RUN = """
+import anyio
+from aiokvcache import CacheDesc, CacheKeyByIdAndIndex, DataType, Placement
+from aiokvcache import TransferWithCacheKeyConfig
+from aiokvcache.testing import make_pair
+
+DESC = CacheDesc(8, [1, 32 << 20], DataType.DT_UINT8, Placement.HOST)
+
+
+class Sync:
+    async def synchronize_layer(self, layer, timeout):
+        if layer == 0:
+            return True  # layer 0 goes; layer 1 is "being computed" when the run ends
+        await anyio.sleep_forever()
+
+
+async def main():
+    pr = await make_pair("{transport}", max_inflight_bytes=64 * 1024, direct_copy=False)
+    dst = pr.d.allocate_cache(DESC)
+    src = pr.p.allocate_cache(DESC)
+    cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, dst.cache_id))
+    await pr.p.transfer_cache_async(src, Sync(), [cfg])
+    await anyio.sleep(0)
+    print("main returns", flush=True)
+    # No finalize: the run's end cancels what is left (asyncio: its tasks;
+    # trio: the instance's system tasks).
+
+
+anyio.run(main, backend="{backend}")
+print("run ended", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("library", ["asyncio", "trio"])
+def test_a_run_ending_with_a_layerwise_task_in_flight_ends(
+    tmp_path: Path, transport: str, library: str
+) -> None:
+    """The run's end cancels the pipeline (docs/design.md): under trio its
+    cancel path waited for a release only the cancelled watcher could report."""
+    code = END_OF_RUN.format(transport=transport, backend=library)
+    done = run_child(code, tmp_path, 20)
+    assert done is not None, "the run never ended (the pipeline waits for a dead watcher)"
+    assert "run ended" in done.stdout, done.stdout[-2000:]

@@ -141,6 +141,25 @@ def test_the_leaves_import_only_the_native_module() -> None:
     assert not bad, f"a leaf imports more than the standard library and the native module: {bad}"
 
 
+def test_the_leaf_check_rejects_a_third_party_import(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """import_graph() keeps aiokvcache's own modules only: a leaf importing
+    numpy or prometheus_client passed a check that read nothing else."""
+    pkg = tmp_path / "aiokvcache"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_loader.py").write_text("native = None\n")
+    (pkg / "_ucxlog.py").write_text("from ._loader import native\n")
+    # A leaf that pulls a third-party package in (and with it, its import
+    # time and its failure modes, into every layer that uses the leaf).
+    (pkg / "_telemetry.py").write_text("import logging\nimport prometheus_client\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", pkg)
+    assert "aiokvcache._telemetry" in import_graph()
+    with pytest.raises(AssertionError):
+        test_the_leaves_import_only_the_native_module()
+
+
 def _short(mod: str) -> str:
     return mod.removeprefix("aiokvcache").lstrip(".")
 

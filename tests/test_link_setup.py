@@ -1,7 +1,10 @@
 """What a link's set-up does, after cutting its cost: the handshake carries a
 probe slot (the first probe asks nothing), the two probes run at once, a
 probe's jobs are waited for on the engine's release signal, and a key that
-cannot map is unpacked without reading /proc/self/maps.
+cannot map is unpacked without reading /proc/self/maps (one that maps is
+still checked, and maps once). A peer's bad probe slot or probe answer fails
+that probe or that link only, and a peer cannot hold many put-probe waits on
+one link. The code's docstrings say what the handshake and the probes do.
 
 None of these asserts a duration: each checks the mechanism (what was asked,
 what woke whom, what still fails as it should).
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
 import select
 import shutil
@@ -19,6 +23,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 import aiokvcache as kv
@@ -28,8 +33,8 @@ from aiokvcache._core.wire import control, handshake
 from aiokvcache._core.wire import messages as wire
 from aiokvcache._core.wire.peerstatus import PeerRefusal
 from aiokvcache._loader import native
-from aiokvcache.testing import cluster_info, make_pair
-from support.instances import instance, runtime
+from aiokvcache.testing import cluster_info, make_pair, options
+from support.instances import instance, link_of, runtime
 from support.native_pair import QuietHandler, slow_pair
 
 
@@ -202,6 +207,33 @@ async def test_a_bad_handshake_slot_fails_that_probe_only(bad: dict[str, Any]) -
         assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
 
 
+async def test_a_probe_slot_that_is_not_a_dict_fails_only_the_probe() -> None:
+    """A bad handshake slot fails that probe, not the handshake: one that was
+    not a dict at all (``None``) failed the handshake."""
+    victim = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
+    try:
+        await victim.init(options("tcp", listen=True))
+        host, port = str(victim.listen_address).rsplit(":", 1)
+        other = native.Engine("tcp")
+        try:
+            me = handshake.LocalInfo(
+                7,
+                int(kv.LLMRole.PROMPT),
+                other.worker_address,
+                probe=lambda: None,  # type: ignore[arg-type,return-value]
+            )
+            conn = await control.connect(host, int(port), me, QuietHandler(), 5.0)
+            try:
+                answer = await wire.ask(conn, wire.ProbeBack(2.0), timeout=5.0)
+                assert "no probe buffer from the peer" in answer.problem
+            finally:
+                await conn.close("done")
+        finally:
+            other.close()
+    finally:
+        await victim.finalize()
+
+
 # ------------------------------------------------------------- put probes
 
 
@@ -344,6 +376,80 @@ def test_the_mac_binds_the_probe_slot() -> None:
     assert len({a, b, c}) == 3
 
 
+async def test_a_malformed_probe_result_fails_that_link_only() -> None:
+    """A linked acceptor answers the put probe with a nonce that is not 16
+    bytes: the decode error is no LLMException, and link_clusters raised it
+    instead of answering LINK_FAILED for that cluster."""
+    two = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
+    one = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
+    try:
+        await two.init(options("tcp", listen=True))
+        await one.init(options("tcp"))
+        handler = runtime(two).service.handler
+
+        async def bad_answer(link: Any, timeout: float, nonce: bytes, slot: int) -> Any:
+            return wire.ProbeResult("", b"short", slot)
+
+        handler._probe_back = bad_answer
+        got: list[Any]
+        try:
+            _, got = await one.link_clusters([cluster_info(two)], timeout=3000)
+        except Exception as exc:  # a decode error that escapes
+            got = [f"raised {type(exc).__name__}: {exc}"]
+        assert got == [kv.LLMStatusCode.LLM_LINK_FAILED], got
+    finally:
+        await one.finalize()
+        await two.finalize()
+
+
+async def test_a_peer_cannot_hold_many_put_probe_waits_on_one_link() -> None:
+    """Each put-probe probe_back makes the victim poll its own memory for up
+    to 30 s: a linked peer that never puts held hundreds of such polls on the
+    victim's service loop at once, renewable at will. One link needs one."""
+    victim = kv.LLMDataDist(kv.LLMRole.DECODER, 2)
+    peer = kv.LLMDataDist(kv.LLMRole.PROMPT, 1)
+    try:
+        await victim.init(options("tcp", listen=True))
+        await peer.init(options("tcp"))
+        rc, per = await peer.link_clusters([cluster_info(victim)], timeout=5000)
+        assert rc == kv.LLMStatusCode.LLM_SUCCESS, per
+        prober = runtime(victim).service.prober
+        real = prober.nonce_arrived
+        waiting, most = 0, 0
+
+        async def counted(*args: Any) -> Any:
+            nonlocal waiting, most
+            waiting += 1
+            most = max(most, waiting)
+            try:
+                return await real(*args)
+            finally:
+                waiting -= 1
+
+        prober.nonce_arrived = counted
+        slot = int(runtime(victim).state.ctl.base)  # a probe slot of the victim's
+        conn = link_of(peer, 2).conn
+
+        async def flood() -> list[Any]:
+            return await asyncio.gather(
+                *(
+                    conn.request(
+                        "probe_back",
+                        {"timeout": 1.0, "nonce": os.urandom(16), "slot": slot},
+                        timeout=10.0,
+                    )
+                    for _ in range(200)
+                ),
+                return_exceptions=True,
+            )
+
+        await asyncio.wrap_future(runtime(peer).service.thread.call(flood()))
+        assert most <= 8, f"{most} put-probe waits of one peer ran at once on the victim"
+    finally:
+        await peer.finalize()
+        await victim.finalize()
+
+
 # ------------------------------------------------- keys that cannot map
 
 _UNPACK = """
@@ -385,6 +491,47 @@ def test_only_a_key_that_maps_reads_the_maps(
     assert bool(maps) is reads, lines[start:end]
 
 
+def test_a_shm_key_is_checked_and_maps_once() -> None:
+    """A key that maps is unpacked twice (the second time to check its
+    mapping): a claim outside the peer's segment must still be refused, and
+    the first unpack's mapping dropped, not kept beside the second's."""
+    a, b = native.Engine("shm"), native.Engine("shm")
+    try:
+        size = 1 << 20
+        region, addr = b.mem_alloc(size)
+        ep = a.connect(b.worker_address, False)
+        packed = b.rkey_pack(region)
+        # The endpoint's own segments come while its wire-up runs (on the
+        # progress thread): one put that ended first, so that the only
+        # mapping that can appear below is the key's.
+        warm = a.rkey_unpack(ep, packed, addr, size)
+        _, src_addr = a.mem_alloc(4096)
+        rows = np.array([[src_addr, addr, 8, warm]], np.uint64)
+        assert a.wait_released([a.submit(native.OP_PUT, ep, rows)], 60)
+        a.drain()
+        a.rkey_release(warm)
+        # The maps are the whole process's: an engine of an earlier test that
+        # is still being torn down may map or unmap meanwhile. A key that maps
+        # twice does so on every try; such noise does not come every time.
+        for _ in range(3):
+            gc.collect()
+            with open("/proc/self/maps") as f:
+                before = set(f.read().splitlines())
+            key = a.rkey_unpack(ep, packed, addr, size)
+            with open("/proc/self/maps") as f:
+                new = [line for line in set(f.read().splitlines()) - before if " rw-s " in line]
+            a.rkey_release(key)
+            if len(new) == 1:
+                break
+        assert len(new) == 1, new
+        for claim in ((addr, 2 * size), (addr + size, 4096), (addr - 4096, 8192)):
+            with pytest.raises(native.InvalidArgumentError):
+                a.rkey_unpack(ep, packed, *claim)
+    finally:
+        a.close()
+        b.close()
+
+
 # ----------------------------------------------- descriptors past 1023
 
 
@@ -411,3 +558,24 @@ def test_a_child_is_read_in_a_process_with_many_descriptors() -> None:
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+# ----------------------------------------------------- the code's own account
+
+
+def test_the_docstrings_say_what_the_handshake_and_the_probe_do() -> None:
+    """docs/design.md says it; the code's docstrings must not say otherwise:
+    without a token AUTH goes with HELLO, and a put probe only puts (no read-back)."""
+    from aiokvcache._core.peers import linker
+
+    def flat(text: str | None) -> str:
+        return " ".join((text or "").split())
+
+    stale = []
+    if "and sends nothing but HELLO to an acceptor that claims another id" in flat(control.__doc__):
+        stale.append("control: 'sends nothing but HELLO' (true with a token only)")
+    if "into the peer's memory and read it back over our endpoint" in flat(
+        linker.Linker._try_link.__doc__
+    ):
+        stale.append("Linker._try_link: 'read it back' (a put probe only puts)")
+    assert not stale, stale

@@ -18,6 +18,8 @@ from aiokvcache import (
     CacheKeyByIdAndIndex,
     DataType,
     LLMException,
+    LLMStatusCode,
+    LLMTimeoutError,
     Placement,
     TransferWithCacheKeyConfig,
     _telemetry,
@@ -28,6 +30,8 @@ from aiokvcache.testing import Pair, blocks_desc, fill
 pytestmark = pytest.mark.anyio
 
 prometheus_client = pytest.importorskip("prometheus_client")
+
+S = LLMStatusCode
 
 
 def _value(reg: Any, name: str, **labels: str) -> float | None:
@@ -129,6 +133,91 @@ async def test_layerwise_is_one_record(kv_pair: Pair, registry: Any) -> None:
     recs = [r for r in metrics.recent() if r.op == "transfer_cache_async"]
     assert len(recs) == 1 and recs[0].peer == 2 and recs[0].status == "ok"
     assert (recs[0].jobs, recs[0].nbytes) == (3, 6 * 4096)
+
+
+async def test_push_blocks_retry_after_a_rebind_counts_only_the_push_that_landed(
+    kv_pair: Pair, registry: Any
+) -> None:
+    """A push by BlocksCacheKey whose cache was retired under it runs again:
+    counting both attempts reported bytes that went into retired memory."""
+    pr = kv_pair
+    desc = blocks_desc(layers=2, blocks=8)
+    src = pr.p.allocate_blocks_cache(desc)
+    key = BlocksCacheKey(2, 3)
+    dst = pr.d.allocate_blocks_cache(desc, key)
+    fill(src, 5)
+    await pr.p.push_blocks(key, src, [0, 1], [4, 5])
+    first = metrics.recent(1)[0]
+    want = (first.nbytes, first.jobs, first.segments)
+    assert first.jobs == 2  # one job per layer
+    bad = []
+    for _ in range(12):
+        pr.d.deallocate_blocks_cache(dst)
+        dst = pr.d.allocate_blocks_cache(desc, key)  # the key, on a new cache
+        await pr.p.push_blocks(key, src, [0, 1], [4, 5])
+        rec = metrics.recent(1)[0]
+        assert rec.status == "ok"
+        if (rec.nbytes, rec.jobs, rec.segments) != want:
+            bad.append(rec)
+    assert not bad, f"want (nbytes, jobs, segments) = {want}, got {bad}"
+    total = registry.get_sample_value(
+        "aiokvcache_transfer_bytes_total", {"op": "push_blocks", "peer": "2"}
+    )
+    assert total == 13 * first.nbytes
+
+
+LAYERWISE = CacheDesc(
+    num_tensors=6, shape=(1, 4096), data_type=DataType.DT_UINT8, placement=Placement.HOST
+)
+
+
+async def test_a_failed_transfer_cache_async_is_not_recorded_ok(
+    kv_pair: Pair, registry: Any
+) -> None:
+    """A task that ended LLM_PARAM_INVALID (its synchronizer refused layer 1)
+    was recorded, and counted, with status "ok"."""
+    pr = kv_pair
+    dst = pr.d.allocate_cache(LAYERWISE)
+    src = pr.p.allocate_cache(LAYERWISE)
+
+    class StopAtOne:
+        def synchronize_layer(self, layer: int, timeout_in_millis: int | None) -> bool:
+            return layer < 1
+
+    cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, dst.cache_id, 0))
+    task = await pr.p.transfer_cache_async(src, StopAtOne(), [cfg])
+    assert await task.synchronize() == S.LLM_PARAM_INVALID
+    with pytest.raises(LLMException):
+        await task
+    rec = [r for r in metrics.recent() if r.op == "transfer_cache_async"][-1]
+    assert rec.status == "param_invalid", rec
+
+
+async def test_a_timed_out_transfer_cache_async_is_recorded_as_timeout(
+    kv_pair: Pair, registry: Any
+) -> None:
+    """A task past its timeout must be told apart from one that succeeded or
+    failed otherwise, in its record and in aiokvcache_transfers_total."""
+    pr = kv_pair
+    dst = pr.d.allocate_cache(LAYERWISE)
+    src = pr.p.allocate_cache(LAYERWISE)
+
+    class Slow:
+        async def synchronize_layer(self, layer: int, timeout_in_millis: int | None) -> bool:
+            if layer == 1:
+                await anyio.sleep(3)
+            return True
+
+    cfg = TransferWithCacheKeyConfig(CacheKeyByIdAndIndex(2, dst.cache_id, 0))
+    task = await pr.p.transfer_cache_async(src, Slow(), [cfg], timeout=0.3)
+    with pytest.raises(LLMTimeoutError):
+        await task
+    rec = [r for r in metrics.recent() if r.op == "transfer_cache_async"][-1]
+    assert rec.status == "timeout", rec
+    assert registry.get_sample_value(
+        "aiokvcache_transfers_total",
+        {"op": "transfer_cache_async", "peer": "2", "status": "timeout"},
+    )
 
 
 async def test_off_records_nothing_and_stamps_nothing(kv_pair: Pair) -> None:

@@ -259,6 +259,35 @@ def test_llm_config_porting_extras() -> None:
     assert eo.sync_kv_timeout_ms == 9
 
 
+def test_peer_timeout_setter_message_names_the_unit() -> None:
+    """The setter and EngineOptions.from_options must say the same: without
+    " ms" the setter's message read as if 100 were seconds."""
+    cfg = LLMConfig()
+    with pytest.raises(ValueError) as info:
+        cfg.peer_timeout = 5
+    assert str(info.value) == "peer_timeout must be 0 or >= 100 ms, got 5"
+
+
+def test_generate_options_keeps_its_key_order() -> None:
+    """Dict equality hides it, iteration shows it: built from the option table,
+    the keys came out in the table's order instead of the order they always had."""
+    cfg = LLMConfig()
+    cfg.ge_options = {"z": "1"}
+    cfg.transport = "tcp"
+    cfg.rdma_service_level = 3
+    cfg.listen_ip_info = "1.2.3.4:5"
+    cfg.sync_kv_timeout = 7
+    cfg.direct_copy = False
+    assert list(cfg.generate_options()) == [
+        "z",
+        "llm.RdmaServiceLevel",
+        "llm.listenIpInfo",
+        "llm.SyncKvCacheWaitTime",
+        "aiokvcache.transport",
+        "aiokvcache.directCopy",
+    ]
+
+
 # ---------------------------------------------------------------- EngineOptions
 
 

@@ -11,6 +11,8 @@ listener) or as a real instance whose answers are tampered with.
   peer may report for that request, and anything else is ``LLM_FAILED``.
 * A packed remote key from a peer is walked with bounds before UCX reads it
   (cache metadata, the handshake's probe slot, a probe_info answer).
+* A peer's answer is checked whole before any of it is installed (a
+  ``cache_by_addr`` answer with one bad entry installs none).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dataclasses
 import struct
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -225,6 +228,32 @@ async def test_a_lookup_refused_as_not_existing_keeps_its_status(transport: str)
         await victim.alloc("buf", 2, 4096, seed=3)
         got = await victim.call("push", cluster_id=2, cache_id=12345, index=0, src="buf")
         assert got["status"] == "LLM_KV_CACHE_NOT_EXIST", got
+
+
+def test_a_cache_by_addr_answer_with_a_bad_entry_installs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Installed entry by entry, the entries before a bad one stayed: the
+    whole answer is checked first, and the error names it."""
+    from aiokvcache._core.peers import lookups as lookups_mod
+
+    installed: list[dict[str, Any]] = []
+    monkeypatch.setattr(
+        lookups_mod, "install_remote", lambda st, link, meta: installed.append(meta)
+    )
+
+    class Conn:
+        async def request(self, op: str, body: dict[str, Any], timeout: Any = None) -> Any:
+            assert op == "cache_by_addr"
+            return {"caches": [{"cache_id": 1}, 5]}
+
+    link = SimpleNamespace(ctl_rkey=1, cluster_id=7, conn=Conn())
+    lk = lookups_mod.Lookups(SimpleNamespace(), SimpleNamespace(), SimpleNamespace())
+    with pytest.raises(LLMException) as info:
+        asyncio.run(lk.remotes_by_addr(link, [4096]))  # type: ignore[arg-type]
+    assert info.value.status_code == S.LLM_FAILED
+    assert "cluster 7 sent a bad cache_by_addr answer" in info.value.message
+    assert installed == []
 
 
 # ------------------------------------------------------------- remote keys

@@ -1,6 +1,7 @@
 """In-process LLMDataDist instances for tests that reach inside them: one
 initialized instance per ``async with``, its private runtime, its links, and a
-bounded wait on the running loop."""
+bounded wait on the running loop; and the small calls such tests make (a byte
+cache's descriptor, a link, a call's status)."""
 
 from __future__ import annotations
 
@@ -64,3 +65,25 @@ async def wait_for(pred: Callable[[], bool], limit: float = 10.0) -> bool:
 async def wait_event(event: threading.Event, limit: float = 10.0) -> bool:
     """:func:`wait_for` a thread's event."""
     return await wait_for(event.is_set, limit)
+
+
+def u8_desc(tensors: int, nbytes: int) -> kv.CacheDesc:
+    """``tensors`` host tensors of ``nbytes`` bytes each."""
+    return kv.CacheDesc(tensors, [1, nbytes], kv.DataType.DT_UINT8, kv.Placement.HOST)
+
+
+async def status_of(aw: Any) -> kv.LLMStatusCode:
+    """The status ``aw`` ends with: LLM_SUCCESS, or its LLMException's."""
+    try:
+        await aw
+    except kv.LLMException as exc:
+        return exc.status_code
+    return kv.LLMStatusCode.LLM_SUCCESS
+
+
+async def link(
+    dd: kv.LLMDataDist, target: kv.LLMDataDist | str, cid: int | None = None
+) -> kv.LLMStatusCode:
+    """``dd.link_clusters`` to ``target`` (an instance, or an address and ``cid``)."""
+    rc, _ = await dd.link_clusters([testing.cluster_info(target, cid)], timeout=5000)
+    return rc

@@ -1,7 +1,7 @@
 """A ``TransferAgent`` (the vLLM connector's engine-independent half) driven on
 a test's own event loop, its aiokvcache calls replaced by a :class:`Recorder`:
 no network, no vLLM. Used by tests/test_kvlink_protocol.py and
-tests/test_review_connector.py."""
+tests/test_connector_push.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A peer process for tests/test_review.py: an LLMDataDist driven op by op.
+"""A peer process for tests/test_memory_safety.py and tests/test_linked_peer_limits.py: an LLMDataDist driven op by op.
 
 ``python tests/support/rv_peer.py TRANSPORT [--cluster-id N] [--listen IP:PORT|none]``
 

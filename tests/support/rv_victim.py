@@ -1,4 +1,4 @@
-"""A process for tests/test_review.py that may crash: finalize() during a local copy.
+"""A process for tests/test_memory_safety.py that may crash: finalize() during a local copy.
 
 ``python tests/support/rv_victim.py TRANSPORT``
 
