@@ -41,9 +41,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from aiokvcache.integrations._kvlink import TransferAgent
-from aiokvcache.integrations._kvtypes import KVLayout, Peer
-from aiokvcache.integrations._wire import Cancel, Pushed, PushFail, Reg
+from aiokvcache.integrations.agent.kvlink import TransferAgent
+from aiokvcache.integrations.agent.kvtypes import KVLayout, Peer
+from aiokvcache.integrations.agent.wire import Cancel, Pushed, PushFail, Reg
 from support.connector_sim import (
     Clock,
     Message,

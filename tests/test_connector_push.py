@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from aiokvcache import LLMException, LLMStatusCode
-from aiokvcache.integrations._kvtypes import Peer
+from aiokvcache.integrations.agent.kvtypes import Peer
 from support.agent_pair import BS, LAYERS, Side, agent_pair, fill, same, wait_for
 from support.kvlink_harness import (
     BLOCKS,

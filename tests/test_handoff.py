@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiokvcache.integrations._handoff import (
+from aiokvcache.integrations.agent.handoff import (
     Answer,
-    ProtocolError,
+    BadMessage,
     PullHolds,
     Registration,
     blocks_digest,
@@ -366,20 +366,20 @@ def test_registration_refuses_bad_parts(
     part: object, parts: object, runs: object, match: str
 ) -> None:
     r = Registration(max_blocks=100, runs_per_part=2)
-    with pytest.raises(ProtocolError, match=match):
+    with pytest.raises(BadMessage, match=match):
         r.add(5, part, parts, runs)
 
 
 def test_registration_is_bound_to_its_first_sender_and_counts_across_parts() -> None:
     r = Registration(max_blocks=10, runs_per_part=4)
     assert r.add(5, 0, 3, [[0, 6]]) is None
-    with pytest.raises(ProtocolError, match="another cluster"):
+    with pytest.raises(BadMessage, match="another cluster"):
         r.add(6, 1, 3, [[6, 1]])
-    with pytest.raises(ProtocolError, match="repeated"):
+    with pytest.raises(BadMessage, match="repeated"):
         r.add(5, 0, 3, [[0, 1]])
-    with pytest.raises(ProtocolError, match="part count"):
+    with pytest.raises(BadMessage, match="part count"):
         r.add(5, 1, 2, [[6, 1]])
-    with pytest.raises(ProtocolError, match="more blocks"):
+    with pytest.raises(BadMessage, match="more blocks"):
         r.add(5, 1, 3, [[0, 5]])
     assert r.add(5, 1, 3, [[6, 2]]) is None  # the refused part left nothing behind
     assert r.add(5, 2, 3, [[8, 2]]) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]

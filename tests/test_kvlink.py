@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from aiokvcache import _telemetry, metrics
-from aiokvcache.integrations._kvlink import TransferAgent, cluster_id_for
-from aiokvcache.integrations._kvtypes import KVLayout, Peer, block_runs
+from aiokvcache.integrations.agent.kvlink import TransferAgent, cluster_id_for
+from aiokvcache.integrations.agent.kvtypes import KVLayout, Peer, block_runs
 from support.agent_pair import BLOCK_BYTES, BS, LAYERS, Side, agent_pair, fill, same, wait_for
 
 

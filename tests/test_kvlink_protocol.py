@@ -36,9 +36,9 @@ from typing import Any
 
 import pytest
 
-from aiokvcache.integrations import _kvlink
-from aiokvcache.integrations._kvlink import TransferAgent
-from aiokvcache.integrations._kvtypes import Peer
+from aiokvcache.integrations.agent import kvlink as _kvlink
+from aiokvcache.integrations.agent.kvlink import TransferAgent
+from aiokvcache.integrations.agent.kvtypes import Peer
 from support.kvlink_harness import (
     BLOCKS,
     BS,
@@ -58,7 +58,7 @@ FORGED = "f" * 32
 
 
 def digest(ids: list[int]) -> str:
-    from aiokvcache.integrations._handoff import blocks_digest
+    from aiokvcache.integrations.agent.handoff import blocks_digest
 
     return blocks_digest(ids)
 
@@ -369,7 +369,7 @@ def test_pushed_counts_from_a_peer_are_trusted_only_as_counts() -> None:
     # P's push records ride on "pushed" to feed D's metrics; anything but a
     # count in [0, 2**63) (or an older P that sends none) reads as -1, and D
     # falls back to its own blocks' figures.
-    from aiokvcache.integrations._wire import Pushed, decode
+    from aiokvcache.integrations.agent.wire import Pushed, decode
 
     assert decode(Pushed("x", "n", 4096, 12).encode()) == Pushed("x", "n", 4096, 12)
     assert decode('["aiokv","pushed","x","n"]') == Pushed("x", "n", -1, -1)

@@ -309,6 +309,39 @@ def test_the_examples_use_only_the_public_api() -> None:
     assert not bad, f"an example reaches past the public API: {bad}"
 
 
+def test_no_class_name_is_defined_twice_in_the_package() -> None:
+    # One name, one thing: a reader (and a traceback) never has to ask which
+    # Registry, which Links.
+    where: dict[str, list[str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(PKG)))
+    twice = {name: files for name, files in where.items() if len(files) > 1}
+    assert not twice, f"class names defined more than once: {twice}"
+
+
+#: What no part of the transfer agent may import: a serving engine, or the
+#: glue of one (the agent is the seam every engine's glue uses).
+ENGINES = ("vllm", "sglang", "torch")
+
+
+def test_the_transfer_agent_knows_no_serving_engine() -> None:
+    graph = import_graph()
+    agent = "aiokvcache.integrations.agent"
+    bad = [
+        f"{m} imports {d}"
+        for m, deps in graph.items()
+        if m == agent or m.startswith(agent + ".")
+        for d in deps
+        if d.startswith("aiokvcache.integrations") and not d.startswith(agent)
+    ]
+    for path in (PKG / "integrations" / "agent").rglob("*.py"):
+        tops = {n.split(".")[0] for n in _absolute_imports(path)}
+        bad += [f"{path.name} imports {t}" for t in sorted(tops) if t in ENGINES]
+    assert not bad, f"the transfer agent imports an engine or its glue: {bad}"
+
+
 # The size rule: a class, a function or a file past these is doing more than
 # one job; cut it along its seams.
 MAX_CLASS_LINES, MAX_FUNCTION_LINES, MAX_FILE_LINES = 450, 60, 800

@@ -715,8 +715,8 @@ async def test_fuzz_notifications(transport: str, log: Any) -> None:
 def connector_messages(key: str, until_ms: int) -> list[list[Any]]:
     """One well-formed message of each kind, about the victim's live state
     (request r1's blocks 0-3 held for pull, transfer x2 expected from us)."""
-    from aiokvcache.integrations import _wire as w
-    from aiokvcache.integrations._handoff import blocks_digest
+    from aiokvcache.integrations.agent import wire as w
+    from aiokvcache.integrations.agent.handoff import blocks_digest
 
     digest = blocks_digest([0, 1, 2, 3])
     msgs: list[Any] = [
@@ -739,8 +739,8 @@ async def test_fuzz_connector_messages(transport: str, log: Any) -> None:
     """A linked peer sends the vLLM connector's messages, mutated, to a
     TransferAgent holding a request for pull and expecting a push; after it a
     legitimate decode agent pulls a request of it."""
-    from aiokvcache.integrations._kvlink import MAX_UNKNOWN, TransferAgent
-    from aiokvcache.integrations._kvtypes import Peer
+    from aiokvcache.integrations.agent.kvlink import MAX_UNKNOWN, TransferAgent
+    from aiokvcache.integrations.agent.kvtypes import Peer
     from support.peer_modes import AGENT_BLOCK_BYTES, AGENT_BLOCKS, AGENT_LAYERS, agent_layout
 
     run = Run(f"connector-{transport}")
@@ -880,10 +880,10 @@ def test_a_notification_payload_is_taken_or_dropped(value: Any) -> None:
 @PARSERS
 @given(values | st.text(max_size=200))
 def test_a_connector_message_parses_or_is_refused(value: Any) -> None:
-    from aiokvcache.integrations import _wire
+    from aiokvcache.integrations.agent import wire as _wire
 
     tag = value if isinstance(value, str) else json.dumps(value, default=repr)
-    with contextlib.suppress(_wire.ProtocolError, ValueError, RecursionError):
+    with contextlib.suppress(_wire.BadMessage, ValueError, RecursionError):
         _wire.decode(tag)
 
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from aiokvcache.integrations._kvlink import TransferAgent, cluster_id_for
-from aiokvcache.integrations._kvtypes import KVLayout, Peer
-from aiokvcache.integrations._results import TransferResults
+from aiokvcache.integrations.agent.kvlink import TransferAgent, cluster_id_for
+from aiokvcache.integrations.agent.kvtypes import KVLayout, Peer
+from aiokvcache.integrations.agent.results import TransferResults
 
 LAYERS, BLOCKS, BLOCK_BYTES, BS = 3, 16, 256, 4
 

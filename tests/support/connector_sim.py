@@ -18,10 +18,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiokvcache import LLMException, LLMStatusCode
-from aiokvcache.integrations import _decode, _links, _prefill_pull, _prefill_push
-from aiokvcache.integrations._kvlink import TransferAgent
-from aiokvcache.integrations._kvtypes import KVLayout, Peer
-from aiokvcache.integrations._wire import PREFIX, decode
+from aiokvcache.integrations.agent import (
+    decode as _decode,
+)
+from aiokvcache.integrations.agent import (
+    links as _links,
+)
+from aiokvcache.integrations.agent import (
+    prefill_pull as _prefill_pull,
+)
+from aiokvcache.integrations.agent import (
+    prefill_push as _prefill_push,
+)
+from aiokvcache.integrations.agent.kvlink import TransferAgent
+from aiokvcache.integrations.agent.kvtypes import KVLayout, Peer
+from aiokvcache.integrations.agent.wire import PREFIX, decode
 
 # ------------------------------------------------------------------ virtual time
 

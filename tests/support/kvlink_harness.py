@@ -11,8 +11,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from aiokvcache.integrations._kvlink import TransferAgent
-from aiokvcache.integrations._kvtypes import KVLayout, Peer
+from aiokvcache.integrations.agent.kvlink import TransferAgent
+from aiokvcache.integrations.agent.kvtypes import KVLayout, Peer
 
 LAYERS, BLOCKS, BS = 3, 64, 4
 #: The clusters the tests play: the prefill, the decode, a hostile third.

@@ -300,7 +300,7 @@ AGENT_LAYERS, AGENT_BLOCKS, AGENT_BLOCK_BYTES, AGENT_BS = 2, 32, 256, 4
 
 def agent_layout(addrs: tuple[int, ...]) -> Any:
     """The ``agent`` mode's KV layout over ``addrs`` (one tensor a layer)."""
-    from aiokvcache.integrations._kvtypes import KVLayout
+    from aiokvcache.integrations.agent.kvtypes import KVLayout
 
     return KVLayout(AGENT_LAYERS, 1, AGENT_BLOCKS, AGENT_BLOCK_BYTES, AGENT_BS, addrs, "u8")
 
@@ -309,8 +309,8 @@ async def _agent(args: argparse.Namespace) -> None:
     """The vLLM connector's TransferAgent over NumPy KV, no vLLM (its messages
     are a fuzz target): ops ``hold``, ``expect_push``, ``results``, ``state``,
     ``health``."""
-    from aiokvcache.integrations._kvlink import TransferAgent
-    from aiokvcache.integrations._kvtypes import Peer
+    from aiokvcache.integrations.agent.kvlink import TransferAgent
+    from aiokvcache.integrations.agent.kvtypes import Peer
 
     kv = [np.zeros((AGENT_BLOCKS, AGENT_BLOCK_BYTES), np.uint8) for _ in range(AGENT_LAYERS)]
     layout = agent_layout(tuple(a.ctypes.data for a in kv))

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from ._kvtypes import KVLayout
+from .agent.kvtypes import KVLayout
 
 __all__ = ["kv_layout"]
 

@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ._results import FAILURE_REASONS
+from .agent.results import FAILURE_REASONS
 
 __all__ = ["AioKVPromMetrics", "AioKVStats"]
 

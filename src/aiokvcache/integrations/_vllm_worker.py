@@ -1,6 +1,6 @@
 """What a vLLM worker-side ``AioKVConnector`` does with each step's metadata
 (``bind_connector_metadata``): hand the scheduler's decisions to its
-:class:`._kvlink.TransferAgent`, for its own tensor-parallel rank. No vLLM
+:class:`.kvlink.TransferAgent`, for its own tensor-parallel rank. No vLLM
 import here: the metadata's fields are read as the scheduler wrote them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._kvlink import TransferAgent
-from ._kvtypes import Peer
+from .agent.kvlink import TransferAgent
+from .agent.kvtypes import Peer
 
 __all__ = ["WorkerBinding"]
 

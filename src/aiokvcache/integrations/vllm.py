@@ -37,7 +37,7 @@ the client gives both requests an ``aiokv_transfer_key`` of its choosing.
   prefill request), pushes overlap the prefill's computation layer by layer.
 
 The scheduler-side connector starts nothing; each worker-side connector owns
-one aiokvcache engine on its own thread (:mod:`._kvlink`). No method blocks
+one aiokvcache engine on its own thread (:mod:`.kvlink`). No method blocks
 the engine step and nothing polls.
 
 A decode request aborted while its KV loads stops the load (its blocks go back
@@ -77,12 +77,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from ._handoff import blocks_digest, grant_key, push_key
-from ._kvlink import TransferAgent, cluster_id_for
-from ._kvtypes import GRACE_S
 from ._vllm_layout import kv_layout
 from ._vllm_metrics import AioKVPromMetrics, AioKVStats
 from ._vllm_worker import WorkerBinding
+from .agent.handoff import blocks_digest, grant_key, push_key
+from .agent.kvlink import TransferAgent, cluster_id_for
+from .agent.kvtypes import GRACE_S
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

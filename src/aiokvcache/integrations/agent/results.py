@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..metrics import PHASES, TransferRecord
+from ...metrics import PHASES, TransferRecord
 
 __all__ = ["FAILURE_REASONS", "Results", "TransferResults"]
 
@@ -35,7 +35,7 @@ class _Metrics:
     descriptors: list[int] = field(default_factory=list)
     failures: collections.Counter[str] = field(default_factory=collections.Counter)
     leases_expired: int = 0
-    #: op -> status -> transfer calls (from aiokvcache's records, see ._calls)
+    #: op -> status -> transfer calls (from aiokvcache's records, see .calls)
     calls: dict[str, collections.Counter[str]] = field(default_factory=dict)
     #: op -> phase -> seconds summed over those calls
     phases: dict[str, dict[str, float]] = field(default_factory=dict)

@@ -13,13 +13,13 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import BlocksCacheKey
-from ._calls import Tally, counting
-from ._handoff import ProtocolError, Registration, push_key, push_key_ok
-from ._kvtypes import RUNS_PER_PART, KVLayout, TransferFailed
-from ._links import Links
-from ._results import Results
-from ._wire import Cancel, Layer, Pushed, PushFail, Reg
+from ... import BlocksCacheKey
+from .calls import Tally, counting
+from .handoff import BadMessage, Registration, push_key, push_key_ok
+from .kvtypes import RUNS_PER_PART, KVLayout, TransferFailed
+from .links import PeerLinks
+from .results import Results
+from .wire import Cancel, Layer, Pushed, PushFail, Reg
 
 __all__ = ["MAX_ENDED", "MAX_LOADS", "MAX_UNKNOWN_BLOCKS", "PushSender"]
 
@@ -72,13 +72,13 @@ class _Load:
     def add_part(self, m: Reg, num_blocks: int) -> tuple[list[int] | None, int]:
         """Check and add one registration part: the whole id list once the
         last part is in (else None), and how many ids it added. Raises
-        :class:`ProtocolError` for one that does not hold."""
+        :class:`BadMessage` for one that does not hold."""
         before = self.registration.count
         first, ttl = m.first, m.ttl
         if not (type(first) is int and 0 <= first < num_blocks):
-            raise ProtocolError(f"a registration's first block index {first!r}")
+            raise BadMessage(f"a registration's first block index {first!r}")
         if not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and ttl > 0):
-            raise ProtocolError(f"a registration's deadline {ttl!r}")
+            raise BadMessage(f"a registration's deadline {ttl!r}")
         ids = self.registration.add(self.src, m.part, m.parts, m.runs)
         return ids, self.registration.count - before
 
@@ -178,7 +178,7 @@ class _PeerBudget:
         held = self._ids.get(src, 0) + n
         self._ids[src] = held
         if held > self.blocks:
-            raise ProtocolError("too many blocks registered for transfers not computed")
+            raise BadMessage("too many blocks registered for transfers not computed")
 
     def remove_blocks(self, src: int, n: int) -> None:
         _uncount(self._ids, src, n)
@@ -215,7 +215,7 @@ class PushSender:
         grace: float,
         max_unknown: int,
         secret: bytes,
-        links: Links,
+        links: PeerLinks,
         results: Results,
         stats: dict[str, int],
         spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
@@ -324,7 +324,7 @@ class PushSender:
 
     def on_register(self, src: int, m: Reg, link: Any = None) -> None:
         """A registration part from ``src``, which came on ``link`` (the link's
-        endpoint, see :meth:`Links.current`): the load is pushed to only over
+        endpoint, see :meth:`PeerLinks.current`): the load is pushed to only over
         that link, never over one made anew since the part arrived."""
         nonce = m.nonce
         if not nonce or len(nonce) > MAX_NONCE:
@@ -358,7 +358,7 @@ class PushSender:
             return
         try:
             ids = self._add_part(st, ld, m)
-        except ProtocolError as exc:
+        except BadMessage as exc:
             self._refuse(st, ld, f"bad registration: {exc}")
             return
         if ids is None:

@@ -10,19 +10,19 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from .. import LLMClusterInfo, LLMDataDist, LLMException, LLMStatusCode
-from ..cache_manager import CacheManager
-from ._kvtypes import Peer, TransferFailed
-from ._wire import Message
+from ... import LLMClusterInfo, LLMDataDist, LLMException, LLMStatusCode
+from ...cache_manager import CacheManager
+from .kvtypes import Peer, TransferFailed
+from .wire import Message
 
-__all__ = ["Links"]
+__all__ = ["PeerLinks"]
 
 log = logging.getLogger("aiokvcache.vllm")
 
 
-class Links:
+class PeerLinks:
     """Links to peers, each made once and made again once when it went away,
-    and the sends of :mod:`._wire` messages over them. ``spawn`` runs a task
+    and the sends of :mod:`.wire` messages over them. ``spawn`` runs a task
     the agent cancels at shutdown. ``dd``, ``cm`` and ``cache`` (the
     registered blocks cache) are set once the engine started."""
 

@@ -11,11 +11,11 @@ nothing polled).
 
 Protocol (notifications that move no bytes, :meth:`CacheManager.notify`, and
 tagged pushes; tags are JSON lists starting with ``"aiokv"``, one
-:mod:`._wire` message each). Every message is taken as coming from the link
+:mod:`.wire` message each). Every message is taken as coming from the link
 aiokvcache attributed it to, never from what its payload says. The agent
-routes each to the side it concerns: :class:`._prefill_pull.PullServer` and
-:class:`._prefill_push.PushSender` (P), :class:`._decode.Receiver` (D); the
-prefill side's state machines are in :mod:`._handoff`.
+routes each to the side it concerns: :class:`.prefill_pull.PullServer` and
+:class:`.prefill_push.PushSender` (P), :class:`.decode.DecodeLoads` (D); the
+prefill side's state machines are in :mod:`.handoff`.
 
 *Pull* (D reads P's blocks, vLLM NixlConnector's default flow)::
 
@@ -79,24 +79,16 @@ import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from .. import (
-    BlocksCacheKey,
-    CacheDesc,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    Placement,
-)
-from . import _calls as calls
-from ._decode import Receiver
-from ._handoff import blocks_digest
-from ._kvtypes import GRACE_S, KVLayout, Peer, block_digest
-from ._links import Links
-from ._prefill_pull import PullServer
-from ._prefill_push import PushSender
-from ._results import Results, TransferResults
-from ._wire import (
+from ... import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
+from . import calls
+from .decode import DecodeLoads
+from .handoff import blocks_digest
+from .kvtypes import GRACE_S, KVLayout, Peer, block_digest
+from .links import PeerLinks
+from .prefill_pull import PullServer
+from .prefill_push import PushSender
+from .results import Results, TransferResults
+from .wire import (
     PREFIX,
     Cancel,
     Claim,
@@ -202,9 +194,9 @@ class TransferAgent:
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         self._results = Results()
         #: This worker's engine handles and its links to peers.
-        self.links = Links(link_timeout, self._spawn)
+        self.links = PeerLinks(link_timeout, self._spawn)
         #: P, pull: this worker's grant-key secret, for its own scheduler
-        #: only (see :func:`._handoff.grant_key`).
+        #: only (see :func:`.handoff.grant_key`).
         self.grant_secret = secrets.token_bytes(32)
         sides: dict[str, Any] = dict(links=self.links, results=self._results, stats=self.stats)
         sides["spawn"] = self._spawn
@@ -217,7 +209,7 @@ class TransferAgent:
             secret=self.grant_secret,
             **sides,
         )
-        self.receiver = Receiver(
+        self.receiver = DecodeLoads(
             layout, timeout=self.timeout, grace=self.grace, record_digests=record_digests, **sides
         )
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -348,7 +340,7 @@ class TransferAgent:
         in ``seconds`` (hand-over to last byte), ``bytes`` and ``descriptors``
         (segments: contiguous runs times tensors) as its transfer calls'
         records have them (a push's, from P's records, sent with ``pushed``),
-        and ``failures`` by reason (:data:`._results.FAILURE_REASONS`); P:
+        and ``failures`` by reason (:data:`.results.FAILURE_REASONS`); P:
         ``leases_expired`` (held blocks nobody read in time). Both: ``calls``
         (op -> status -> transfer calls the loads and pushes made) and
         ``phases`` (op -> phase -> seconds summed over them; the phases of
@@ -551,8 +543,8 @@ class TransferAgent:
 
     def deliver(self, src: int, op: str, args: list[Any], link: Any = None) -> None:
         """Handle message ``op`` with fields ``args`` from cluster ``src``, as
-        if it had come from that link (``link``: what :meth:`Links.current`
-        says of it) (loop thread). Raises :class:`ProtocolError` for one
+        if it had come from that link (``link``: what :meth:`PeerLinks.current`
+        says of it) (loop thread). Raises :class:`BadMessage` for one
         that does not decode."""
         self._route(src, parse(op, args), link)
 

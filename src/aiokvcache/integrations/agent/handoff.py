@@ -2,7 +2,7 @@
 
 Nothing here sends, sleeps or reads a clock: each method takes ``now`` and
 returns what to answer or release; the agent's sides
-(:mod:`._prefill_pull`, :mod:`._prefill_push`) carry the messages and run the
+(:mod:`.prefill_pull`, :mod:`.prefill_push`) carry the messages and run the
 clock. Every message is bound to the link it arrived on (``src``,
 the cluster id aiokvcache attributed it to by the link's key, never what the
 payload says) and, for pull, to the request's *grant key*.
@@ -46,7 +46,7 @@ from typing import Any
 
 __all__ = [
     "Answer",
-    "ProtocolError",
+    "BadMessage",
     "PullHolds",
     "Registration",
     "blocks_digest",
@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 
-class ProtocolError(ValueError):
+class BadMessage(ValueError):
     """A peer's message that does not hold (dropped, and logged)."""
 
 
@@ -442,16 +442,16 @@ class Registration:
 
     def add(self, src: int, part: Any, parts: Any, runs: Any) -> list[int] | None:
         """One part; the whole id list once the last part is in, else ``None``.
-        Raises :class:`ProtocolError` for a part that does not hold."""
+        Raises :class:`BadMessage` for a part that does not hold."""
         if self.src is not None and src != self.src:
-            raise ProtocolError(f"cluster {src} registered for another cluster's transfer")
+            raise BadMessage(f"cluster {src} registered for another cluster's transfer")
         max_parts = -(-self.max_blocks // self.runs_per_part) + 1
         if not (type(parts) is int and 1 <= parts <= max_parts):
-            raise ProtocolError(f"a registration of {parts!r} parts (at most {max_parts})")
+            raise BadMessage(f"a registration of {parts!r} parts (at most {max_parts})")
         if self.parts is not None and parts != self.parts:
-            raise ProtocolError("the registration's part count changed")
+            raise BadMessage("the registration's part count changed")
         if not (type(part) is int and 0 <= part < parts) or part in self._got:
-            raise ProtocolError(f"registration part {part!r} of {parts}: repeated or out of range")
+            raise BadMessage(f"registration part {part!r} of {parts}: repeated or out of range")
         checked = self._runs(runs)
         self.src, self.parts = src, parts
         self._got[part] = checked
@@ -466,18 +466,18 @@ class Registration:
 
     def _runs(self, runs: Any) -> list[tuple[int, int]]:
         if not isinstance(runs, list) or len(runs) > self.runs_per_part:
-            raise ProtocolError(f"a registration part holds at most {self.runs_per_part} runs")
+            raise BadMessage(f"a registration part holds at most {self.runs_per_part} runs")
         out = []
         total = self._count
         for r in runs:
             if not (isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r)):
-                raise ProtocolError(f"a block run must be [start, count], got {r!r}")
+                raise BadMessage(f"a block run must be [start, count], got {r!r}")
             start, count = r
             if not (0 <= start and 1 <= count and start + count <= self.MAX_ID):
-                raise ProtocolError(f"block run {r!r} outside [0, 2**40)")
+                raise BadMessage(f"block run {r!r} outside [0, 2**40)")
             total += count
             if total > self.max_blocks:
-                raise ProtocolError(
+                raise BadMessage(
                     f"more blocks registered than the {self.max_blocks} a request can hold here"
                 )
             out.append((start, count))

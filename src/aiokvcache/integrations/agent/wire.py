@@ -3,7 +3,7 @@
 A message travels as an aiokvcache notification tag (or a push's tag): a JSON
 list ``["aiokv", op, field...]``, with no spaces, the fields in the order the
 dataclass declares them. :func:`decode` checks what a message must hold to be
-routed (its op and its field count) and raises :class:`ProtocolError`
+routed (its op and its field count) and raises :class:`BadMessage`
 otherwise. Fields a state machine checks itself (a claim's key, deadline and
 range; a registration's parts and runs) stay as the peer sent them, typed
 ``Any``: those machines answer a bad value (a refusal, a ``pushfail``), which a
@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from ._handoff import ProtocolError
+from .handoff import BadMessage
 
 __all__ = [
     "PREFIX",
@@ -277,14 +277,14 @@ _BY_OP: dict[Op, Any] = {
 
 
 def parse(op: Any, args: list[Any]) -> Message:
-    """The message ``op`` with fields ``args``; :class:`ProtocolError` for an
+    """The message ``op`` with fields ``args``; :class:`BadMessage` for an
     unknown op or too few fields (fields beyond the message's are ignored)."""
     try:
         cls = _BY_OP[Op(str(op))]
     except ValueError:
-        raise ProtocolError(f"unknown message {str(op)!r}") from None
+        raise BadMessage(f"unknown message {str(op)!r}") from None
     if len(args) < cls.ARITY:
-        raise ProtocolError(f"a {cls.OP} message of {len(args)} fields (needs {cls.ARITY})")
+        raise BadMessage(f"a {cls.OP} message of {len(args)} fields (needs {cls.ARITY})")
     msg: Message = cls.from_args(args)
     return msg
 
@@ -293,5 +293,5 @@ def decode(tag: str) -> Message:
     """The message a tag starting with :data:`PREFIX` carries."""
     msg = json.loads(tag)
     if not isinstance(msg, list) or len(msg) < 2:
-        raise ProtocolError("a connector message without an op")
+        raise BadMessage("a connector message without an op")
     return parse(msg[1], msg[2:])

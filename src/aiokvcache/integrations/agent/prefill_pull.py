@@ -1,5 +1,5 @@
 """The prefill side of a pull: finished requests' blocks held for the decode
-side's claims, driven by :class:`._handoff.PullHolds` and a timer on the
+side's claims, driven by :class:`.handoff.PullHolds` and a timer on the
 agent's loop."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from ._handoff import Answer, PullHolds
-from ._links import Links
-from ._results import Results
-from ._wire import Claim, Done, Free, Grant, Refused, Renew
+from .handoff import Answer, PullHolds
+from .links import PeerLinks
+from .results import Results
+from .wire import Claim, Done, Free, Grant, Refused, Renew
 
 __all__ = ["PullServer"]
 
@@ -40,7 +40,7 @@ class PullServer:
         secret: bytes,
         *,
         max_pending: int,
-        links: Links,
+        links: PeerLinks,
         results: Results,
         stats: dict[str, int],
         spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],

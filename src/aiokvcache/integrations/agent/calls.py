@@ -17,7 +17,7 @@ import contextvars
 import threading
 from collections.abc import Callable, Iterator
 
-from .. import _telemetry, metrics
+from ... import _telemetry, metrics
 
 __all__ = ["Tally", "attach", "counting", "detach"]
 

@@ -13,22 +13,15 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from .. import BlocksCacheKey, LLMException
-from ._calls import Tally, counting, current
-from ._handoff import blocks_digest
-from ._kvtypes import (
-    RUNS_PER_PART,
-    KVLayout,
-    Peer,
-    TransferFailed,
-    block_digest,
-    block_runs,
-)
-from ._links import Links
-from ._results import Results
-from ._wire import Cancel, Claim, Done, Free, Grant, Pushed, PushFail, Refused, Reg, Renew
+from ... import BlocksCacheKey, LLMException
+from .calls import Tally, counting, current
+from .handoff import blocks_digest
+from .kvtypes import RUNS_PER_PART, KVLayout, Peer, TransferFailed, block_digest, block_runs
+from .links import PeerLinks
+from .results import Results
+from .wire import Cancel, Claim, Done, Free, Grant, Pushed, PushFail, Refused, Reg, Renew
 
-__all__ = ["Receiver"]
+__all__ = ["DecodeLoads"]
 
 log = logging.getLogger("aiokvcache.vllm")
 
@@ -37,7 +30,7 @@ log = logging.getLogger("aiokvcache.vllm")
 _LINK_CHECK_S = 0.25
 
 
-class Receiver:
+class DecodeLoads:
     """D: the engine's loads, each a task on the agent's loop thread (which
     alone calls this class), and the peers' answers they wait for, each bound
     to the peer it was asked of."""
@@ -48,7 +41,7 @@ class Receiver:
         *,
         timeout: float,
         grace: float,
-        links: Links,
+        links: PeerLinks,
         results: Results,
         stats: dict[str, int],
         spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
