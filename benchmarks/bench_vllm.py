@@ -24,10 +24,8 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "vllm_disagg"))
-import disagg
+from aiokvcache.testing import vllm as driver
 
 
 def _median_ms(xs: list[float]) -> str:
@@ -45,10 +43,10 @@ def run_aiokv(
     reference: list[list[int]],
     switch_interval: float | None,
 ) -> dict[str, dict[str, list[float]]]:
-    port, cid = disagg.free_port(), 5151
+    port, cid = driver.free_port(), 5151
     base = {"transport": transport, "timeout": 30, "switch_interval": switch_interval}
-    p = disagg.Instance(model, "kv_producer", extra={**base, "port": port, "cluster_id": cid})
-    d = disagg.Instance(model, "kv_consumer", extra=base)
+    p = driver.Instance(model, "kv_producer", extra={**base, "port": port, "cluster_id": cid})
+    d = driver.Instance(model, "kv_consumer", extra=base)
     rows: dict[str, dict[str, list[float]]] = {}
     try:
         for mode, order in (
@@ -59,11 +57,11 @@ def run_aiokv(
             name = f"aiokvcache {mode}" + (" (decode first)" if order == "decode-first" else "")
             r: dict[str, list[float]] = {"prefill": [], "ttft": [], "e2e": [], "load": []}
             # One warm-up request per mode (links, first-touch), not counted.
-            disagg.disaggregated(p, d, prompts[:1], 1, mode, order, ("127.0.0.1", port, cid))
+            driver.disaggregated(p, d, prompts[:1], 1, mode, order, ("127.0.0.1", port, cid))
             for i, prompt in enumerate(prompts):
                 before = len(d.stats()["load_seconds"])
                 t0 = time.perf_counter()
-                out = disagg.disaggregated(p, d, [prompt], 1, mode, order, ("127.0.0.1", port, cid))
+                out = driver.disaggregated(p, d, [prompt], 1, mode, order, ("127.0.0.1", port, cid))
                 e2e = time.perf_counter() - t0
                 if out["rows"][0]["tokens"] != reference[i][:1]:
                     raise SystemExit(f"{name}: request {i} produced other tokens")
@@ -84,8 +82,8 @@ def run_example(
 ) -> dict[str, list[float]]:
     store = tempfile.mkdtemp(prefix="vllm-example-connector-")
     extra = {"shared_storage_path": store}
-    p = disagg.Instance(model, "kv_both", connector="example", extra=extra)
-    d = disagg.Instance(model, "kv_both", connector="example", extra=extra)
+    p = driver.Instance(model, "kv_both", connector="example", extra=extra)
+    d = driver.Instance(model, "kv_both", connector="example", extra=extra)
     r: dict[str, list[float]] = {"prefill": [], "ttft": [], "e2e": [], "load": []}
     try:
         for i, prompt in enumerate(prompts):
@@ -118,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the connector's switch_interval option, seconds (0: leave Python's 5 ms)",
     )
     args = ap.parse_args(argv)
-    if args.tokens % disagg.BLOCK_SIZE == 1:
+    if args.tokens % driver.BLOCK_SIZE == 1:
         print("note: ExampleConnector never loads prompts of k*block + 1 tokens", file=sys.stderr)
-    model = disagg.tiny_model()
+    model = driver.tiny_model()
     # Distinct prompts (no prefix cache hits), the last one as a warm-up.
-    prompts = disagg.prompts([args.tokens] * (args.requests + 1))[1:]
-    single = disagg.Instance(model, "kv_both", connector="none")
+    prompts = driver.prompts([args.tokens] * (args.requests + 1))[1:]
+    single = driver.Instance(model, "kv_both", connector="none")
     try:
         single.generate(prompts[:1], 1)  # warm-up
         reference, local = [], []
@@ -138,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     rows["ExampleConnector (files)"] = run_example(model, prompts, reference)
     print(
         f"\nvLLM {args.tokens}-token prompts, {args.requests} requests one at a time, "
-        f"tiny Llama ({disagg.TINY_LLAMA['num_hidden_layers']} layers), "
+        f"tiny Llama ({driver.TINY_LLAMA['num_hidden_layers']} layers), "
         f"transport {args.transport}, switch interval {si or 0.005} s"
     )
     print(f"single instance, time to first token: median {_median_ms(local).strip()} ms\n")

@@ -85,12 +85,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "vllm_disagg"))
-import disagg
+from aiokvcache.testing import vllm as driver
 
 #: 24 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 96 KiB of KV per token.
 BIG_LLAMA = {
-    **disagg.TINY_LLAMA,
+    **driver.TINY_LLAMA,
     "hidden_size": 1024,
     "intermediate_size": 2816,
     "num_hidden_layers": 24,
@@ -137,7 +136,7 @@ def ms(x: float | None) -> str:
 
 
 def blocks(n: int) -> int:
-    return -(-n // disagg.BLOCK_SIZE)
+    return -(-n // driver.BLOCK_SIZE)
 
 
 def group_pids(pgid: int) -> list[int]:
@@ -353,7 +352,7 @@ class Bench:
 
     def instance(self, role: str, connector: str, cpus: list[int] | None, **kw: Any) -> Any:
         t0 = time.monotonic()
-        inst = disagg.Instance(
+        inst = driver.Instance(
             self.model,
             role,
             connector,
@@ -413,7 +412,7 @@ class Bench:
         a = self.args
         binding = "P core 0, D core 1" if pinned else "default"
         self.log(f"{connector}: {', '.join(names)} ({binding})")
-        port, cid = disagg.free_port(), 5000 + disagg.free_port() % 1000
+        port, cid = driver.free_port(), 5000 + driver.free_port() % 1000
         if connector == "aiokv":
             base: dict[str, Any] = {"transport": a.transport, "timeout": a.timeout}
             pe = {**base, "port": port, "cluster_id": cid}
@@ -457,7 +456,7 @@ class Bench:
         # Warm-up (links, handshakes, first touch): the warm-up prompt, c times.
         if not a.no_warmup:
             try:
-                disagg.disaggregated(
+                driver.disaggregated(
                     p, d, [self.prompts[0]] * c, a.max_tokens, mode, order, addr, timed=True
                 )
             except Exception as exc:
@@ -480,7 +479,7 @@ class Bench:
             ps = [self.prompts[i] for i in idx]
             want_blocks += sum(blocks(len(x)) for x in ps)
             try:
-                out = disagg.disaggregated(p, d, ps, a.max_tokens, mode, order, addr, timed=True)
+                out = driver.disaggregated(p, d, ps, a.max_tokens, mode, order, addr, timed=True)
                 rows = out["rows"]
                 prefill.append(out["prefill_seconds"])
                 firsts = [r["times"][0] for r in rows if r["times"]]
@@ -750,16 +749,16 @@ def main(argv: list[str] | None = None) -> int:
     for x in names:
         if x not in SCENARIOS:
             ap.error(f"unknown scenario {x!r}")
-    cfg = dict(disagg.TINY_LLAMA if args.tiny else BIG_LLAMA)
+    cfg = dict(driver.TINY_LLAMA if args.tiny else BIG_LLAMA)
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
-    model = disagg.model_dir(cfg)
-    prompts = disagg.prompts([args.tokens] * (args.requests + 1))
+    model = driver.model_dir(cfg)
+    prompts = driver.prompts([args.tokens] * (args.requests + 1))
     per_token = kv_bytes_per_token(cfg)
     head = (
         f"vLLM P/D, {cfg['num_hidden_layers']}-layer Llama (hidden {cfg['hidden_size']}, "
         f"{cfg['num_key_value_heads']} KV heads), KV {per_token // 1024} KiB/token, "
-        f"{per_token * blocks(args.tokens) * disagg.BLOCK_SIZE / 2**20:.1f} MiB per "
+        f"{per_token * blocks(args.tokens) * driver.BLOCK_SIZE / 2**20:.1f} MiB per "
         f"{args.tokens}-token prompt; {args.requests} requests per scenario, "
         f"{args.max_tokens} tokens each; aiokvcache "
         f"{'pinned (P core 0, D core 1)' if args.pinned else 'default binding'}, "

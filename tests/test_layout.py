@@ -243,6 +243,7 @@ PUBLIC = (
     "aiokvcache.info",
     "aiokvcache.metrics",
     "aiokvcache.testing",
+    "aiokvcache.testing.vllm",
     "aiokvcache.bench",
 )
 

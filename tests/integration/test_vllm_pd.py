@@ -14,7 +14,6 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,8 +24,7 @@ if importlib.util.find_spec("vllm") is None:
         allow_module_level=True,
     )
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "vllm_disagg"))
-import disagg
+from aiokvcache.testing import vllm as driver
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,16 +37,16 @@ TIMEOUT = 4.0  # the decode side's per-request transfer deadline, seconds
 
 class Pair:
     def __init__(self, model: str, transport: str, multiprocess: bool = False) -> None:
-        self.port, self.cid = disagg.free_port(), 7000 + disagg.free_port() % 1000
+        self.port, self.cid = driver.free_port(), 7000 + driver.free_port() % 1000
         base = {"transport": transport, "timeout": TIMEOUT, "record_digests": True}
-        self.p = disagg.Instance(
+        self.p = driver.Instance(
             model,
             "kv_producer",
             extra={**base, "port": self.port, "cluster_id": self.cid},
             multiprocess=multiprocess,
         )
         # Stats on: vLLM's stat loggers (and its Prometheus metrics) run.
-        self.d = disagg.Instance(
+        self.d = driver.Instance(
             model,
             "kv_consumer",
             extra=base,
@@ -64,12 +62,12 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return disagg.tiny_model(str(tmp_path_factory.mktemp("tinyllama")))
+    return driver.tiny_model(str(tmp_path_factory.mktemp("tinyllama")))
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    return disagg.prompts(LENGTHS)
+    return driver.prompts(LENGTHS)
 
 
 @pytest.fixture(scope="module", params=["shm", "tcp"])
@@ -99,11 +97,11 @@ def test_disaggregated_equals_single_instance(
     pair: Pair, prompts: list[list[int]], reference: list[list[int]], mode: str, order: str
 ) -> None:
     before = pair.d.stats()
-    out = disagg.disaggregated(pair.p, pair.d, prompts, MAX_TOKENS, mode, order, pair.address)
+    out = driver.disaggregated(pair.p, pair.d, prompts, MAX_TOKENS, mode, order, pair.address)
     assert tokens(out) == reference
     after = pair.d.stats()
     # The decode side loaded every prompt's blocks rather than recomputing them.
-    want = sum(-(-n // disagg.BLOCK_SIZE) for n in LENGTHS)
+    want = sum(-(-n // driver.BLOCK_SIZE) for n in LENGTHS)
     assert after["blocks_loaded"] - before["blocks_loaded"] == want
     assert after["load_failures"] == before["load_failures"]
     key = "pulls" if mode == "pull" else "pushes_received"
@@ -132,7 +130,7 @@ def test_decode_loaded_the_prefill_bytes(
     assert pair.p.digests([[0] * len(b) for b in blocks]) != sent  # block 0: never written
 
 
-def _failed(d: disagg.Instance, ps: list[list[int]], params: list[dict[str, Any]]) -> float:
+def _failed(d: driver.Instance, ps: list[list[int]], params: list[dict[str, Any]]) -> float:
     """Run requests that must fail on ``d``; returns how long that took."""
     t0 = time.monotonic()
     try:
@@ -149,8 +147,8 @@ def test_prefill_killed_fails_the_request_in_time_and_decode_goes_on(
     model: str, pair: Pair, prompts: list[list[int]], reference: list[list[int]], mode: str
 ) -> None:
     victim = Pair.__new__(Pair)
-    victim.port, victim.cid = disagg.free_port(), 9000 + disagg.free_port() % 1000
-    victim.p = disagg.Instance(
+    victim.port, victim.cid = driver.free_port(), 9000 + driver.free_port() % 1000
+    victim.p = driver.Instance(
         model,
         "kv_producer",
         extra={"timeout": TIMEOUT, "port": victim.port, "cluster_id": victim.cid},
@@ -181,7 +179,7 @@ def test_prefill_killed_fails_the_request_in_time_and_decode_goes_on(
     finally:
         victim.p.kill()
     # The decode instance serves the next requests as before.
-    out = disagg.disaggregated(pair.p, pair.d, prompts, MAX_TOKENS, "pull", "prefill-first")
+    out = driver.disaggregated(pair.p, pair.d, prompts, MAX_TOKENS, "pull", "prefill-first")
     assert tokens(out) == reference
 
 
@@ -206,7 +204,7 @@ def test_vllm_metrics_show_the_transfers(
     /metrics serves, here served by the test's instance) has the
     vllm:aiokvcache_* series, fed through vLLM's own stats path
     (get_kv_connector_stats -> scheduler -> stat loggers)."""
-    out = disagg.disaggregated(pair.p, pair.d, prompts[:3], MAX_TOKENS, "pull")
+    out = driver.disaggregated(pair.p, pair.d, prompts[:3], MAX_TOKENS, "pull")
     assert tokens(out) == reference[:3]
     m = _scrape(pair.d.metrics_url())
     count = [v for k, v in m.items() if k.startswith("vllm:aiokvcache_xfer_time_seconds_count")]
@@ -272,7 +270,7 @@ def test_connector_stats_carry_the_calls_phases() -> None:
 #: 12 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes: 48 KiB of KV per token,
 #: 18 MiB per 384-token prompt; its prefill takes long enough to kill it midway.
 MID_LLAMA = {
-    **disagg.TINY_LLAMA,
+    **driver.TINY_LLAMA,
     "hidden_size": 1024,
     "intermediate_size": 2816,
     "num_hidden_layers": 12,
@@ -289,16 +287,16 @@ def test_prefill_killed_while_its_pushes_move(tmp_path_factory: pytest.TempPathF
     layers landed and others not: every request ends as a load failure within
     the decode's deadline (never with tokens computed on half a KV), and the
     decode instance serves the next requests."""
-    model = disagg.model_dir(MID_LLAMA, str(tmp_path_factory.mktemp("midllama")))
-    port, cid = disagg.free_port(), 12000 + disagg.free_port() % 1000
+    model = driver.model_dir(MID_LLAMA, str(tmp_path_factory.mktemp("midllama")))
+    port, cid = driver.free_port(), 12000 + driver.free_port() % 1000
     base = {"transport": "tcp", "mode": "push"}
     # The prefill's own push deadline is not what fails here (it is killed):
     # the decode's is, sized below from the prefill time measured now.
     p_extra = {**base, "timeout": 300.0, "port": port, "cluster_id": cid}
-    p = disagg.Instance(model, "kv_producer", extra=p_extra)
-    d: disagg.Instance | None = None
+    p = driver.Instance(model, "kv_producer", extra=p_extra)
+    d: driver.Instance | None = None
     try:
-        ps = disagg.prompts([384] * 4)
+        ps = driver.prompts([384] * 4)
         ref = tokens(p.generate(ps, MAX_TOKENS))
         t0 = time.monotonic()
         p.generate(ps, 1)  # how long its prefill of these takes, here and now
@@ -306,9 +304,9 @@ def test_prefill_killed_while_its_pushes_move(tmp_path_factory: pytest.TempPathF
         # Enough for a whole prefill of all four on a machine this fast (a
         # 2-core VM took 2-28 s for it), and at least 8 s.
         timeout = max(8.0, 2.0 * prefill)
-        d = disagg.Instance(model, "kv_consumer", extra={**base, "timeout": timeout})
+        d = driver.Instance(model, "kv_consumer", extra={**base, "timeout": timeout})
         addr = ("127.0.0.1", port, cid)
-        out = disagg.disaggregated(p, d, ps[:1], MAX_TOKENS, "push", "decode-first", addr)
+        out = driver.disaggregated(p, d, ps[:1], MAX_TOKENS, "push", "decode-first", addr)
         assert tokens(out) == ref[:1]  # linked, warm
         before = d.stats()
         stamp = time.monotonic_ns()
@@ -362,9 +360,9 @@ def test_prefill_killed_while_its_pushes_move(tmp_path_factory: pytest.TempPathF
             f"pushes had landed; the decode failed them {took:.2f} s later"
         )
         # The decode instance goes on: a fresh prefill instance serves it.
-        p2 = disagg.Instance(model, "kv_producer", extra=p_extra)
+        p2 = driver.Instance(model, "kv_producer", extra=p_extra)
         try:
-            out = disagg.disaggregated(p2, d, ps[:2], MAX_TOKENS, "push", "prefill-first")
+            out = driver.disaggregated(p2, d, ps[:2], MAX_TOKENS, "push", "prefill-first")
             assert tokens(out) == ref[:2]
         finally:
             p2.stop()
@@ -381,7 +379,7 @@ def test_default_multiprocess_engines(model: str, prompts: list[list[int]]) -> N
     try:
         ref = tokens(pr.p.generate(prompts[:3], MAX_TOKENS))
         for mode in ("pull", "push"):
-            out = disagg.disaggregated(pr.p, pr.d, prompts[:3], MAX_TOKENS, mode)
+            out = driver.disaggregated(pr.p, pr.d, prompts[:3], MAX_TOKENS, mode)
             assert tokens(out) == ref, mode
     finally:
         pr.stop()
@@ -391,8 +389,8 @@ def test_tensor_parallel_2_on_both_sides(model: str, prompts: list[list[int]]) -
     """TP=2 prefill and decode: rank r loads from rank r. vLLM waits for every
     worker to report a request received, so each rank's transfer must end."""
 
-    def tp_instance(role: str, **extra: Any) -> disagg.Instance:
-        return disagg.Instance(
+    def tp_instance(role: str, **extra: Any) -> driver.Instance:
+        return driver.Instance(
             model,
             role,
             extra={"timeout": TIMEOUT, **extra},
@@ -400,7 +398,7 @@ def test_tensor_parallel_2_on_both_sides(model: str, prompts: list[list[int]]) -
             tensor_parallel_size=2,
         )
 
-    port, cid = disagg.free_port(), 11000 + disagg.free_port() % 1000
+    port, cid = driver.free_port(), 11000 + driver.free_port() % 1000
     p = tp_instance("kv_producer", port=port, cluster_id=cid)
     try:
         d = tp_instance("kv_consumer")
@@ -408,7 +406,7 @@ def test_tensor_parallel_2_on_both_sides(model: str, prompts: list[list[int]]) -
             ps = prompts[:4]
             ref = tokens(p.generate(ps, MAX_TOKENS))
             for mode, order in (("pull", "prefill-first"), ("push", "decode-first")):
-                out = disagg.disaggregated(
+                out = driver.disaggregated(
                     p, d, ps, MAX_TOKENS, mode, order, ("127.0.0.1", port, cid)
                 )
                 assert tokens(out) == ref, mode
