@@ -1,5 +1,5 @@
-"""The vLLM connector's push mode (``integrations/_prefill_push.py`` and the
-push half of ``integrations/_decode.py``): each load of a transfer its own,
+"""The vLLM connector's push mode (``integrations/agent/prefill_push.py`` and the
+push half of ``integrations/agent/decode.py``): each load of a transfer its own,
 the decode's blocks given back only on the prefill's word (an abort and a
 shutdown included), the push key and the KV layout checked, a load bound to
 its link, preemption, and the prefill's end of a push (reported sent once,

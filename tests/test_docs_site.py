@@ -87,6 +87,18 @@ def test_reference_has_every_public_name() -> None:
     assert not missing, f"docs/reference.md has no entry for: {', '.join(missing)}"
 
 
+def test_design_names_only_peer_service_calls_that_exist() -> None:
+    """design.md says how the owner reaches the peer-service thread. Since
+    PeerService forwards nothing (the runtime calls the part that does the
+    work: ``service.thread.call``, ``service.linker.link_all`` ...), a
+    ``service.<name>(`` in its prose must still be a PeerService attribute."""
+    from aiokvcache._core.peers.service import PeerService
+
+    named = set(re.findall(r"`service\.(\w+)\(", prose("design.md")))
+    stale = sorted(name for name in named if not hasattr(PeerService, name))
+    assert not stale, f"docs/design.md names PeerService calls that do not exist: {stale}"
+
+
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
         pytest.importorskip(module, reason=f'{module} is missing: pip install ".[docs]"')

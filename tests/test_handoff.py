@@ -1,4 +1,4 @@
-"""The vLLM connector's hand-off state machines (``integrations/_handoff.py``)
+"""The vLLM connector's hand-off state machines (``integrations/agent/handoff.py``)
 alone: no vLLM, no network, no clock but the one the tests pass. Duplicated,
 reordered and forged messages, and random interleavings checked against the
 protocol's invariants."""

@@ -1,4 +1,4 @@
-"""The vLLM connector's engine-independent half (``aiokvcache.integrations._kvlink``):
+"""The vLLM connector's engine-independent half (``aiokvcache.integrations.agent.kvlink``):
 two TransferAgents in one process, each with its own loop thread, moving
 NumPy "KV caches" in vLLM's CPU layout, driven from this (synchronous) thread
 as vLLM's worker drives them: pulls and pushes, a load after the link went

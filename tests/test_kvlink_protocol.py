@@ -1,12 +1,10 @@
 """The vLLM connector's hand-off protocol against hostile, duplicated and
 reordered messages and a slow peer, one agent at a time: a ``TransferAgent`` driven on the
 test's own loop, its aiokvcache calls replaced by a recorder (no network, no
-vLLM). Each test names the defect it proves (the vLLM connector's protocol
-review); each fails on the connector as it was before the state machines of
-``integrations/_handoff.py`` (where the old agent lacks a call the test
-makes, by that: the table says what the old protocol did):
+vLLM). Each test names the defect it proves: what a connector without the
+state machines of ``integrations/agent/handoff.py`` did:
 
-| test | before |
+| test | without them |
 |---|---|
 | failed layer never reported pushed | "pushed" sent beside "pushfail" |
 | claim without the key P's scheduler made | granted at once |

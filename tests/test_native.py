@@ -107,6 +107,22 @@ def test_the_transports_are_one_table_the_engine_and_the_options_read() -> None:
     assert "must be one of auto, shm, tcp, rdma, not 'carrier-pigeon'" in str(info.value)
 
 
+def test_the_transport_table_names_where_python_reads_it() -> None:
+    # ext/transports.def tells a reader which Python name holds its rows; a
+    # name that does not exist sends them to the wrong module.
+    import importlib
+
+    text = (ROOT / "ext" / "transports.def").read_text()
+    named = re.findall(r"aiokvcache\._[\w.]*\w", text)  # not the option key
+    assert named, "transports.def names no Python reader"
+    missing = []
+    for dotted in named:
+        module, _, attr = dotted.rpartition(".")
+        if not hasattr(importlib.import_module(module), attr):
+            missing.append(dotted)
+    assert not missing, f"ext/transports.def names what does not exist: {missing}"
+
+
 # ------------------------------------------------------------ exceptions
 
 
