@@ -398,7 +398,7 @@ async def main(args: argparse.Namespace) -> None:
             svc = rt.service
             link = rt.state.link_for(int(req["cluster_id"]))
             res = await status_of(
-                rt.on_service(svc.remotes_by_addr(link, [int(a) for a in req["addrs"]]))
+                rt.on_service(svc.lookups.remotes_by_addr(link, [int(a) for a in req["addrs"]]))
             )
             with rt.state.lock:
                 res["cache_ids"] = sorted(link.remote)
