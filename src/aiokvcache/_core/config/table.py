@@ -108,7 +108,6 @@ DEFAULT_MAX_UNCONFIRMED_BYTES = 2 * 1024 * 1024
 _MAX_COPY_LANES = 64
 
 
-
 # --------------------------------------------------------------------------
 # the option table
 
@@ -158,12 +157,15 @@ class Option:
 _SAME: Any = object()
 
 
-def _fields(prop: str, field: str | None, fields: tuple[str, ...] | None) -> tuple[str, ...]:
-    """The EngineOptions fields an option sets: ``fields``, else ``field``,
-    else the one named like its property."""
-    if fields is not None:
-        return fields
-    return (field or prop,)
+def _option(
+    key: str, prop: str, field: str | None, fields: tuple[str, ...] | None, **rest: Any
+) -> Option:
+    """An :class:`Option` whose EngineOptions fields are ``fields``, else
+    ``field``, else the one named like its property; ``rest`` are the
+    Option's other fields (``doc``, ``default_text`` and ``range_text`` among
+    them, given by each entry)."""
+    chosen = fields if fields is not None else (field or prop,)
+    return Option(key=key, prop=prop, fields=chosen, **rest)
 
 
 def uint_option(
@@ -173,15 +175,12 @@ def uint_option(
     lo: int,
     hi: int,
     default: Any,
-    doc: str,
-    default_text: str,
-    range_text: str,
     field: str | None = None,
     fields: tuple[str, ...] | None = None,
     gap: int = 0,
     digits: bool = False,
     unset: Any = _SAME,
-    **more: Any,
+    **rest: Any,
 ) -> Option:
     """An integer in ``[lo, hi]`` (with ``gap``: 0, or at least ``gap``);
     ``digits``: the property also takes a digit string."""
@@ -192,19 +191,19 @@ def uint_option(
             raise BadValue(f"must be 0 or >= {gap} ms, got {v}")
         return v
 
-    return Option(
-        key=key,
-        prop=prop,
-        fields=_fields(prop, field, fields),
+    accept = accept_int(lo, hi, digits=digits, gap=gap)
+    unset = default if unset is _SAME else unset
+    return _option(
+        key,
+        prop,
+        field,
+        fields,
         parse=parse,
-        accept=accept_int(lo, hi, digits=digits, gap=gap),
+        accept=accept,
         emit=str,
         default=default,
-        unset=default if unset is _SAME else unset,
-        doc=doc,
-        default_text=default_text,
-        range_text=range_text,
-        **more,
+        unset=unset,
+        **rest,
     )
 
 
@@ -213,26 +212,23 @@ def flag_option(
     *,
     prop: str,
     default: bool,
-    doc: str,
-    default_text: str,
     field: str | None = None,
     fields: tuple[str, ...] | None = None,
-    **more: Any,
+    **rest: Any,
 ) -> Option:
     """On or off: ``"1"`` / ``"0"`` as text, a ``bool`` as a property."""
-    return Option(
-        key=key,
-        prop=prop,
-        fields=_fields(prop, field, fields),
+    return _option(
+        key,
+        prop,
+        field,
+        fields,
         parse=parse_flag,
         accept=accept_bool,
         emit=emit_flag,
         default=default,
         unset=default,
-        doc=doc,
-        default_text=default_text,
         range_text='`"1"` / `"0"`',
-        **more,
+        **rest,
     )
 
 
@@ -241,29 +237,14 @@ def text_option(
     *,
     prop: str,
     parse: Callable[[str], Any],
-    default: Any,
-    unset: Any,
-    doc: str,
-    default_text: str,
-    range_text: str,
     field: str | None = None,
     fields: tuple[str, ...] | None = None,
-    **more: Any,
+    **rest: Any,
 ) -> Option:
-    """A ``str`` that ``parse`` accepts, kept as given."""
-    return Option(
-        key=key,
-        prop=prop,
-        fields=_fields(prop, field, fields),
-        parse=parse,
-        accept=accept_text(parse),
-        emit=str,
-        default=default,
-        unset=unset,
-        doc=doc,
-        default_text=default_text,
-        range_text=range_text,
-        **more,
+    """A ``str`` that ``parse`` accepts, kept as given (``default`` and
+    ``unset`` given by the entry)."""
+    return _option(
+        key, prop, field, fields, parse=parse, accept=accept_text(parse), emit=str, **rest
     )
 
 
@@ -422,8 +403,7 @@ OPTIONS: tuple[Option, ...] = (
         default_text="unset",
         range_text="a non-empty `str`, or UTF-8 `bytes`",
         doc=(
-            "Shared secret; a peer without it cannot link.  A ``str``, or ``bytes`` that are "
-            "UTF-8."
+            "Shared secret; a peer without it cannot link.  A ``str``, or ``bytes`` that are UTF-8."
         ),
     ),
     uint_option(
@@ -650,5 +630,3 @@ OPTION_BY_PROP = {opt.prop: opt for opt in OPTIONS}
 def default(prop: str) -> Any:
     """The engine's value of the option behind ``LLMConfig.<prop>`` when unset."""
     return OPTION_BY_PROP[prop].default
-
-
