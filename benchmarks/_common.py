@@ -1,13 +1,21 @@
-"""Helpers shared by the benchmark scripts (not part of the package).
+"""The benchmarks' harness: what the benchmark scripts share (not part of the package).
 
 * :class:`Children`: every process a benchmark starts, each with a deadline,
-  killed on exit, error or Ctrl-C; :meth:`Children.peer` starts the peer
-  program of :mod:`aiokvcache.testing` (the decode side, a blocks cache, a
-  bare engine owning the destination region).
+  killed on exit, error or Ctrl-C; :meth:`Children.peer` starts a peer
+  program (one that speaks JSON lines) and waits for its hello: the decode
+  side of ``python -m aiokvcache bench`` (:data:`DECODE_PEER`), or the peer
+  program of :mod:`aiokvcache.testing` (:func:`aiokvcache.testing.peer_argv`;
+  with :data:`BARE_ENGINE`, a bare engine owning the destination region).
 * :func:`run_perftest`: ``ucx_perftest`` from the libucx wheel, server and
   client, at one size, parsed into a :class:`PerftestResult`: the plain
   baseline every number is compared with.
 * :func:`table`: a plain-text table that is also a markdown table.
+
+The scripts import it as ``_common`` (``python benchmarks/bench_x.py`` puts
+this directory first on ``sys.path``). What they share with the test suite
+lives in :mod:`aiokvcache.testing`: the peer program, the ``/proc`` readers
+(``thread_cpu_s``, ``threads_cpu_s``, ``rss_kb``) and the network-namespace
+clusters (:mod:`aiokvcache.testing.netns`).
 """
 
 from __future__ import annotations
@@ -22,13 +30,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from aiokvcache.testing import Child
-
-# The test suite's peer program and its clients (tests/support, not installed).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.harness import Peer
+from aiokvcache.testing import Child, JsonPeer
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -116,6 +120,13 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 # ---------------------------------------------------------------- processes
 
+#: The decode side of ``python -m aiokvcache bench``, taking the bench's shape
+#: options (one cache of that shape; ``wait`` and ``digest``).
+DECODE_PEER = (sys.executable, "-m", "aiokvcache._benchpeer")
+#: The ops module of :mod:`aiokvcache.testing.peer`, ROLE ``none``, for a bare
+#: native engine owning one region of ``--size`` bytes.
+BARE_ENGINE = "aiokvcache.testing._bare_engine"
+
 
 class Children:
     """Every process a benchmark started; :meth:`close_all` ends them all.
@@ -136,21 +147,15 @@ class Children:
 
     def peer(
         self,
-        mode: str,
-        *args: str,
-        lifetime: float | None = None,
+        argv: Sequence[str],
+        *,
+        label: str = "peer",
         startup_timeout: float = 120.0,
-        stderr: int | None = None,
-    ) -> Peer:
-        """Start the peer program in ``mode`` (own session, dies after ``lifetime``
-        seconds whatever happens to us), wait for its hello, remember it."""
-        peer = Peer(
-            mode,
-            *args,
-            lifetime=lifetime,
-            startup_timeout=startup_timeout,
-            stderr=stderr,
-            new_session=True,
+        stderr: int | IO[Any] | None = None,
+    ) -> JsonPeer:
+        """Start a peer program (own session), wait for its hello, remember it."""
+        peer = JsonPeer(
+            argv, label=label, startup_timeout=startup_timeout, stderr=stderr, new_session=True
         )
         self._procs.append(peer)
         return peer

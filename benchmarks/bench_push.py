@@ -23,17 +23,12 @@ import asyncio
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import Children, fmt_gbs, fmt_ratio, run_perftest, table
+from _common import DECODE_PEER, Children, fmt_gbs, fmt_ratio, run_perftest, table
 
 import aiokvcache as kv
-from aiokvcache.testing import cluster_info, options
-from support.harness import threads_cpu_s
+from aiokvcache.testing import cluster_info, options, threads_cpu_s
 
 MiB = 1 << 20
 PERFTEST_TLS = {"shm": "sm,self", "tcp": "tcp,self"}
@@ -103,7 +98,8 @@ async def measure(
     the event loop, the progress thread, the copy lanes."""
     # The decode side: the bench's decode peer, one cache of layers x (K, V) x 1 MiB.
     shape = [f"--layers={layers}", "--tokens=4096", "--heads=1", "--head-dim=128"]
-    peer = children.peer("decode", *shape, f"--transport={transport}", startup_timeout=60)
+    argv = [*DECODE_PEER, *shape, f"--transport={transport}"]
+    peer = children.peer(argv, label="decode", startup_timeout=60)
     try:
         async with kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as dd:
             extra: dict[str, int] = {}

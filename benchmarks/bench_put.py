@@ -6,8 +6,9 @@ Usage::
     python benchmarks/bench_put.py --quick         # a smoke run (~20 s)
     python benchmarks/bench_put.py --transport tcp --sizes 1M,16M --seconds 2
 
-This process sends; a receiver process (the ``engine`` mode of the peer
-program in :mod:`aiokvcache.testing`) owns the destination region and keeps
+This process sends; a receiver process (the peer program of
+:mod:`aiokvcache.testing` with the ops of a bare native engine,
+``aiokvcache.testing._bare_engine``) owns the destination region and keeps
 its engine progressing. For each size we keep a
 window of awaited puts in flight, each one ``Bridge.run`` of one job (post,
 flush to remote completion, completion through the eventfd to an asyncio
@@ -383,6 +384,8 @@ def run_transport(
 
     Fills ``res`` as it goes, so an interruption keeps what was measured.
     """
+    from aiokvcache.testing import peer_argv
+
     transport, tls, peer_errors = res.transport, res.tls, res.peer_errors
     ucx_options = {"TLS": tls} if tls != C.ENGINE_TLS[transport] else {}
     windows = {s: window_for(s, plan.window_bytes, plan.max_jobs) for s in plan.sizes}
@@ -396,14 +399,15 @@ def run_transport(
         engine_kw["ucx_options"] = ucx_options
 
     lifetime = 600.0 + 20 * len(plan.sizes) * (plan.seconds + 5)
-    receiver = children.peer(
-        "engine",
+    argv = peer_argv(
+        "none",
         transport,
-        str(remote_size),
+        f"--size={remote_size}",
         f"--ucx-options={json.dumps(ucx_options)}",
+        ops=[C.BARE_ENGINE],
         lifetime=lifetime,
-        stderr=subprocess.DEVNULL,
     )
+    receiver = children.peer(argv, label="engine", stderr=subprocess.DEVNULL)
     info = receiver.hello
     link: Link | None = None
     try:

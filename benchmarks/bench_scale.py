@@ -39,19 +39,18 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import table
 
-# The test suite's peer clients and network-namespace clusters (not installed).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.harness import AsyncPeer, NetCluster, netns_unavailable, rss_kb, thread_cpu_s
+from aiokvcache.testing import JsonChild, peer_argv, rss_kb, thread_cpu_s
+from aiokvcache.testing.netns import NetCluster, netns_unavailable
 
 LAYERS = 32
 BLOCK = 64 * 1024
 BLOCKS_PER_PEER = 4
+
+
 def proc_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -84,10 +83,11 @@ class Hosts:
     def __init__(self, netns: bool, count: int) -> None:
         self.cluster = NetCluster(count).create() if netns else None
 
-    def peer(self, i: int, role: str, *args: str) -> AsyncPeer:
+    def peer(self, i: int, role: str, *args: str) -> JsonChild:
         if self.cluster is None:
             listen = ["--listen=127.0.0.1:0"] if role == "decoder" else []
-            return AsyncPeer(role, *args, *listen, lifetime=900, startup_timeout=180)
+            argv = peer_argv(role, *args, *listen, lifetime=900)
+            return JsonChild(argv, label=f"peer {role}", startup_timeout=180)
         host = self.cluster.hosts[i]
         listen = [f"--listen={host.ip}:0"] if role == "decoder" else []
         return self.cluster.peer(host, role, *args, *listen, lifetime=900, startup_timeout=180)

@@ -22,20 +22,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import numpy as np
-from _common import Children, run_perftest, table
+from _common import DECODE_PEER, Children, run_perftest, table
 
 import aiokvcache as kv
-from aiokvcache.testing import cluster_info, options
-from support.harness import threads_cpu_s
+from aiokvcache.testing import cluster_info, options, threads_cpu_s
 
 KiB = 1 << 10
 LAYERS = 32
@@ -85,7 +80,8 @@ async def measure(
 ) -> dict[str, float]:
     tokens = size // (2 * HEAD_DIM)
     shape = [f"--layers={LAYERS}", f"--tokens={tokens}", "--heads=1", f"--head-dim={HEAD_DIM}"]
-    peer = children.peer("decode", *shape, f"--transport={transport}", startup_timeout=60)
+    argv = [*DECODE_PEER, *shape, f"--transport={transport}"]
+    peer = children.peer(argv, label="decode", startup_timeout=60)
     out: dict[str, float] = {}
     try:
         async with kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as dd:

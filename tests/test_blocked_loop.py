@@ -23,7 +23,12 @@ import pytest
 import aiokvcache as kv
 from aiokvcache.testing import cluster_info, options
 from support.harness import AsyncPeer
-from support.peer_modes import BLOCKED_PULL_KEY, BLOCKED_SHAPE, BLOCKED_TENSORS, blocked_pattern
+from support.peer_ops_blocked_loop import (
+    BLOCKED_PULL_KEY,
+    BLOCKED_SHAPE,
+    BLOCKED_TENSORS,
+    blocked_pattern,
+)
 
 T = TypeVar("T")
 BLOCK_S = 8.0
@@ -42,7 +47,10 @@ async def timed(aw: Awaitable[T], what: str) -> T:
 async def test_blocked_decoder_is_served(transport: str, how: str) -> None:
     desc = kv.CacheDesc(BLOCKED_TENSORS, BLOCKED_SHAPE, kv.DataType.DT_FLOAT16, kv.Placement.HOST)
     async with (
-        AsyncPeer("blocked", transport, lifetime=120) as peer,
+        # The LLMConfig default layer deadline (1 s).
+        AsyncPeer(
+            "decoder", transport, "--sync-kv-timeout=1000", ops=["blocked_loop"], lifetime=120
+        ) as peer,
         kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as prompt,
     ):
         await prompt.init(options(transport))

@@ -488,7 +488,8 @@ def sha(a: np.ndarray) -> str:
 
 async def test_blocks_across_processes(transport: str) -> None:
     layers, nblocks, bb = 3, 4096, 256
-    async with AsyncPeer("blocks", transport, str(2 * layers), str(nblocks), str(bb)) as peer:
+    shape = ("--blocks-shape", str(2 * layers), str(nblocks), str(bb))
+    async with AsyncPeer("decoder", transport, *shape, ops=["blocks"]) as peer:
         dd = LLMDataDist(LLMRole.PROMPT, 1)
         try:
             await dd.init(options(transport, sync_kv_timeout=60_000))

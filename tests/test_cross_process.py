@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import anyio
 import numpy as np
 import pytest
@@ -14,8 +16,7 @@ from aiokvcache import (
     LLMStatusCode,
 )
 from aiokvcache.bench import Shape
-from aiokvcache.testing import cluster_info, options
-from support.harness import AsyncPeer
+from aiokvcache.testing import JsonChild, cluster_info, options
 
 pytestmark = pytest.mark.anyio
 
@@ -23,7 +24,9 @@ pytestmark = pytest.mark.anyio
 async def test_decoder_killed_mid_push(transport: str) -> None:
     shape = Shape(layers=16, batch=1, tokens=4096, heads=8, head_dim=64, dtype="float16")
     decode_args = ["--layers=16", "--tokens=4096", "--heads=8", "--head-dim=64"]
-    async with AsyncPeer("decode", *decode_args, f"--transport={transport}") as peer:
+    # The decode side of `python -m aiokvcache bench`.
+    decode = [sys.executable, "-m", "aiokvcache._benchpeer", *decode_args]
+    async with JsonChild([*decode, f"--transport={transport}"], label="decode") as peer:
         # A small window and no direct copies make the push long enough to
         # be caught mid-way, on either transport.
         opts = options(

@@ -23,7 +23,7 @@ from aiokvcache._core.transfer.runner import run_jobs
 from aiokvcache._loader import native
 from aiokvcache.errors import LLMException, LLMStatusCode, LLMTimeoutError
 from aiokvcache.testing import freeze_process
-from support.harness import Peer, read_memory
+from support.harness import BARE_ENGINE, Peer, read_memory
 
 MiB = 1 << 20
 
@@ -432,8 +432,8 @@ def test_bad_transport_is_a_value_error() -> None:
 
 
 def engine_peer(transport: str, size: int) -> Peer:
-    """A peer process owning one region (the peer program's engine mode)."""
-    return Peer("engine", transport, str(size))
+    """A peer process owning one region (the peer program with the bare engine's ops)."""
+    return Peer("none", transport, f"--size={size}", ops=[BARE_ENGINE])
 
 
 @pytest_asyncio.fixture

@@ -244,6 +244,7 @@ PUBLIC = (
     "aiokvcache.metrics",
     "aiokvcache.testing",
     "aiokvcache.testing.vllm",
+    "aiokvcache.testing.netns",
     "aiokvcache.bench",
 )
 

@@ -2,9 +2,10 @@
 
 Each test asserts the behaviour expected once the defect is fixed; on
 d2734be (built in /work/base) it fails as listed. Processes that may crash
-run as children: tests/support/lt_peer.py (a JSON-driven LLMDataDist peer),
-lt_victim.py (scenarios that may crash: copy, unlink, stress) and
-lt_engine_sender.py (a bare engine sender, item 6b).
+run as children: the peer program with the lifetimes ops
+(tests/support/peer_ops_lifetimes.py), lt_victim.py (scenarios that may
+crash: copy, unlink, stress) and lt_engine_sender.py (a bare engine sender,
+item 6b).
 
 Test -> item of the brief -> how it fails on d2734be:
 
@@ -86,11 +87,10 @@ import pytest
 import aiokvcache as kv
 from aiokvcache import testing
 from aiokvcache.testing import Pair, fill, freeze_process, options, snapshot
-from support.harness import AsyncPeer
+from support.harness import BARE_ENGINE, LIFETIMES, AsyncPeer
 
 S = kv.LLMStatusCode
 SUPPORT = Path(__file__).parent / "support"
-LT_PEER = str(SUPPORT / "lt_peer.py")
 LT_VICTIM = str(SUPPORT / "lt_victim.py")
 
 
@@ -113,12 +113,10 @@ async def regions_drop_to(cm: kv.CacheManager, want: int, seconds: float) -> boo
 
 
 class LtPeer(AsyncPeer):
-    """tests/support/lt_peer.py as an AsyncPeer (same JSON-lines protocol)."""
+    """The peer program with the lifetimes ops (tests/support/peer_ops_lifetimes.py)."""
 
-    def __init__(self, *args: str, **kw: Any) -> None:
-        super().__init__("lt", *args, **kw)
-        self.argv = [sys.executable, LT_PEER, *args]
-        self.mode = "lt_peer"
+    def __init__(self, role: str, transport: str, *args: str, **kw: Any) -> None:
+        super().__init__(role, transport, *args, ops=LIFETIMES, **kw)
 
 
 # ================================================================ item 5
@@ -368,7 +366,7 @@ async def test_push_after_deallocate_returned_fails_two_processes(transport: str
         cm = owner.cache_manager
         desc = u8_desc(2, 4096)
         dst = cm.allocate_cache(desc)
-        async with LtPeer(transport, "--cluster-id", "1") as peer:
+        async with LtPeer("prefill", transport, "--cluster-id", "1") as peer:
             ln = await peer.call("link", address=owner.listen_address, cluster_id=2)
             assert ln["per"] == ["LLM_SUCCESS"], ln
             await peer.call("alloc", name="src", tensors=2, bytes=4096, seed=1)
@@ -450,8 +448,8 @@ async def test_overlapping_probe_back_requests_do_not_crash_the_victim(transport
     from aiokvcache._core.wire import control  # the hostile peer speaks the wire itself
 
     async with (
-        AsyncPeer("engine", transport, "4096", lifetime=100) as data,
-        LtPeer(transport, "--role", "decoder", "--cluster-id", "2", "--listen") as victim,
+        AsyncPeer("none", transport, "--size=4096", ops=[BARE_ENGINE], lifetime=100) as data,
+        LtPeer("decoder", transport, "--cluster-id", "2") as victim,
     ):
         h = data.hello
         splitter = _ProbeSplitter({"addr": h["addr"], "len": 64, "rkey": bytes.fromhex(h["rkey"])})
@@ -481,7 +479,7 @@ async def test_overlapping_probe_back_requests_do_not_crash_the_victim(transport
         assert rc is None, f"the victim died (rc {rc}) under overlapping probe_back: {outcomes}"
         # ... and still serves a legitimate peer.
         cache = await victim.call("alloc", name="x", tensors=2, bytes=1 << 16, fill=0)
-        async with LtPeer(transport, "--cluster-id", "3") as legit:
+        async with LtPeer("prefill", transport, "--cluster-id", "3") as legit:
             ln = await legit.call("link", address=victim.hello["address"], cluster_id=2)
             assert ln["per"] == ["LLM_SUCCESS"], ln
             await legit.call("alloc", name="s", tensors=2, bytes=1 << 16, seed=8)
@@ -514,9 +512,9 @@ async def test_a_peer_shrinking_its_segment_does_not_crash_us(op: str) -> None:
     # UCX's default, SysV, cannot be): a peer may well be configured so.
     posix = dict(os.environ, UCX_ALLOC_PRIO="md:posix")
     async with (
-        LtPeer("shm", "--role", "decoder", "--cluster-id", "2", "--listen", env=posix) as shrinker,
-        LtPeer("shm", "--role", "decoder", "--cluster-id", "3", "--listen") as other,
-        LtPeer("shm", "--cluster-id", "1") as us,  # the side that would crash
+        LtPeer("decoder", "shm", "--cluster-id", "2", env=posix) as shrinker,
+        LtPeer("decoder", "shm", "--cluster-id", "3") as other,
+        LtPeer("prefill", "shm", "--cluster-id", "1") as us,  # the side that would crash
     ):
         x = await shrinker.call("alloc", name="x", tensors=2, bytes=1 << 20, seed=1)
         y = await other.call("alloc", name="y", tensors=2, bytes=1 << 20, seed=2)
@@ -625,7 +623,7 @@ async def test_finalize_keeps_registered_buffers_until_the_engine_stopped() -> N
         cache = cm.register_cache(u8_desc(2, nbytes), arrays)
         cid = cache.cache_id
         del arrays, a  # the Cache (and the retirement) hold them now
-        async with LtPeer("tcp", "--cluster-id", "1", lifetime=100) as peer:
+        async with LtPeer("prefill", "tcp", "--cluster-id", "1", lifetime=100) as peer:
             ln = await peer.call("link", address=owner.listen_address, cluster_id=2)
             assert ln["per"] == ["LLM_SUCCESS"], ln
             await peer.call("alloc", name="s", tensors=2, bytes=nbytes, seed=1)

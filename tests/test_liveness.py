@@ -10,20 +10,26 @@ starved (a serving engine holding the GIL on shared cores) is not silent.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 import aiokvcache as kv
 from aiokvcache.testing import PeerProcess, cluster_info, freeze_process, options
-from support.harness import AsyncPeer
+from support.harness import TRUST, AsyncPeer
 
 S = kv.LLMStatusCode
 PEER_TIMEOUT_MS = 1000
+
+
+def blocks_peer(transport: str) -> AsyncPeer:
+    """A decoder owning blocks caches of 2 tensors of 4 blocks of 4 KiB
+    (tests/support/peer_ops_blocks.py)."""
+    shape = ("--blocks-shape", "2", "4", "4096")
+    return AsyncPeer("decoder", transport, *shape, ops=["blocks"], lifetime=120)
 
 
 async def broken_within(dd: kv.LLMDataDist, cluster: int, seconds: float) -> float:
@@ -62,7 +68,7 @@ async def push_one(dd: kv.LLMDataDist) -> None:
 
 async def test_a_frozen_peer_breaks_the_link_then_relinks(transport: str) -> None:
     async with (
-        AsyncPeer("blocks", transport, "2", "4", "4096", lifetime=120) as peer,
+        blocks_peer(transport) as peer,
         kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as prompt,
     ):
         await prompt.init(options(transport, peer_timeout=PEER_TIMEOUT_MS))
@@ -99,7 +105,7 @@ async def test_a_silent_data_path_whose_peer_answers_keeps_the_link(transport: s
     control connection: the link stays up (something arrived from it) and
     moves bytes; frozen, the same peer answers nothing and the link breaks."""
     async with (
-        AsyncPeer("blocks", transport, "2", "4", "4096", lifetime=120) as peer,
+        blocks_peer(transport) as peer,
         kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as prompt,
     ):
         await prompt.init(options(transport, peer_timeout=PEER_TIMEOUT_MS))
@@ -119,7 +125,7 @@ async def test_a_silent_data_path_whose_peer_answers_keeps_the_link(transport: s
 
 async def test_relinking_a_silent_peer_is_not_already_linked(transport: str) -> None:
     async with (
-        AsyncPeer("blocks", transport, "2", "4", "4096", lifetime=120) as peer,
+        blocks_peer(transport) as peer,
         kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as prompt,
     ):
         # The heartbeat is slow here: the liveness check of link_clusters acts first.
@@ -142,16 +148,8 @@ async def test_a_peer_starved_of_the_gil_is_not_declared_dead(transport: str) ->
     and service thread never run): its progress thread still answers, so
     neither side breaks the link, and a transfer works right after. With the
     keep-alive in Python (before) the link broke after one peer_timeout."""
-    peer = AsyncPeer("tr", lifetime=120)
-    peer.argv = [
-        sys.executable,
-        str(Path(__file__).parent / "support" / "tr_peer.py"),
-        transport,
-        "--listen",
-        "127.0.0.1:0",
-        "--peer-timeout",
-        str(PEER_TIMEOUT_MS),
-    ]
+    peer_timeout = f"--options={json.dumps({'peer_timeout': PEER_TIMEOUT_MS})}"
+    peer = AsyncPeer("decoder", transport, peer_timeout, ops=TRUST, lifetime=120)
     async with peer, kv.LLMDataDist(kv.LLMRole.PROMPT, 1) as prompt:
         await prompt.init(options(transport, peer_timeout=PEER_TIMEOUT_MS))
         info = [cluster_info(peer.address, 2)]

@@ -6,11 +6,12 @@ copy (against finalize() and deallocate_cache), two threads releasing one
 cache retire it once, and a copy through a peer's shrunk segment fails without
 killing the process, whatever SIGBUS handler the application installed.
 
-Peers are in-process instances, or child processes
-(``tests/support/rv_peer.py``, ``rv_victim.py``, ``lt_peer.py``) where a peer
-must be frozen, shrink its memory or may crash. Some tests reach inside a
-*peer* instance to make it slow (a slow link set-up, a held retirement); the
-instance under test is used through its public API.
+Peers are in-process instances, or child processes (the peer program with
+the ops of ``tests/support/peer_ops_memory.py`` or ``peer_ops_lifetimes.py``,
+``rv_victim.py``) where a peer must be frozen, shrink its memory or may
+crash. Some tests reach inside a *peer* instance to make it slow (a slow
+link set-up, a held retirement); the instance under test is used through
+its public API.
 """
 
 from __future__ import annotations
@@ -33,23 +34,19 @@ import pytest
 import aiokvcache as kv
 from aiokvcache import testing
 from aiokvcache.testing import cluster_info
-from support.harness import AsyncPeer
+from support.harness import LIFETIMES, MEMORY, AsyncPeer
 from support.instances import instance, link, runtime, status_of, u8_desc
 
 S = kv.LLMStatusCode
 SUPPORT = Path(__file__).parent / "support"
-RV_PEER = str(SUPPORT / "rv_peer.py")
 RV_VICTIM = str(SUPPORT / "rv_victim.py")
-LT_PEER = str(SUPPORT / "lt_peer.py")
 
 
-class Peer(AsyncPeer):
-    """A support program as an AsyncPeer (same JSON-lines protocol)."""
-
-    def __init__(self, program: str, *args: str, **kw: Any) -> None:
-        super().__init__("rv", *args, **kw)
-        self.argv = [sys.executable, program, *args]
-        self.mode = Path(program).stem
+def memory_peer(role: str, transport: str, cluster_id: int) -> AsyncPeer:
+    """The peer program with the memory ops (tests/support/peer_ops_memory.py):
+    the LLMConfig default layer deadline, 1 s."""
+    args = (f"--cluster-id={cluster_id}", "--sync-kv-timeout=1000")
+    return AsyncPeer(role, transport, *args, ops=MEMORY, lifetime=180)
 
 
 async def regions_at_most(cm: kv.CacheManager, want: int, seconds: float) -> bool:
@@ -70,7 +67,7 @@ async def test_our_abandoned_pull_does_not_write_memory_reused_after_deallocate(
     whatever was allocated there next (docs/api.md 7.6 step 3)."""
     nbytes = 8 << 20
     async with (
-        Peer(RV_PEER, "tcp", "--cluster-id=2") as peer,
+        memory_peer("decoder", "tcp", 2) as peer,
         instance("tcp", 1, listen=False) as dd,
     ):
         cm = dd.cache_manager
@@ -278,8 +275,8 @@ async def test_a_shrunk_segment_does_not_kill_a_process_that_enabled_faulthandle
     # truncate), as in test_lifetimes.py.
     posix = dict(os.environ, UCX_ALLOC_PRIO="md:posix")
     async with (
-        Peer(LT_PEER, "shm", "--role", "decoder", "--cluster-id", "2", "--listen", env=posix) as x,
-        Peer(RV_PEER, "shm", "--cluster-id=1", "--listen=none") as us,
+        AsyncPeer("decoder", "shm", "--cluster-id=2", ops=LIFETIMES, env=posix) as x,
+        memory_peer("prefill", "shm", 1) as us,
     ):
         cache = await x.call("alloc", name="x", tensors=2, bytes=1 << 20, seed=1)
         ln = await us.call("link", address=x.hello["address"], cluster_id=2)

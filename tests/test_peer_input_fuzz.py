@@ -741,12 +741,12 @@ async def test_fuzz_connector_messages(transport: str, log: Any) -> None:
     legitimate decode agent pulls a request of it."""
     from aiokvcache.integrations.agent.kvlink import MAX_UNKNOWN, TransferAgent
     from aiokvcache.integrations.agent.kvtypes import Peer
-    from support.peer_modes import AGENT_BLOCK_BYTES, AGENT_BLOCKS, AGENT_LAYERS, agent_layout
+    from support.peer_ops_agent import AGENT_BLOCK_BYTES, AGENT_BLOCKS, AGENT_LAYERS, agent_layout
 
     run = Run(f"connector-{transport}")
     m = run.mutator
     async with (
-        AsyncPeer("agent", transport, "--cluster-id=3", stderr=log) as victim,
+        AsyncPeer("none", transport, "--cluster-id=3", ops=["agent"], stderr=log) as victim,
         instance(transport, 9) as sender,
     ):
         held = await victim.call("hold", req_id="r1", blocks=[0, 1, 2, 3], seed=1)

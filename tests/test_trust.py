@@ -1,11 +1,12 @@
 """Peer trust and smaller defects: adversarial tests, each failing on d2734be.
 
-Peers are child processes (``tests/support/tr_peer.py``, an LLMDataDist driven
-by JSON lines); every test runs over shm and tcp unless marked otherwise.
-Reaching inside the library: ``_runtime`` below (our own instance's worker
-address and table of cache records), ``aiokvcache._core.wire.control`` (a hostile
-control-plane peer, item 3a) and, in the support program, its *internal* ops
-(forge a notification, serve crafted metadata, flood probe_back).
+Peers are child processes (the peer program, an LLMDataDist driven by JSON
+lines, with the ops of ``tests/support/peer_ops_trust.py``); every test runs
+over shm and tcp unless marked otherwise. Reaching inside the library:
+``_runtime`` below (our own instance's worker address and table of cache
+records), ``aiokvcache._core.wire.control`` (a hostile control-plane peer,
+item 3a) and, in those ops, the *internal* ones (forge a notification, serve
+crafted metadata, flood probe_back).
 
 How each test fails on d2734be (run with ``/work/base/.venv``):
 
@@ -80,6 +81,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -96,11 +98,9 @@ import pytest
 
 import aiokvcache as kv
 from aiokvcache.testing import cluster_info, fill
-from support.harness import AsyncPeer, rss_kb
+from support.harness import TRUST, AsyncPeer, rss_kb
 
 S = kv.LLMStatusCode
-SUPPORT = Path(__file__).parent / "support"
-TR_PEER = str(SUPPORT / "tr_peer.py")
 TOKEN = "tr-shared-token"
 
 
@@ -113,12 +113,10 @@ def blocks_u8(tensors: int, blocks: int, block_bytes: int) -> kv.CacheDesc:
 
 
 class TrPeer(AsyncPeer):
-    """tests/support/tr_peer.py as an AsyncPeer (same JSON-lines protocol)."""
+    """The peer program with the trust ops (tests/support/peer_ops_trust.py)."""
 
-    def __init__(self, *args: str, **kw: Any) -> None:
-        super().__init__("tr", *args, **kw)
-        self.argv = [sys.executable, TR_PEER, *args]
-        self.mode = "tr_peer"
+    def __init__(self, role: str, *args: str, **kw: Any) -> None:
+        super().__init__(role, *args, ops=TRUST, lifetime=300, **kw)
 
     @property
     def cluster_id(self) -> int:
@@ -187,12 +185,23 @@ def peer_args(
     listen: str = "127.0.0.1:0",
     auth_token: str | None = None,
     peer_timeout: int | None = None,
+    prefault: bool = True,
 ) -> list[str]:
-    args = [transport, f"--cluster-id={cluster_id}", f"--listen={listen}"]
+    """A :class:`TrPeer`'s role and options: a decoder listening on
+    ``listen``, or with ``listen="none"`` a prefill that does not listen."""
+    role = "prefill" if listen == "none" else "decoder"
+    args = [role, transport, f"--cluster-id={cluster_id}"]
+    if listen != "none":
+        args.append(f"--listen={listen}")
     if auth_token is not None:
         args.append(f"--auth-token={auth_token}")
+    extra: dict[str, Any] = {}
     if peer_timeout is not None:
-        args.append(f"--peer-timeout={peer_timeout}")
+        extra["peer_timeout"] = peer_timeout
+    if not prefault:
+        extra["prefault"] = False  # nor does it install a same-host peer's caches at link time
+    if extra:
+        args.append(f"--options={json.dumps(extra)}")
     return args
 
 
@@ -916,7 +925,7 @@ async def test_cache_by_addr_lookup_does_not_scan_every_cache(transport: str) ->
     async with (
         instance(transport, 2) as dd,
         # It installs no caches ahead at link time: what it learns is this lookup's.
-        TrPeer(*peer_args(transport, 1, listen="none"), "--no-prefault") as asker,
+        TrPeer(*peer_args(transport, 1, listen="none", prefault=False)) as asker,
     ):
         cm = dd.cache_manager
         stride, size = 128, 64  # tensors of 64 bytes with 64-byte gaps between them

@@ -1,6 +1,6 @@
 """The test cluster: hosts in network namespaces, cabled to one bridge.
 
-``make_cluster(n, uplink=False)`` gives a :class:`support.netcluster.NetCluster` of ``n``
+``make_cluster(n, uplink=False)`` gives a :class:`aiokvcache.testing.netns.NetCluster` of ``n``
 hosts (``198.18.0.2``, ``.3``, ... on ``eth0``, loopback up), created for
 the test and removed after it, passed or failed. Tests here are skipped,
 with the reason, where network namespaces cannot be made (not root, no

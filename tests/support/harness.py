@@ -1,16 +1,18 @@
-"""What the test suite (and the benchmarks) use beyond :mod:`aiokvcache.testing`.
+"""What the test suite uses beyond :mod:`aiokvcache.testing`, and what it
+takes from there, in one place.
 
-Root-only network-namespace clusters (:mod:`.netcluster`), reading another
-process's memory and threads (:mod:`.procfs`), the suite's peer program and
-its clients (:mod:`.peerclient`, ``peer_modes.py``), and the guards the
-fixtures assert with (:mod:`.guards`). None of it is installed.
+Root-only network-namespace clusters (:mod:`aiokvcache.testing.netns`),
+reading another process's memory and threads (:mod:`aiokvcache.testing`),
+the clients of the peer program with the suite's ops modules
+(:mod:`.peerclient`, ``peer_ops_*.py``), and the guards the fixtures assert
+with (:mod:`.guards`).
 """
 
 from __future__ import annotations
 
 from aiokvcache._child import Child, PeerError, PeerExited
-
-from .netcluster import (
+from aiokvcache.testing import read_memory, rss_kb, thread_cpu_s, threads_cpu_s
+from aiokvcache.testing.netns import (
     NETNS_PREFIX,
     NETNS_SUBNET,
     NetCluster,
@@ -18,13 +20,25 @@ from .netcluster import (
     netns_cleanup_stale,
     netns_unavailable,
 )
-from .peerclient import PEER_MODES, AsyncPeer, Peer, peer_argv
-from .procfs import read_memory, rss_kb, thread_cpu_s, threads_cpu_s
+
+from .peerclient import (
+    BARE_ENGINE,
+    LIFETIMES,
+    MEMORY,
+    TRUST,
+    AsyncPeer,
+    Peer,
+    ops_spec,
+    suite_peer_argv,
+)
 
 __all__ = [
+    "BARE_ENGINE",
+    "LIFETIMES",
+    "MEMORY",
     "NETNS_PREFIX",
     "NETNS_SUBNET",
-    "PEER_MODES",
+    "TRUST",
     "AsyncPeer",
     "Child",
     "NetCluster",
@@ -34,9 +48,10 @@ __all__ = [
     "PeerExited",
     "netns_cleanup_stale",
     "netns_unavailable",
-    "peer_argv",
+    "ops_spec",
     "read_memory",
     "rss_kb",
+    "suite_peer_argv",
     "thread_cpu_s",
     "threads_cpu_s",
 ]

@@ -42,7 +42,6 @@ import numpy as np
 import aiokvcache as kv
 
 CANARY = 0xA5
-PEER_SCRIPT = Path(__file__).resolve().parent / "lt_peer.py"
 # Run as a script: the suite's support package is beside this file's folder.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -238,14 +237,7 @@ async def stress_scenario(transport: str, seconds: str) -> None:
     import hashlib
 
     from aiokvcache.testing import cluster_info
-    from support.harness import AsyncPeer
-
-    peer_script = str(PEER_SCRIPT)
-
-    class Peer(AsyncPeer):
-        def __init__(self) -> None:
-            super().__init__("lt", transport, lifetime=300)
-            self.argv = [sys.executable, peer_script, transport, "--cluster-id", "1"]
+    from support.harness import LIFETIMES, AsyncPeer
 
     def sha(cache: kv.Cache) -> str:
         h = hashlib.sha256()
@@ -277,7 +269,7 @@ async def stress_scenario(transport: str, seconds: str) -> None:
     canary_bad = 0
     end = time.monotonic() + float(seconds)
     dd: kv.LLMDataDist | None = None
-    async with Peer() as peer:
+    async with AsyncPeer("prefill", transport, "--cluster-id=1", ops=LIFETIMES) as peer:
         await peer.call("alloc", name="z", tensors=2, bytes=size, fill=0)
         await peer.call("alloc", name="s", tensors=2, bytes=size, seed=11)
         src_sha = (await peer.call("hash", name="s"))["sha"]

@@ -1,38 +1,66 @@
-"""The test suite's clients of its peer program (``tests/support/peer_modes.py``).
+"""The test suite's clients of the peer program (:mod:`aiokvcache.testing.peer`).
 
-:func:`peer_argv` is its command line (inside a network namespace with
-``netns``); :class:`Peer` speaks to it blocking, :class:`AsyncPeer` from an
-async test (asyncio or trio: it is :class:`aiokvcache.testing.JsonChild`).
+:class:`AsyncPeer` (from an async test, asyncio or trio: an
+:class:`aiokvcache.testing.JsonChild`) and :class:`Peer` (blocking) start
+``python -m aiokvcache.testing.peer ROLE ARGS...`` with the ops modules
+``ops`` names: a subject of the suite's, for its
+``tests/support/peer_ops_<subject>.py``, or a module's dotted name
+(:data:`BARE_ENGINE`). :data:`LIFETIMES`, :data:`MEMORY` and :data:`TRUST`
+are the stacks the process tests of those subjects load.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from aiokvcache._child import JsonPeer
-from aiokvcache.testing import JsonChild
+from aiokvcache.testing import JsonChild, peer_argv
 
-__all__ = ["PEER_MODES", "AsyncPeer", "Peer", "peer_argv"]
+__all__ = [
+    "BARE_ENGINE",
+    "LIFETIMES",
+    "MEMORY",
+    "TRUST",
+    "AsyncPeer",
+    "Peer",
+    "ops_spec",
+    "suite_peer_argv",
+]
 
-#: The peer program.
-PEER_MODES = str(Path(__file__).with_name("peer_modes.py"))
+#: ROLE ``none`` with this: a bare native engine owning one region (``--size``).
+BARE_ENGINE = "aiokvcache.testing._bare_engine"
+#: Pushes into caches being retired (tests/test_lifetimes.py).
+LIFETIMES = ("transfers", "lifetimes")
+#: tests/test_memory_safety.py's: the lifetimes' ops, allocations with no zero byte.
+MEMORY = ("transfers", "lifetimes", "memory")
+#: A peer that attacks or is attacked (tests/test_trust.py, tests/test_liveness.py).
+TRUST = ("transfers", "trust")
 
 
-def peer_argv(
-    mode: str, *args: str, lifetime: float | None = None, netns: str | None = None
+def ops_spec(name: str) -> str:
+    """What ``--ops`` takes for ``name``: a dotted name as it is, a subject
+    as the path of ``tests/support/peer_ops_<subject>.py``."""
+    if "." in name:
+        return name
+    return str(Path(__file__).with_name(f"peer_ops_{name}.py"))
+
+
+def suite_peer_argv(
+    role: str,
+    *args: str,
+    ops: Sequence[str] = (),
+    lifetime: float | None = None,
+    netns: str | None = None,
 ) -> list[str]:
-    """The command line of the peer program in ``mode`` (see its docs), run
-    inside network namespace ``netns`` if given (``ip netns exec``, which
-    execs the program itself: the child's pid is the peer's)."""
-    argv = [sys.executable, PEER_MODES, mode, *args]
-    if lifetime is not None:
-        argv.append(f"--lifetime={lifetime:g}")
-    if netns is not None:
-        argv = ["ip", "netns", "exec", netns, *argv]
-    return argv
+    """:func:`aiokvcache.testing.peer_argv` with the ops named as :func:`ops_spec` reads them."""
+    specs = [ops_spec(name) for name in ops]
+    return peer_argv(role, *args, ops=specs, lifetime=lifetime, netns=netns)
+
+
+def _label(role: str, ops: Sequence[str]) -> str:
+    return f"peer {role}" + (f" ({', '.join(ops)})" if ops else "")
 
 
 class Peer(JsonPeer):
@@ -40,18 +68,19 @@ class Peer(JsonPeer):
 
     def __init__(
         self,
-        mode: str,
+        role: str,
         *args: str,
+        ops: Sequence[str] = (),
         startup_timeout: float = 60,
         lifetime: float | None = None,
         env: Mapping[str, str] | None = None,
         stderr: int | IO[Any] | None = None,
         new_session: bool = False,
     ) -> None:
-        self.mode = mode
+        self.mode = role
         super().__init__(
-            peer_argv(mode, *args, lifetime=lifetime),
-            label=f"peer {mode}",
+            suite_peer_argv(role, *args, ops=ops, lifetime=lifetime),
+            label=_label(role, ops),
             startup_timeout=startup_timeout,
             env=env,
             stderr=stderr,
@@ -60,12 +89,13 @@ class Peer(JsonPeer):
 
 
 class AsyncPeer(JsonChild):
-    """The peer program from an async test: ``async with AsyncPeer(mode, *args) as peer``."""
+    """The peer program from an async test: ``async with AsyncPeer(role, *args) as peer``."""
 
     def __init__(
         self,
-        mode: str,
+        role: str,
         *args: str,
+        ops: Sequence[str] = (),
         startup_timeout: float = 60,
         lifetime: float | None = None,
         env: Mapping[str, str] | None = None,
@@ -73,16 +103,11 @@ class AsyncPeer(JsonChild):
         netns: str | None = None,
     ) -> None:
         super().__init__(
-            peer_argv(mode, *args, lifetime=lifetime, netns=netns),
-            label=f"peer {mode}",
+            suite_peer_argv(role, *args, ops=ops, lifetime=lifetime, netns=netns),
+            label=_label(role, ops),
             startup_timeout=startup_timeout,
             env=env,
             stderr=stderr,
         )
-        self.mode = mode
+        self.mode = role
         self.netns = netns
-
-    @property
-    def address(self) -> str:
-        """Its control address, ``ip:port``."""
-        return str(self.hello["address"])

@@ -17,9 +17,17 @@ In a child process:
   thawed, slowed or killed on demand, to test hand-off code against a peer
   that stops answering, dies or crawls. It runs under asyncio and trio
   (anyio: ``pip install "aiokvcache[pytest]"``).
-* :class:`Child`: any child program spoken to in lines (blocking), always
-  killed and reaped on :meth:`~Child.close`; :class:`PeerError`,
-  :class:`PeerExited`.
+* :func:`peer_argv`: the peer program's command line, with ops modules of
+  one's own (``--ops``: see :mod:`aiokvcache.testing.peer`), for
+  :class:`JsonChild` (async) or :class:`JsonPeer` (blocking), which start
+  any program that speaks JSON lines; :class:`Child`: any child program
+  spoken to in lines (blocking). Each is always killed and reaped when it
+  closes; :class:`PeerError`, :class:`PeerExited`.
+* :func:`read_memory`, :func:`rss_kb`, :func:`thread_cpu_s`,
+  :func:`threads_cpu_s`: what ``/proc`` tells of a process.
+
+Hosts in network namespaces on one bridge (root only), to cut a peer's
+cable: :mod:`aiokvcache.testing.netns`.
 
 The fixtures of the pytest plugin (:mod:`aiokvcache.pytest_plugin`) are
 built from these.
@@ -28,6 +36,7 @@ built from these.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -49,7 +58,8 @@ from aiokvcache import (
 )
 
 from .. import _loopside
-from .._child import Child, PeerError, PeerExited
+from .._child import Child, JsonPeer, PeerError, PeerExited
+from ._procfs import read_memory, rss_kb, thread_cpu_s, threads_cpu_s
 
 if TYPE_CHECKING:
     from ._process import JsonChild, PeerProcess
@@ -59,6 +69,7 @@ __all__ = [
     "PROMPT_ID",
     "Child",
     "JsonChild",
+    "JsonPeer",
     "Pair",
     "PeerError",
     "PeerExited",
@@ -71,10 +82,15 @@ __all__ = [
     "make_pair",
     "options",
     "pair",
+    "peer_argv",
     "process_frozen",
+    "read_memory",
+    "rss_kb",
     "same",
     "snapshot",
     "status_of",
+    "thread_cpu_s",
+    "threads_cpu_s",
 ]
 
 
@@ -89,6 +105,29 @@ def __getattr__(name: str) -> Any:
 
 
 PROMPT_ID, DECODER_ID = 1, 2
+
+
+def peer_argv(
+    role: str,
+    *args: str,
+    ops: Sequence[str] = (),
+    lifetime: float | None = None,
+    netns: str | None = None,
+) -> list[str]:
+    """The command line of the peer program, ``python -m
+    aiokvcache.testing.peer ROLE ARGS...`` (see there), loading the ops
+    modules ``ops`` (module names or ``.py`` paths) and ending after
+    ``lifetime`` seconds if given; run inside network namespace ``netns``
+    if given (``ip netns exec``, which execs the program itself: the
+    child's pid is the peer's)."""
+    argv = [sys.executable, "-m", "aiokvcache.testing.peer", role, *args]
+    argv += [f"--ops={spec}" for spec in ops]
+    if lifetime is not None:
+        argv.append(f"--lifetime={lifetime:g}")
+    if netns is not None:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    return argv
+
 
 # ---------------------------------------------------------------- in one process
 

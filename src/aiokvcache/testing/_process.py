@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -35,6 +34,7 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._child import PeerExited, checked, is_answer, json_object
+from . import peer_argv
 from ._clock import real_fail_after, real_move_on_after
 
 __all__ = ["JsonChild", "PeerProcess", "freeze_process", "process_frozen"]
@@ -179,6 +179,15 @@ class JsonChild:
     def returncode(self) -> int | None:
         """Its exit status; None while it runs (or before it started)."""
         return None if self.proc is None else self.proc.returncode
+
+    @property
+    def address(self) -> str:
+        """Its control-plane address, ``ip:port``, from its hello (``ValueError``
+        if it does not listen)."""
+        address = self.hello.get("address")
+        if not address:
+            raise ValueError(f"{self.label} does not listen")
+        return str(address)
 
     async def start(self) -> Self:
         """Start it and wait for its hello line (killed and reaped if that fails)."""
@@ -372,31 +381,21 @@ class PeerProcess(JsonChild):
     ) -> None:
         if role not in ("decoder", "prefill"):
             raise ValueError(f"role must be 'decoder' or 'prefill', got {role!r}")
-        argv = [sys.executable, "-m", "aiokvcache.testing.peer", role, transport]
+        args = [transport]
         if cluster_id is not None:
-            argv.append(f"--cluster-id={cluster_id}")
+            args.append(f"--cluster-id={cluster_id}")
         if listen is not None:
-            argv.append(f"--listen={listen}")
+            args.append(f"--listen={listen}")
         if options:
-            argv.append(f"--options={json.dumps(dict(options))}")
-        if lifetime is not None:
-            argv.append(f"--lifetime={lifetime:g}")
+            args.append(f"--options={json.dumps(dict(options))}")
         super().__init__(
-            argv,
+            peer_argv(role, *args, lifetime=lifetime),
             label=f"peer {role}",
             startup_timeout=startup_timeout,
             env=env,
             stderr=stderr,
         )
         self.role = role
-
-    @property
-    def address(self) -> str:
-        """Its control-plane address, ``ip:port`` (``ValueError`` if it does not listen)."""
-        address = self.hello.get("address")
-        if not address:
-            raise ValueError(f"{self.label} does not listen")
-        return str(address)
 
     @property
     def cluster_id(self) -> int:

@@ -34,8 +34,28 @@ input:
 * ``reinit`` (a fresh LLMDataDist), ``rss``, ``stats``, ``health`` (its
   ``live_jobs`` and the errors that reached its peer-service loop).
 
-It ignores SIGINT (its parent decides when it ends) and exits after
-``--lifetime`` seconds whatever happens.
+It ignores SIGINT (its parent decides when it ends), ends when its parent
+process does, and exits after ``--lifetime`` seconds whatever happens.
+
+ROLE ``none`` starts no LLMDataDist and answers none of these: its ops
+modules give it all it does (a bare native engine, a transfer agent).
+
+Ops modules add ops: ``--ops MODULE`` (repeatable) names a module, or the
+path of a ``.py`` file, loaded once, in order, before the peer starts. One
+defines any of:
+
+* ``add_arguments(parser)``: options of its own (read back from ``node.args``);
+* ``register(ops, node)``: adds entries to ``ops``, the op table (op name ->
+  ``async def handler(req) -> answer``), or replaces one (the entry it
+  replaces is its to call); ``node`` is the :class:`PeerNode` they act on
+  (its LLMDataDist, ``node.dd``, is initialized by the time one runs);
+* ``start(node)``: an async context manager entered once the LLMDataDist is
+  initialized and before the hello (to make what the peer owns from the
+  start, put fields into its hello, ``node.hello``, and add the ops that act
+  on it), and left when the peer ends, in reverse order, before the
+  LLMDataDist is finalized.
+
+:func:`aiokvcache.testing.peer_argv` writes its command line.
 """
 
 from __future__ import annotations
@@ -44,15 +64,17 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import importlib
+import importlib.util
 import json
 import logging
 import os
-import select
 import signal
 import sys
-import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -70,30 +92,30 @@ from aiokvcache import (
 )
 from aiokvcache.options import KEY_LISTEN_IP_INFO, TRANSPORTS
 
-from .._child import say, serve, unknown
-from . import cluster_info, options
+from .._child import Handler, say, serve, unknown
+from . import cluster_info, fill, options
+from ._guard import guard
+from ._procfs import rss_kb
 
 __all__ = [
+    "Handler",
+    "PeerNode",
+    "cache_sha",
     "finish_args",
     "guard",
+    "key_of",
+    "load_ops",
     "main",
     "parser",
     "run",
     "service_errors",
+    "timed_status",
     "watch_service_errors",
 ]
 
 
 def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _rss_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return -1
 
 
 def _node_options(args: argparse.Namespace) -> dict[str, str]:
@@ -112,8 +134,10 @@ def _node_options(args: argparse.Namespace) -> dict[str, str]:
     return cfg
 
 
-async def _timed_status(aw: Awaitable[Any]) -> dict[str, Any]:
-    """Run ``aw``: its status name, start and end (``time.monotonic()``)."""
+async def timed_status(aw: Awaitable[Any]) -> dict[str, Any]:
+    """Run ``aw``: ``status`` (an ``LLMStatusCode`` name, ``EXCEPTION`` for
+    another error), ``start``, ``end`` (``time.monotonic()``), ``seconds``
+    and, when it failed, ``message``."""
     start = time.monotonic()
     try:
         await aw
@@ -146,41 +170,84 @@ def _summary(done: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def _key_of(req: dict[str, Any]) -> CacheKeyByIdAndIndex:
+def key_of(req: dict[str, Any]) -> CacheKeyByIdAndIndex:
+    """The request's ``cluster_id``, ``cache_id`` and ``index`` (0 by default)."""
     return CacheKeyByIdAndIndex(
         int(req["cluster_id"]), int(req["cache_id"]), int(req.get("index", 0))
     )
 
 
-def _cache_sha(cache: Cache) -> str:
+def cache_sha(cache: Cache) -> str:
+    """sha256 of every tensor's bytes, in order."""
     return _sha(b"".join(t.tobytes() for t in cache.tensors))
 
 
-def _fill(cache: Cache, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    for t in cache.tensors:
-        t[...] = rng.integers(0, 256, t.shape, dtype=np.uint8)
-
-
-class _Node:
-    """An LLMDataDist driven op by op: the caches and push loops it owns, one
-    method per request op (see :data:`_NODE_OPS`)."""
+class PeerNode:
+    """The peer: an LLMDataDist driven op by op (none for ROLE ``none``), the
+    caches (:attr:`caches`, by the caller's names) and push loops it owns,
+    its op table :attr:`ops` (op name -> handler: its own methods, then what
+    ops modules add) and :attr:`hello`, the fields they add to its hello."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.role = LLMRole.PROMPT if args.mode == "prefill" else LLMRole.DECODER
-        self.cfg = _node_options(args)
-        self.dd = LLMDataDist(self.role, args.cluster_id)
+        self.has_instance = args.mode != "none"
+        self.cfg = _node_options(args) if self.has_instance else {}
+        self._dd = LLMDataDist(self.role, args.cluster_id) if self.has_instance else None
         self.caches: dict[str, Cache] = {}
         self.loops: dict[str, asyncio.Task[list[dict[str, Any]]]] = {}
         self.progress: dict[str, list[dict[str, Any]]] = {}
         self.thaws = 0  # SIGCONTs received (push_layers: a thaw cancels a freeze to come)
+        self.hello: dict[str, Any] = {}
+        self.ops: dict[str, Handler] = self._builtin_ops() if self.has_instance else {}
+
+    @property
+    def dd(self) -> LLMDataDist:
+        """Its LLMDataDist (``RuntimeError`` for ROLE ``none``)."""
+        if self._dd is None:
+            raise RuntimeError("ROLE none: this peer has no LLMDataDist")
+        return self._dd
+
+    def _builtin_ops(self) -> dict[str, Handler]:
+        """The requests a prefill / decoder node answers, by op."""
+        return {
+            "alloc": self.alloc,
+            "fill": self.fill,
+            "hash": self.hash,
+            "wait": self.wait,
+            "free": self.free,
+            "link": self.link,
+            "unlink": self.link,
+            "push": self.push,
+            "pull": self.pull,
+            "rounds": self.rounds,
+            "loop": self.loop,
+            "loop_status": self.loop_status,
+            "loop_join": self.loop_join,
+            "push_layers": self.push_layers,
+            "settle": self.settle,
+            "reinit": self.reinit,
+            "rss": self.rss,
+            "stats": self.stats,
+            "health": self.health,
+        }
 
     async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        op = _NODE_OPS.get(req["op"])
+        op = self.ops.get(req["op"])
         if op is None:
             return unknown(req)
-        return await op(self, req)
+        return await op(req)
+
+    def base_hello(self) -> dict[str, Any]:
+        """What every hello says: ``address`` (with an LLMDataDist), ``pid``,
+        ``cluster_id``, ``rss_kb``."""
+        address = {"address": self.dd.listen_address} if self.has_instance else {}
+        return {
+            **address,
+            "pid": os.getpid(),
+            "cluster_id": self.args.cluster_id,
+            "rss_kb": rss_kb(os.getpid()),
+        }
 
     def count_thaw(self) -> None:
         self.thaws += 1
@@ -203,31 +270,31 @@ class _Node:
             desc = CacheDesc(tensors, shape, DataType.DT_UINT8, Placement.HOST)
             cache = cm.allocate_blocks_cache(desc, BlocksCacheKey(self.args.cluster_id))
         if req.get("seed") is not None:
-            _fill(cache, int(req["seed"]))
+            fill(cache, int(req["seed"]))
         self.caches[str(req["name"])] = cache
         return {
             "cache_id": cache.cache_id,
             "addrs": cache.tensor_addrs,
             "tensor_bytes": int(req["bytes"]),
-            "sha": _cache_sha(cache),
+            "sha": cache_sha(cache),
         }
 
     async def fill(self, req: dict[str, Any]) -> dict[str, Any]:
         cache = self.caches[str(req["name"])]
-        _fill(cache, int(req["seed"]))
-        return {"sha": _cache_sha(cache)}
+        fill(cache, int(req["seed"]))
+        return {"sha": cache_sha(cache)}
 
     async def hash(self, req: dict[str, Any]) -> dict[str, Any]:
         cache = self.caches[str(req["name"])]
         if req.get("blocks") is None:
-            return {"sha": _cache_sha(cache)}
+            return {"sha": cache_sha(cache)}
         ids = [int(b) for b in req["blocks"]]
         return {"sha": _sha(b"".join(t[ids].tobytes() for t in cache.tensors))}
 
     async def wait(self, req: dict[str, Any]) -> dict[str, Any]:
         layers = [int(x) for x in req["layers"]]
         tmo = float(req.get("wait_timeout", 30))
-        return await _timed_status(
+        return await timed_status(
             self.dd.cache_manager.wait_for_layers(str(req["tag"]), layers, timeout=tmo)
         )
 
@@ -258,19 +325,19 @@ class _Node:
 
     def _push_of(self, req: dict[str, Any], src: str | None = None) -> Awaitable[None]:
         return self.dd.cache_manager.push_cache(
-            _key_of(req),
+            key_of(req),
             self.caches[src or str(req["src"])],
             timeout=float(req.get("call_timeout", 5)),
         )
 
     async def push(self, req: dict[str, Any]) -> dict[str, Any]:
-        return await _timed_status(self._push_of(req))
+        return await timed_status(self._push_of(req))
 
     async def pull(self, req: dict[str, Any]) -> dict[str, Any]:
         dst = self.caches[str(req["dst"])]
         timeout = float(req.get("call_timeout", 5))
-        return await _timed_status(
-            self.dd.cache_manager.pull_cache(_key_of(req), dst, timeout=timeout)
+        return await timed_status(
+            self.dd.cache_manager.pull_cache(key_of(req), dst, timeout=timeout)
         )
 
     async def _push_loop(
@@ -284,7 +351,7 @@ class _Node:
         srcs = [str(x) for x in req.get("srcs", [req.get("src")])]
         while len(done) < count and time.monotonic() < deadline:
             src = srcs[len(done) % len(srcs)]
-            res = await _timed_status(self._push_of(req, src))
+            res = await timed_status(self._push_of(req, src))
             res["src"] = src
             done.append(res)
             if res["status"] != "LLM_SUCCESS" and stop_on_error:
@@ -372,10 +439,10 @@ class _Node:
                 await asyncio.sleep(every)
             one = range(layer, layer + 1)
             push = cm.push_cache(
-                _key_of(req), src, src_layer_range=one, dst_layer_range=one,
+                key_of(req), src, src_layer_range=one, dst_layer_range=one,
                 tag=str(req["tag"]), timeout=float(req.get("call_timeout", 10)),
             )  # fmt: skip
-            task = asyncio.ensure_future(_timed_status(push))
+            task = asyncio.ensure_future(timed_status(push))
             entry: dict[str, Any] = {"layer": layer, "src": str(req["src"])}
             if freeze_at is not None and layer == int(freeze_at):
                 thawed = self.thaws > thaws
@@ -411,12 +478,12 @@ class _Node:
         self.loops.clear()
         self.caches.clear()
         await self.dd.finalize()
-        self.dd = LLMDataDist(self.role, self.args.cluster_id)
+        self._dd = LLMDataDist(self.role, self.args.cluster_id)
         await self.dd.init(self.cfg)
         return {"seconds": time.monotonic() - start, "address": self.dd.listen_address}
 
     async def rss(self, req: dict[str, Any]) -> dict[str, Any]:
-        return {"rss_kb": _rss_kb()}
+        return {"rss_kb": rss_kb(os.getpid())}
 
     async def stats(self, req: dict[str, Any]) -> dict[str, Any]:
         return {k: int(v) for k, v in self.dd.cache_manager.stats().items()}
@@ -512,55 +579,67 @@ def _round_bytes(src: Cache, req: dict[str, Any]) -> int:
     return int(desc.size // desc.shape[0]) * len(req["src_blocks"])
 
 
-#: The requests a prefill / decoder node answers, by op.
-_NODE_OPS: dict[str, Callable[[_Node, dict[str, Any]], Awaitable[dict[str, Any]]]] = {
-    "alloc": _Node.alloc,
-    "fill": _Node.fill,
-    "hash": _Node.hash,
-    "wait": _Node.wait,
-    "free": _Node.free,
-    "link": _Node.link,
-    "unlink": _Node.link,
-    "push": _Node.push,
-    "pull": _Node.pull,
-    "rounds": _Node.rounds,
-    "loop": _Node.loop,
-    "loop_status": _Node.loop_status,
-    "loop_join": _Node.loop_join,
-    "push_layers": _Node.push_layers,
-    "settle": _Node.settle,
-    "reinit": _Node.reinit,
-    "rss": _Node.rss,
-    "stats": _Node.stats,
-    "health": _Node.health,
-}
-
-
 async def run(args: argparse.Namespace) -> None:
-    """An LLMDataDist driven op by op until ``exit`` or end of input."""
+    """The peer until ``exit`` or end of input: its LLMDataDist and its ops
+    modules' start-up (``args.ops``), its hello, then an answer a request."""
     watch_service_errors()
-    node = _Node(args)
+    modules = [load_ops(spec) for spec in args.ops]
+    node = PeerNode(args)
+    for module in modules:
+        if hasattr(module, "register"):
+            module.register(node.ops, node)
     asyncio.get_running_loop().add_signal_handler(signal.SIGCONT, node.count_thaw)
-    await node.dd.init(node.cfg)
-    say(
-        {
-            "address": node.dd.listen_address,
-            "pid": os.getpid(),
-            "cluster_id": args.cluster_id,
-            "rss_kb": _rss_kb(),
-        }
-    )
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        if node.has_instance:
+            await node.dd.init(node.cfg)
+            stack.push_async_callback(lambda: node.dd.finalize())  # the one reinit made too
+        for module in modules:
+            if hasattr(module, "start"):
+                await stack.enter_async_context(module.start(node))
+        stack.callback(node.stop_loops)
+        say({**node.base_hello(), **node.hello})
         await serve(node.handle)
-    finally:
-        node.stop_loops()
-        await node.dd.finalize()
 
 
-def parser(prog: str = "python -m aiokvcache.testing.peer") -> argparse.ArgumentParser:
-    """The command line: ROLE TRANSPORT and the instance's options."""
+_HOOKS = ("add_arguments", "register", "start")
+_loaded: dict[str, ModuleType] = {}
+
+
+def load_ops(spec: str) -> ModuleType:
+    """The ops module ``spec`` names (see the module's docs), loaded once: a
+    ``.py`` file's path (a module named after the file), else a module name."""
+    if spec in _loaded:
+        return _loaded[spec]
+    if spec.endswith(".py") or os.sep in spec:
+        path = Path(spec).resolve()
+        found = importlib.util.spec_from_file_location(path.stem, path)
+        if found is None or found.loader is None or not path.is_file():
+            raise SystemExit(f"--ops {spec}: no such Python file")
+        if path.stem in sys.modules:
+            raise SystemExit(f"--ops {spec}: a module named {path.stem!r} is loaded already")
+        module = importlib.util.module_from_spec(found)
+        sys.modules[path.stem] = module
+        found.loader.exec_module(module)
+    else:
+        module = importlib.import_module(spec)
+    if not any(hasattr(module, hook) for hook in _HOOKS):
+        raise SystemExit(f"--ops {spec}: defines none of {', '.join(_HOOKS)}")
+    _loaded[spec] = module
+    return module
+
+
+def parser(
+    prog: str = "python -m aiokvcache.testing.peer", modules: Sequence[ModuleType] = ()
+) -> argparse.ArgumentParser:
+    """The command line: ROLE TRANSPORT, the instance's options and those of
+    the ops ``modules`` (:func:`load_ops`)."""
     p = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("mode", choices=["decoder", "prefill"], metavar="ROLE", help="decoder, prefill")
+    p.add_argument(
+        "mode",
+        choices=["decoder", "prefill", "none"],
+        metavar="ROLE",
+        help="decoder, prefill, or none (no LLMDataDist: its ops modules' ops only)",
+    )
     p.add_argument("transport", choices=TRANSPORTS)
     p.add_argument("--cluster-id", type=int, default=None, help="default 2 (decoder), 1 (prefill)")
     p.add_argument("--listen", default=None, help="control-plane listen address ip:port")
@@ -569,6 +648,16 @@ def parser(prog: str = "python -m aiokvcache.testing.peer") -> argparse.Argument
     p.add_argument("--sync-kv-timeout", type=int, default=60_000, help="ms per layer")
     p.add_argument("--options", default="{}", help="more LLMConfig attributes, a JSON object")
     p.add_argument("--lifetime", type=float, default=None, help="exit after this many seconds")
+    p.add_argument(
+        "--ops",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="an ops module to load (a module name or a .py file); repeatable",
+    )
+    for module in modules:
+        if hasattr(module, "add_arguments"):
+            module.add_arguments(p)
     return p
 
 
@@ -581,83 +670,12 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def guard(lifetime: float | None) -> None:
-    """End this process when the process that started it dies, and after
-    ``lifetime`` seconds (if given) whatever it is doing, frozen
-    (``SIGSTOP``) included.
-
-    Both are kept by a forked watchdog process, which a ``SIGSTOP`` of this
-    one does not stop: it ``SIGKILL``s this process when the parent process
-    is gone or the time is up (a stopped process dies of it too), and leaves
-    when this one is gone. It watches the parent *process*: Linux's
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked us exits, and
-    trio starts subprocesses from worker threads that exit after 10 s idle.
-    Call it first, before any thread starts.
-    """
-    parent = os.getppid()
-    watched = _watch(parent)
-    if os.getppid() != parent or parent == 1:
-        os._exit(1)  # the parent died before we could watch it
-    peer = os.getpid()
-    pid = os.fork()
-    if pid == 0:  # the watchdog
-        try:
-            # Not holding the peer's pipes: its parent sees them close when it dies.
-            devnull = os.open(os.devnull, os.O_RDWR)
-            os.dup2(devnull, 0)
-            os.dup2(devnull, 1)
-            end = None if lifetime is None else time.monotonic() + lifetime
-            _watchdog(peer, parent, watched, end)
-        finally:
-            os._exit(0)
-    if watched is not None:
-        os.close(watched)
-    # Reaped when it ends, so it leaves no zombie behind.
-    threading.Thread(target=os.waitpid, args=(pid, 0), name="watchdog", daemon=True).start()
-
-
-def _watch(pid: int) -> int | None:
-    """A pidfd of ``pid`` (readable once it exits), or None where the
-    kernel has none (then the watchdog polls ``kill(pid, 0)``)."""
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        return None
-
-
-def _watchdog(peer: int, parent: int, parent_fd: int | None, end: float | None) -> None:
-    """Kill ``peer`` once ``parent`` (its parent process, ``parent_fd`` its
-    pidfd) exited or ``end`` passed; return when ``peer`` itself is gone
-    (we were reparented)."""
-    while os.getppid() == peer:
-        if end is not None and time.monotonic() >= end:
-            break
-        if parent_fd is not None:
-            if select.select([parent_fd], [], [], 0.2)[0]:
-                break  # the parent process exited
-            continue
-        time.sleep(0.2)
-        if not _alive(parent):
-            break
-    else:
-        return  # the peer ended
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(peer, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the peer until told to exit."""
-    args = finish_args(parser().parse_args(argv))
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--ops", action="append", default=[])
+    specs = first.parse_known_args(argv)[0].ops  # their options are parsed with the rest
+    args = finish_args(parser(modules=[load_ops(spec) for spec in specs]).parse_args(argv))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     guard(args.lifetime)
     asyncio.run(run(args))

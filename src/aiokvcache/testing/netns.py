@@ -1,8 +1,10 @@
-"""Hosts in network namespaces, cabled to one bridge (root only).
+"""Hosts in network namespaces, cabled to one bridge (Linux, root only).
 
-:class:`NetCluster` makes the hosts, cuts and restores their cables and
-starts the peer program inside one; :mod:`aiokvcache.testing` makes these
-names public.
+:class:`NetCluster` makes N hosts (:class:`NetHost`: a namespace with its
+own ``eth0``, ``198.18.0.x``), cuts and restores their cables, runs commands
+inside one and starts the peer program (:mod:`aiokvcache.testing.peer`)
+there; :func:`netns_unavailable` says why it cannot work here (a skip
+reason). It shells out to iproute2's ``ip``.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Self
+from typing import IO, TYPE_CHECKING, Any, Self
 
-from support.peerclient import AsyncPeer
+from . import peer_argv
+from ._procfs import pid_alive
+
+if TYPE_CHECKING:
+    from ._process import JsonChild
 
 __all__ = [
     "NETNS_PREFIX",
@@ -70,16 +77,6 @@ def _netns_list() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _netns_delete(name: str) -> None:
     """Kill every process in namespace ``name``, then delete it."""
     pids = _ip("netns", "pids", name, check=False).stdout.split()
@@ -97,7 +94,7 @@ def netns_cleanup_stale() -> list[str]:
         parts = name.split("-")
         if len(parts) < 3 or parts[0] != NETNS_PREFIX or not parts[1].isdigit():
             continue
-        if _pid_alive(int(parts[1])):
+        if pid_alive(int(parts[1])):
             continue  # a live run's (ours included: create() deletes its own names)
         _netns_delete(name)
         gone.append(name)
@@ -132,8 +129,8 @@ class NetCluster:
 
     Faults: :meth:`cut` / :meth:`restore` take a host's cable down / up (its
     ``eth0`` keeps its address and sees no carrier: packets vanish, nothing
-    is reset); :class:`AsyncPeer` ``.signal()`` / ``.kill()`` stop, continue
-    or kill a host's process.
+    is reset); a peer's :class:`~aiokvcache.testing.JsonChild` ``.signal()``
+    / ``.kill()`` stop, continue or kill a host's process.
     """
 
     def __init__(self, hosts: int, *, uplink: bool = False) -> None:
@@ -244,7 +241,26 @@ class NetCluster:
             check=False,
         )
 
-    def peer(self, host: NetHost, mode: str, *args: str, **kw: Any) -> AsyncPeer:
-        """The peer program in ``mode`` inside ``host`` (not started yet:
-        ``async with`` it); keywords as :class:`AsyncPeer`'s."""
-        return AsyncPeer(mode, *args, netns=host.netns, **kw)
+    def peer(
+        self,
+        host: NetHost,
+        role: str,
+        *args: str,
+        ops: Sequence[str] = (),
+        lifetime: float | None = None,
+        startup_timeout: float = 60,
+        env: Mapping[str, str] | None = None,
+        stderr: int | IO[Any] | None = None,
+    ) -> JsonChild:
+        """The peer program (:func:`~aiokvcache.testing.peer_argv`) inside
+        ``host``, as a :class:`~aiokvcache.testing.JsonChild` not started
+        yet (``async with`` it); needs anyio."""
+        from ._process import JsonChild
+
+        return JsonChild(
+            peer_argv(role, *args, ops=ops, lifetime=lifetime, netns=host.netns),
+            label=f"peer {role} on {host.name}",
+            startup_timeout=startup_timeout,
+            env=env,
+            stderr=stderr,
+        )

@@ -1,11 +1,23 @@
 """What ``/proc`` tells about a process: its memory, its threads' CPU time,
-its resident size. :mod:`aiokvcache.testing` makes these names public."""
+its resident size (Linux; standard library only). :mod:`aiokvcache.testing`
+exports these names."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["read_memory", "rss_kb", "thread_cpu_s", "threads_cpu_s"]
+__all__ = ["pid_alive", "read_memory", "rss_kb", "thread_cpu_s", "threads_cpu_s"]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def read_memory(pid: int, address: int, length: int) -> bytes:
