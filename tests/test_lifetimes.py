@@ -1,66 +1,67 @@
-"""Memory lifetimes: adversarial tests for the "lifetimes" defects (brief h1).
+"""Memory lifetimes: no byte moves into or out of memory after the call that
+gave it back returned, whatever a peer or a thread does meanwhile.
 
-Each test asserts the behaviour expected once the defect is fixed; on
-d2734be (built in /work/base) it fails as listed. Processes that may crash
+Each test asserts the guarded behaviour; without it, it fails as listed
+(the failures a library without these guards showed). Processes that may crash
 run as children: the peer program with the lifetimes ops
 (tests/support/peer_ops_lifetimes.py), lt_victim.py (scenarios that may
-crash: copy, unlink, stress) and lt_engine_sender.py (a bare engine sender,
-item 6b).
+crash: copy, unlink, stress) and lt_engine_sender.py (a bare engine sender).
 
-Test -> item of the brief -> how it fails on d2734be:
+Test -> how it fails without the guard:
 
-* ``test_registered_bytearray_cannot_be_resized_while_registered[shm|tcp]`` (item 5):
+* ``test_registered_bytearray_cannot_be_resized_while_registered[shm|tcp]``:
   ``Failed: DID NOT RAISE BufferError``: the registered bytearray is resized (realloc'd) under
   the registration.
-* ``test_push_after_deallocate_cache_returned_fails[shm|tcp-small|large]`` (item 7):
+* ``test_push_after_deallocate_cache_returned_fails[shm|tcp-small|large]``:
   ``Failed: DID NOT RAISE LLMException``: a push that starts after deallocate_cache returned
   succeeds (inline copy or jobs).
-* ``test_pull_after_deallocate_cache_returned_fails[...]`` (item 7):
+* ``test_pull_after_deallocate_cache_returned_fails[...]``:
   the same, for pull_cache.
-* ``test_push_after_unregister_cache_returned_fails[shm|tcp]`` (item 7):
+* ``test_push_after_unregister_cache_returned_fails[shm|tcp]``:
   the same after unregister_cache (the bytes land in the unregistered numpy buffers).
-* ``test_pull_blocks_by_id_after_deallocate_cache_returned_fails[shm|tcp]`` (item 7):
+* ``test_pull_blocks_by_id_after_deallocate_cache_returned_fails[shm|tcp]``:
   the same, pull_blocks by CacheKeyByIdAndIndex.
-* ``test_blocks_transfer_after_blocks_cache_retired_fails[...]`` (item 7):
+* ``test_blocks_transfer_after_blocks_cache_retired_fails[...]``:
   PASSES (a guard): push_blocks / pull_blocks by BlocksCacheKey look the key up at the owner on
   every call, so they already fail correctly.
-* ``test_push_after_deallocate_returned_fails_two_processes[shm|tcp]`` (item 7):
+* ``test_push_after_deallocate_returned_fails_two_processes[shm|tcp]``:
   ``AssertionError: 52046 of 55460 pushes that started after deallocate_cache returned
   succeeded`` (tcp: 835 of 3883).
-* ``test_overlapping_probe_back_requests_do_not_crash_the_victim[shm|tcp]`` (item 3):
+* ``test_overlapping_probe_back_requests_do_not_crash_the_victim[shm|tcp]``:
   ``the victim died (rc -11) under overlapping probe_back``: a handshaken peer (no token) frees
   the probe buffer under another probe. On tcp some rounds first end with UCX ``send(25)
   failed: Input/output error`` (a send from the freed buffer); -11 came within the 8 rounds in
   every run.
-* ``test_a_peer_shrinking_its_segment_does_not_crash_us[push|pull] (shm only)`` (item 8):
+* ``test_a_peer_shrinking_its_segment_does_not_crash_us[push|pull] (shm only)``:
   ``our process died on a push to the shrunk segment: ... rc -7``: SIGBUS in the direct copy.
-* ``test_deallocate_during_a_local_copy_waits_for_it[shm|tcp-op-src|dst]`` (item 2):
+* ``test_deallocate_during_a_local_copy_waits_for_it[shm|tcp-op-src|dst]``:
   ``the process died (rc -11) during copy_cache`` (most cases), or ``swap_blocks wrote into
   memory reused after it: ... 'canary_bytes_changed': 536870912``.
-* ``test_finalize_keeps_registered_buffers_until_the_engine_stopped (tcp)`` (item 4):
+* ``test_finalize_keeps_registered_buffers_until_the_engine_stopped (tcp)``:
   ``a registered buffer was released while the engine's progress thread still ran (...: [True,
   True])``: the cut-off of a frozen peer ends as soon as close() begins.
-* ``test_unlink_then_deallocate_waits_for_the_peers_puts[tr-frozen|running-plain|force]`` (item 1):
+* ``test_unlink_then_deallocate_waits_for_the_peers_puts[tr-frozen|running-plain|force]``:
   tcp-frozen-plain/force: ``the unlinked peer's puts landed in memory reused after
   deallocate_cache: {... 'canary_bytes_changed': 2-4 MB ...}``, every run. tcp-running (marked
-  slow): about one attempt in three on d2734be, so it often passes. shm-*: PASS on d2734be (the
-  peer writes its own mapping of a segment that is not reused): guards.
-* ``test_a_starved_copy_lane_times_out_and_keeps_the_link (shm only; root)`` (item 6a):
+  slow): about one attempt in three without the guard, so it often passes. shm-*: pass
+  without it (the peer writes its own mapping of a segment that is not reused): guards.
+* ``test_a_starved_copy_lane_times_out_and_keeps_the_link (shm only; root)``:
   ``timed-out push: LLM_TIMEOUT (...); the next push on the link: LLM_LINK_FAILED``: the
   starved lane's queued chunks made the stuck detector kill a healthy link.
-* ``test_an_engine_thawed_past_its_deadline_posts_nothing_more (shm; slow)`` (item 6b):
+* ``test_an_engine_thawed_past_its_deadline_posts_nothing_more (shm; slow)``:
   ``after 3 of 3 freezes between two steps, the sender copied a whole step (16384 bytes) past
   its job's deadline``. Statistical: see its docstring.
-* ``test_stress_lifetimes[shm|tcp]`` (item all):
-  usually passes on d2734be; once (shm) it failed with ``round 10: 1044478 canary bytes
+* ``test_stress_lifetimes[shm|tcp]``:
+  usually passes without the guards; once (shm) it failed with ``round 10: 1044478 canary bytes
   changed`` (a force-unlink round while the peer pushed), then 0 of 6 more 6 s runs.
 
-Devices the tests use to make d2734be's races deterministic (none asserts a
-duration): item 7 keeps the GIL (long switch interval, the service threads
+Devices the tests use to make those races deterministic (none asserts a
+duration): the use-after-retire tests keep the GIL (long switch interval, the service threads
 pinned to another CPU) between the retirement and the transfer, so the
-asynchronous invalidation cannot win by luck; item 1 freezes the pusher
+asynchronous invalidation cannot win by luck; the unlink tests freeze the pusher
 (SIGSTOP) with small TCP socket buffers, so its posted puts wait in it;
-item 6a starves the lane threads with a SCHED_FIFO process for 2 s; item 3
+the starved-lane test starves the lane threads with a SCHED_FIFO process for
+2 s; the probe test
 answers the victim's two probe_info requests back to back, the second with
 a bad buffer.
 """
@@ -87,7 +88,7 @@ import pytest
 import aiokvcache as kv
 from aiokvcache import testing
 from aiokvcache.testing import Pair, fill, freeze_process, options, snapshot
-from support.harness import BARE_ENGINE, LIFETIMES, AsyncPeer
+from support.harness import BARE_ENGINE, LIFETIMES, AsyncPeer, mapping_of
 
 S = kv.LLMStatusCode
 SUPPORT = Path(__file__).parent / "support"
@@ -119,7 +120,7 @@ class LtPeer(AsyncPeer):
         super().__init__(role, transport, *args, ops=LIFETIMES, **kw)
 
 
-# ================================================================ item 5
+# ============================================== registered buffers
 # register_cache keeps no buffer export: a registered bytearray can be
 # resized (reallocated) under the registration.
 
@@ -158,7 +159,7 @@ async def test_registered_bytearray_cannot_be_resized_while_registered(pair: Pai
     pair.p.deallocate_cache(src)
 
 
-# ================================================================ item 7
+# ============================================ use after retirement
 # A transfer that starts after the owner's deallocate_cache (or
 # deallocate_blocks_cache / unregister_cache) returned must fail with
 # KV_CACHE_NOT_EXIST; today the invalidation is asynchronous and it succeeds.
@@ -206,7 +207,7 @@ async def start_after(retire: Any, transfer: Any, hold: float = 0.3) -> None:
 
 
 #: Each in-process case is repeated: the contract holds every time, while
-#: d2734be's failure needs its service threads to lose a race they
+#: the unguarded failure needs its service threads to lose a race they
 #: usually lose (see start_after).
 ROUNDS = 3
 
@@ -288,7 +289,7 @@ async def test_blocks_transfer_after_blocks_cache_retired_fails(
     pair: Pair, how: str, op: str
 ) -> None:
     # By BlocksCacheKey: looked up at the owner every call (a guard: this
-    # one already holds on d2734be, see the table).
+    # one already holds without the guard, see the table).
     desc = blocks_u8(2, 8, 256)
     bkey = kv.BlocksCacheKey(2, 0)
     if how == "deallocate_blocks_cache":
@@ -400,7 +401,7 @@ async def test_push_after_deallocate_returned_fails_two_processes(transport: str
         assert set(res["after_counts"]) == {"LLM_KV_CACHE_NOT_EXIST"}, res
 
 
-# ================================================================ item 3
+# ============================================== overlapping probes
 # The link's probe buffer is freed by whichever probe_back request ends
 # first, while another one still uses it: a handshaken peer (no auth token
 # needed) makes the victim's engine copy into, and Python read from,
@@ -489,21 +490,10 @@ async def test_overlapping_probe_back_requests_do_not_crash_the_victim(transport
         assert (await victim.call("hash", name="x"))["sha"] == want
 
 
-# ================================================================ item 8
+# ========================================= a peer's shrunk segment
 # (shm only: a same-host mapping.) A peer that shrinks the shared-memory
 # file behind its cache after we mapped it makes our direct copies SIGBUS:
 # the file size is checked once, when its key is unpacked.
-
-
-def _mapping_of(pid: int, addr: int) -> str:
-    """``start-end`` (hex) of the mapping of process ``pid`` that holds ``addr``."""
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            span = line.split()[0]
-            lo, hi = (int(x, 16) for x in span.split("-"))
-            if lo <= addr < hi:
-                return span
-    raise AssertionError(f"no mapping holds {addr:#x} in pid {pid}")
 
 
 @pytest.mark.parametrize("op", ["push", "pull"])
@@ -526,7 +516,7 @@ async def test_a_peer_shrinking_its_segment_does_not_crash_us(op: str) -> None:
         await us.call("alloc", name="s", tensors=2, bytes=1 << 20, seed=3)
         first = await us.call(op, cluster_id=2, cache_id=x["cache_id"], src="s", dst="s")
         assert first["status"] == "LLM_SUCCESS", first  # mapped now
-        span = _mapping_of(shrinker.pid, x["addrs"][0])
+        span = mapping_of(shrinker.pid, x["addrs"][0])
         os.truncate(f"/proc/{shrinker.pid}/map_files/{span}", 0)
         try:
             res = await us.call(
@@ -540,7 +530,7 @@ async def test_a_peer_shrinking_its_segment_does_not_crash_us(op: str) -> None:
         assert again["status"] == "LLM_SUCCESS", again
 
 
-# ================================================================ item 2
+# ==================================================== local copies
 # Local copies (copy_cache / copy_blocks / swap_blocks) run in a worker
 # thread and take no lease: deallocate_cache from another thread frees the
 # memory under the copy. Run in a child (lt_victim.py copy): it may crash.
@@ -574,7 +564,7 @@ def run_victim(*args: str, timeout: float = 90) -> tuple[int, dict[str, Any] | N
     ],
 )
 def test_deallocate_during_a_local_copy_waits_for_it(transport: str, op: str, side: str) -> None:
-    # The contract holds every time; one miss proves it broken. (On d2734be
+    # The contract holds every time; one miss proves it broken. (Without the guard
     # a copy of the source sometimes ends before the release catches up.)
     for attempt in range(3):
         rc, res, tail = run_victim("copy", transport, op, side)
@@ -585,7 +575,7 @@ def test_deallocate_during_a_local_copy_waits_for_it(transport: str, op: str, si
         assert not res["written_after_return"], res
 
 
-# ================================================================ item 4
+# ================================= finalize and registered buffers
 # During finalize(), "closed" means "close begun": a retirement waiting for
 # the endpoint to a frozen peer to close ends as soon as the engine's close
 # begins, and the user's registered buffers go while the progress thread
@@ -653,7 +643,7 @@ async def test_finalize_keeps_registered_buffers_until_the_engine_stopped() -> N
         await owner.finalize()
 
 
-# ================================================================ item 1
+# ========================================= unlink, then deallocate
 # Deallocation asks only the links still in st.links: an unlinked (plain or
 # forced) peer whose posted puts are still in flight is not waited for, so
 # they land in memory that was released and reused. Run in a child
@@ -673,7 +663,7 @@ def test_unlink_then_deallocate_waits_for_the_peers_puts(
 ) -> None:
     # "frozen": the pusher is stopped just before our unlink (its posted puts
     # wait in it) and continued once canaries fill X's memory: deterministic.
-    # "running": as it comes; a race on d2734be, so a few attempts.
+    # "running": as it comes; a race without the guard, so a few attempts.
     attempts = 1 if freeze == "frozen" else 3
     live = 0
     for attempt in range(attempts + 2):
@@ -701,7 +691,7 @@ def test_unlink_then_deallocate_waits_for_the_peers_puts(
     assert live == attempts, "the peer's link never stayed up, pushing, until the unlink"
 
 
-# ================================================================ item 6
+# ========================================= deadlines past a freeze
 # Copy-lane chunks count as in-flight operations for the stuck detector: a
 # starved lane thread (akv-copy) makes a healthy same-host link "dead".
 
@@ -800,19 +790,19 @@ LT_SENDER = str(SUPPORT / "lt_engine_sender.py")
 
 @pytest.mark.slow
 def test_an_engine_thawed_past_its_deadline_posts_nothing_more() -> None:
-    """Second part of item 6 (post_all runs before check_deadlines).
+    """The deadline check past a freeze, second part (post_all runs before check_deadlines).
 
     A sender engine (child, shm direct copy, 4 KiB chunks: one step of its
     progress thread copies 4 chunks, 16 KiB) puts 64 MiB into our region
     with a 1 s deadline; we SIGSTOP it mid-put, let the deadline pass and
     continue it. Every byte is copied by the sender's own thread, so the
     bytes in our region when it froze tell where it stopped: a multiple of
-    a step means it froze between two steps. Resumed there, d2734be's next
+    a step means it froze between two steps. Resumed there, an unguarded engine's next
     step copies a whole step (post_all) before it looks at deadlines; with
     the fix it copies nothing. Only a freeze inside post_all before its
     first byte may legitimately finish a step from a boundary, and that
     window is a small part of a step: so over at least three boundary
-    freezes, at most half may be followed by a whole step (d2734be: all).
+    freezes, at most half may be followed by a whole step (unguarded: all).
     Not deterministic per freeze (where SIGSTOP lands is chance), hence
     the count; freezes inside a step must never go past that step.
     """

@@ -85,7 +85,7 @@ async def test_a_linked_peer_cannot_write_memory_outside_the_caches_it_was_serve
         prt = runtime(peer)
         lk = prt.state.links[1]
         # The packed key the owner served for x (its metadata's regions[0].rkey).
-        packed = runtime(owner).state.registry.caches[x.cache_id].rkeys[0]
+        packed = runtime(owner).state.cache_table.caches[x.cache_id].rkeys[0]
         target = int(private.ctypes.data)
         rk = prt.engine.rkey_unpack(lk.ep, packed, target, 8)  # claims another base
         payload = np.full(8, 0xAB, np.uint8)

@@ -34,7 +34,7 @@ import pytest
 import aiokvcache as kv
 from aiokvcache import testing
 from aiokvcache.testing import cluster_info
-from support.harness import LIFETIMES, MEMORY, AsyncPeer
+from support.harness import LIFETIMES, MEMORY, AsyncPeer, mapping_of
 from support.instances import instance, link, runtime, status_of, u8_desc
 
 S = kv.LLMStatusCode
@@ -151,7 +151,7 @@ async def test_a_push_after_deallocate_fails_for_a_cache_looked_up_during_link_s
         # cache (what a long copy_cache holds): only the guard can answer.
         st = runtime(owner).state
         with st.lock:
-            recs = [st.registry.caches[c.cache_id] for c in (early, late)]
+            recs = [st.cache_table.caches[c.cache_id] for c in (early, late)]
         holds = [st.lease((rec,)) for rec in recs]  # as copy_cache does
         early_key = kv.CacheKeyByIdAndIndex(2, early.cache_id, 0)
         try:
@@ -257,16 +257,6 @@ async def test_a_local_copy_whose_cache_is_deallocated_meanwhile_fails(transport
 # ------------------------------------------------- a peer's shrunk segment
 
 
-def _mapping_of(pid: int, addr: int) -> str:
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            span = line.split()[0]
-            lo, hi = (int(x, 16) for x in span.split("-"))
-            if lo <= addr < hi:
-                return span
-    raise AssertionError(f"no mapping holds {addr:#x} in pid {pid}")
-
-
 async def test_a_shrunk_segment_does_not_kill_a_process_that_enabled_faulthandler_later() -> None:
     """The SIGBUS guard was installed once, by the first engine: an application
     that enabled faulthandler afterwards replaced it, and a guarded copy through
@@ -285,7 +275,7 @@ async def test_a_shrunk_segment_does_not_kill_a_process_that_enabled_faulthandle
         first = await us.call("push", cluster_id=2, cache_id=cache["cache_id"], src="s")
         assert first["status"] == "LLM_SUCCESS", first  # mapped now
         assert (await us.call("faulthandler"))["enabled"]
-        span = _mapping_of(x.pid, cache["addrs"][0])
+        span = mapping_of(x.pid, cache["addrs"][0])
         os.truncate(f"/proc/{x.pid}/map_files/{span}", 0)
         try:
             res = await us.call(

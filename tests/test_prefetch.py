@@ -60,7 +60,7 @@ def installing(dd: kv.LLMDataDist) -> bool:
 def exposed_to_a_peer(dd: kv.LLMDataDist, cache_id: int) -> bool:
     st = runtime(dd).state
     with st.lock:
-        rec = st.registry.caches.get(cache_id)
+        rec = st.cache_table.caches.get(cache_id)
         return rec is not None and bool(rec.exposed)
 
 

@@ -1,78 +1,79 @@
-"""Peer trust and smaller defects: adversarial tests, each failing on d2734be.
+"""Peer trust: what a linked, relaying or flooding peer cannot do to us, as
+adversarial tests, each failing on a library without the guard it holds.
 
 Peers are child processes (the peer program, an LLMDataDist driven by JSON
 lines, with the ops of ``tests/support/peer_ops_trust.py``); every test runs
 over shm and tcp unless marked otherwise. Reaching inside the library:
 ``_runtime`` below (our own instance's worker address and table of cache
-records), ``aiokvcache._core.wire.control`` (a hostile control-plane peer,
-item 3a) and, in those ops, the *internal* ones (forge a notification, serve
+records), ``aiokvcache._core.wire.control`` (a hostile control-plane peer)
+and, in those ops, the *internal* ones (forge a notification, serve
 crafted metadata, flood probe_back).
 
-How each test fails on d2734be (run with ``/work/base/.venv``):
+How each test fails without its guard:
 
-* item 1: ``test_a_relay_learns_no_worker_address_and_no_cache_metadata[shm,tcp]``
+* ``test_a_relay_learns_no_worker_address_and_no_cache_metadata[shm,tcp]``
     AssertionError: the relay (no token) read: A's UCX worker address, B's UCX worker
     address, 4-5 of B's cache addresses; link LLM_SUCCESS (everything after the handshake
     is plaintext; nothing binds the transcript to a session).
-* item 1a: ``test_initiator_sends_no_auth_to_the_wrong_cluster[shm,tcp]``
+* ``test_initiator_sends_no_auth_to_the_wrong_cluster[shm,tcp]``
     AssertionError: A sent its UCX worker address (AUTH) to cluster 3 before checking the
     cluster id (the link fails only afterwards: LLM_LINK_FAILED, "it is cluster 3").
-* item 1b: ``test_acceptor_refuses_a_hello_claiming_its_own_cluster_id``
+* ``test_acceptor_refuses_a_hello_claiming_its_own_cluster_id``
     ``[shm,tcp x token,no-token]``:
     AssertionError: cluster 2 accepted a peer claiming to be cluster 2: link LLM_SUCCESS,
     its links {'2': False}, endpoints 1.
-* item 2: ``test_notification_source_is_the_link_it_came_on[shm,tcp]``
+* ``test_notification_source_is_the_link_it_came_on[shm,tcp]``
     AssertionError: C's notification reads as sent by [1] (C is 3, A is 1).
-* item 2: ``test_wait_for_layers_from_a_cluster_ignores_forgeries[shm,tcp]``
+* ``test_wait_for_layers_from_a_cluster_ignores_forgeries[shm,tcp]``
     TypeError: CacheManager.wait_for_layers() got an unexpected keyword argument
     'src_cluster_id' (the keyword is new; the test above shows the misattribution).
-* item 3a: ``test_a_peer_that_never_reads_cannot_grow_the_victims_queue[shm,tcp]``
+* ``test_a_peer_that_never_reads_cannot_grow_the_victims_queue[shm,tcp]``
     AssertionError: the victim grew by 129 MiB queueing answers for a peer that does not
     read (bound 128 MiB; 1500 cache_by_id requests, ~290 KB answers each; the connection
     stays up).
-* item 3b: ``test_cache_by_addr_lookup_does_not_scan_every_cache[shm,tcp]``
+* ``test_cache_by_addr_lookup_does_not_scan_every_cache[shm,tcp]``
     AssertionError: looking up 4096 addresses among 20000 caches read cache records more
     than 524288 times (the lookup is stopped there and answers LLM_FAILED).
-* item 3c: ``test_a_notification_flood_into_a_blocked_loop_is_capped[shm,tcp]``
+* ``test_a_notification_flood_into_a_blocked_loop_is_capped[shm,tcp]``
     AssertionError: 400000 notifications of 468 bytes into a blocked loop: the victim grew
     by 207 MiB; drop counters {'dropped_notifications': 0}.
-* item 3d: ``test_a_frozen_prober_stalls_neither_retirement_nor_new_links (tcp only)``
+* ``test_a_frozen_prober_stalls_neither_retirement_nor_new_links (tcp only)``
     AssertionError: a new peer could not link (LLM_TIMEOUT) while a frozen peer holds 40
     probe_back requests. With that check left out: a retired cache's memory was not
     released in 30 s (regions 6 -> 6). The same test with the attacker merely SIGSTOPped
-    (no probe_back flood) passes on d2734be.
-* item 4: ``test_a_tagged_push_to_a_frozen_receiver_ends_at_its_deadline (shm only)``
+    (no probe_back flood) passes without the guard.
+* ``test_a_tagged_push_to_a_frozen_receiver_ends_at_its_deadline (shm only)``
     AssertionError: 146-147 of 400 tagged pushes (timeout=2.0s) to a frozen receiver
     still running after 30 s (the same 147 after 60 s).
-* item 5: ``test_transfer_from_another_loop_is_refused_before_submitting``
+* ``test_transfer_from_another_loop_is_refused_before_submitting``
     ``[shm,tcp x push_cache,pull_cache,notify]``:
     AssertionError: 2 jobs (notify: 1) submitted before the refusal; the refusal is
     RuntimeError "Task ... got Future ... attached to a different loop", which names
     neither init() nor the right loop.
-* item 6: ``test_simultaneous_links_from_both_sides_leave_a_working_link[shm,tcp]``
+* ``test_simultaneous_links_from_both_sides_leave_a_working_link[shm,tcp]``
     AssertionError: round N (seen N = 0..26 of 60; one run of 20 rounds in 12 missed):
     links LLM_ALREADY_LINK / LLM_ALREADY_LINK, then pushes a->b and b->a LLM_LINK_FAILED
     ("peer closed: cluster 2 is already linked").
-* item 7: ``test_infinite_timeout_means_no_limit[shm,tcp]``
+* ``test_infinite_timeout_means_no_limit[shm,tcp]``
     AssertionError: timeout=inf failed: push_cache, pull_cache, push_blocks, pull_blocks,
     notify: OverflowError: cannot convert float infinity to integer (wait_for_layers works
     already).
-* item 8: ``test_malformed_peer_metadata_raises_llm_errors_only[shm,tcp]``
+* ``test_malformed_peer_metadata_raises_llm_errors_only[shm,tcp]``
     AssertionError: 9 non-LLM errors escaped: TypeError (rkey not bytes) and KeyError
     ('rkey' missing) for every lookup, OverflowError (cache_by_key batch_index -1);
     accepted: cache_id "7", tensor_region ["0", "0"], shape [1, 0] (cache_by_key).
-* item 9: ``test_endpoint_records_of_broken_links_are_erased``
+* ``test_endpoint_records_of_broken_links_are_erased``
     ``[shm,tcp x force_unlink,finalize,kill]``:
     AssertionError: 4 endpoint records for one live link after 3 links broken by their
     peers; baseline 0.
-* item 10: ``test_ucx_fatal_lines_reach_stderr_at_once[exit,drain]``
+* ``test_ucx_fatal_lines_reach_stderr_at_once[exit,drain]``
     AttributeError in the child: module 'aiokvcache._native' has no attribute
     'ucx_log_emit' (assert 'EMITTED' in its stdout).
-* item 11: ``test_init_warns_once_when_listening_beyond_loopback_without_token``
+* ``test_init_warns_once_when_listening_beyond_loopback_without_token``
     AssertionError: no warning for 0.0.0.0 without a token (assert 0 == 1).
 
-Item 9 as briefed (break from the peer side, re-link the *same* cluster id)
-does not fail on d2734be: the re-link drops the broken link and its endpoint
+Endpoints of broken links: a break from the peer side re-linked under the *same* cluster id
+does not fail without the guard: the re-link drops the broken link and its endpoint
 goes. What does fail is the record of a broken link that is not re-linked:
 peers that come and go under new cluster ids leave one endpoint each.
 """
@@ -130,7 +131,8 @@ class TrPeer(AsyncPeer):
 def _runtime(dd: kv.LLMDataDist) -> Any:
     """The private runtime of an in-process LLMDataDist: the one reach inside
     the library this file makes on its own instances, to read its UCX worker
-    address (item 1) and to find its table of cache records (item 3b)."""
+    address (the relay test) and to find its table of cache records (the
+    cache_by_addr test)."""
     return dd._rt
 
 
@@ -139,8 +141,8 @@ def engine_of(dd: kv.LLMDataDist) -> Any:
 
 
 def record_table(dd: kv.LLMDataDist) -> dict[int, Any]:
-    """Our cache records by id (their type is what item 3b counts reads of)."""
-    return _runtime(dd).state.registry.caches  # type: ignore[no-any-return]
+    """Our cache records by id (their type is what the cache_by_addr test counts reads of)."""
+    return _runtime(dd).state.cache_table.caches  # type: ignore[no-any-return]
 
 
 async def started(
@@ -210,7 +212,7 @@ async def link(dd: kv.LLMDataDist, address: str, cluster_id: int, timeout_ms: in
     return rc
 
 
-# ================================================================ item 7
+# =============================================== infinite timeouts
 # timeout=float("inf") passes check_timeout, then the job path computes
 # math.ceil(inf * 1000): OverflowError. inf must mean "no limit".
 
@@ -257,7 +259,7 @@ async def test_infinite_timeout_means_no_limit(transport: str) -> None:
         assert cm.stats()["live_jobs"] == 0
 
 
-# ================================================================ item 11
+# ======================================= listening without a token
 # init() on a non-loopback listen address without an auth token says nothing.
 
 
@@ -287,7 +289,7 @@ async def test_init_warns_once_when_listening_beyond_loopback_without_token(
     assert seen["127.0.0.1 without token"] == [], seen
 
 
-# ================================================================ item 10
+# =========================================== UCX's fatal log lines
 # The UCX log handler queues FATAL / ERROR lines like warnings: a process UCX
 # aborts dies without printing why.
 
@@ -335,7 +337,7 @@ def test_ucx_fatal_lines_reach_stderr_at_once(then: str) -> None:
         ), out
 
 
-# ================================================================ item 9
+# ======================================= endpoints of broken links
 # A link broken from the peer's side keeps its endpoint record for as long as
 # the (broken) link record stays: with peers that come and go (new cluster
 # ids), every cycle adds one.
@@ -383,7 +385,7 @@ async def test_endpoint_records_of_broken_links_are_erased(transport: str, how: 
             )
 
 
-# ================================================================ item 5
+# ====================================== a transfer on another loop
 # A transfer awaited on a loop other than the one that ran init(): the bridge
 # submits first, then its futures (the owner loop's) are awaited from the
 # wrong loop. It must be refused, clearly, before anything is submitted.
@@ -436,7 +438,7 @@ async def test_transfer_from_another_loop_is_refused_before_submitting(
         await cm.push_cache(key, mine, timeout=10)
 
 
-# ================================================================ item 6
+# ============================================== simultaneous links
 # A links B while B links A: each side may refuse the other's connection as
 # ALREADY_LINK while the one it kept is being refused by the other side.
 
@@ -495,7 +497,7 @@ async def test_simultaneous_links_from_both_sides_leave_a_working_link(
         assert not bad, bad
 
 
-# ================================================================ item 2
+# ========================================= a notification's source
 # The receiver takes a notification's source from its payload ("c"): a
 # linked peer C can make D believe cluster A sent it.
 
@@ -570,7 +572,7 @@ async def test_wait_for_layers_from_a_cluster_ignores_forgeries(transport: str) 
         await waiter
 
 
-# ================================================================ item 1
+# ============================================= a relayed handshake
 # The handshake can be relayed: a plain TCP proxy between A and B, holding
 # nothing, sees both UCX worker addresses and every cache's metadata in
 # clear; A sends its AUTH before it checks the cluster id that answered; an
@@ -712,7 +714,7 @@ async def test_acceptor_refuses_a_hello_claiming_its_own_cluster_id(
         )
 
 
-# ================================================================ item 8
+# ======================================== malformed cache metadata
 # Malformed cache metadata from a linked peer escapes as TypeError,
 # ZeroDivisionError, ... instead of an LLMException.
 
@@ -906,7 +908,7 @@ async def test_malformed_peer_metadata_raises_llm_errors_only(transport: str) ->
         assert cm.stats()["live_jobs"] == 0
 
 
-# ================================================================ item 3b
+# ==================================== cache_by_addr without a scan
 # A peer's cache_by_addr request scans every cache of ours for every address,
 # under the state lock: O(addresses x caches) per request.
 
@@ -969,7 +971,7 @@ async def test_cache_by_addr_lookup_does_not_scan_every_cache(transport: str) ->
         del caches, buf
 
 
-# ================================================================ item 3a
+# ========================================= a peer that never reads
 # A handshaken peer that sends requests and never reads: the victim queues
 # every response (ControlConnection._outq has no bound).
 
@@ -1050,7 +1052,7 @@ async def test_a_peer_that_never_reads_cannot_grow_the_victims_queue(transport: 
             assert (await victim.call("hash", name="t"))["sha"] != target["sha"]
 
 
-# ================================================================ item 3c
+# ============================================ a notification flood
 # While the victim's event loop is blocked, the native completion queue takes
 # every notification a linked peer sends: it has no bound.
 
@@ -1089,7 +1091,7 @@ async def test_a_notification_flood_into_a_blocked_loop_is_capped(
         )
 
 
-# ================================================================ item 4
+# ==================================== notifications of landed puts
 # A tagged put whose bytes landed (direct copies into a frozen receiver's
 # mapped memory) but whose notification cannot leave (the frozen receiver's
 # active-message channel is full) ignores its deadline: cancel_job returns
@@ -1135,7 +1137,7 @@ async def test_a_tagged_push_to_a_frozen_receiver_ends_at_its_deadline() -> None
             await asyncio.gather(*pushes, return_exceptions=True)
 
 
-# ================================================================ item 3d
+# ================================================= a frozen prober
 # probe_back takes a timeout of up to 600 s from the peer and waits for the
 # probe's jobs in the service loop's default executor: a peer that answers
 # our probe_info and then freezes ties every executor thread up for minutes

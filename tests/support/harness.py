@@ -46,6 +46,7 @@ __all__ = [
     "Peer",
     "PeerError",
     "PeerExited",
+    "mapping_of",
     "netns_cleanup_stale",
     "netns_unavailable",
     "ops_spec",
@@ -55,3 +56,14 @@ __all__ = [
     "thread_cpu_s",
     "threads_cpu_s",
 ]
+
+
+def mapping_of(pid: int, addr: int) -> str:
+    """``start-end`` (hex) of the mapping of process ``pid`` that holds ``addr``."""
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            span = line.split()[0]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= addr < hi:
+                return span
+    raise AssertionError(f"no mapping holds {addr:#x} in pid {pid}")

@@ -268,7 +268,7 @@ class Trust:
 
         st = self.rt.state
         with st.lock:
-            rec = st.registry.caches[self.node.caches[str(req["name"])].cache_id]
+            rec = st.cache_table.caches[self.node.caches[str(req["name"])].cache_id]
         return {"meta": to_json(metadata(st, rec))}
 
     async def probe_flood(self, req: dict[str, Any]) -> dict[str, Any]:

@@ -136,7 +136,7 @@ class LocalCaches:
         if not isinstance(cache, Cache):
             raise TypeError(f"{name} must be Cache, got {type(cache).__name__}")
         with self.state.lock:
-            rec = self.state.registry.caches.get(cache.cache_id)
+            rec = self.state.cache_table.caches.get(cache.cache_id)
         if rec is None or rec.cache is not cache:
             raise make_error(
                 LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
@@ -147,7 +147,7 @@ class LocalCaches:
     def counts(self) -> tuple[int, int]:
         """How many caches are live, and the bytes allocated for them."""
         with self.state.lock:
-            return len(self.state.registry.caches), self.state.registry.allocated_bytes
+            return len(self.state.cache_table.caches), self.state.cache_table.allocated_bytes
 
     def allocate(
         self,
@@ -162,7 +162,7 @@ class LocalCaches:
         total = desc.size * desc.num_tensors
         cap = st.options.host_mem_pool_bytes
         with st.lock:
-            in_use = st.registry.allocated_bytes
+            in_use = st.cache_table.allocated_bytes
         if cap is not None and in_use + total > cap:
             raise make_error(
                 LLMStatusCode.LLM_OUT_OF_MEMORY,
@@ -232,11 +232,11 @@ class LocalCaches:
         st = self.state
         try:
             with st.lock:
-                cache_id = st.registry.new_cache_id()
+                cache_id = st.cache_table.new_cache_id()
                 slot = st.ctl.guard_alloc(cache_id)
                 rec = record(cache_id)
                 rec.guard_slot = slot
-                st.registry.add(rec, keys, blocks_key)
+                st.cache_table.add(rec, keys, blocks_key)
         except BaseException:
             _release(st.engine, regions)
             raise
@@ -255,7 +255,7 @@ class LocalCaches:
             )
         seen: set[CacheKey] = set()
         with self.state.lock:
-            bound = self.state.registry.keys
+            bound = self.state.cache_table.keys
             for i, k in enumerate(keys):
                 if k.is_placeholder:
                     continue
@@ -272,7 +272,7 @@ class LocalCaches:
             return None
         check_isinstance("blocks_cache_key", key, BlocksCacheKey)
         with self.state.lock:
-            if key in self.state.registry.blocks_keys:
+            if key in self.state.cache_table.blocks_keys:
                 raise param_invalid(f"blocks_cache_key = {key!r} is already bound to a cache")
         result: BlocksCacheKey = key
         return result
@@ -280,9 +280,9 @@ class LocalCaches:
     def remove_key(self, cache_key: CacheKey) -> None:
         """Unbind a CacheKey from its cache (no-op when it is not bound)."""
         with self.state.lock:
-            bound = self.state.registry.keys.pop(cache_key, None)
+            bound = self.state.cache_table.keys.pop(cache_key, None)
             if bound is not None:
-                rec = self.state.registry.caches.get(bound[0])
+                rec = self.state.cache_table.caches.get(bound[0])
                 if rec is not None:
                     rec.keys.pop(cache_key, None)
 
@@ -307,7 +307,7 @@ class LocalCaches:
     def unregister(self, cache_id: int) -> None:
         """``unregister_cache``: the registered cache ``cache_id``, retired."""
         with self.state.lock:
-            rec = self.state.registry.caches.get(cache_id)
+            rec = self.state.cache_table.caches.get(cache_id)
         if rec is None:
             raise make_error(
                 LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"cache_id {cache_id} is not registered"
@@ -326,7 +326,7 @@ class LocalCaches:
         """Mark every cache retired (finalize): no new use of any can start."""
         st = self.state
         with st.lock:
-            for rec in st.registry.caches.values():
+            for rec in st.cache_table.caches.values():
                 rec.valid = False
                 st.ctl.guard_retire(rec.guard_slot)
 
@@ -335,7 +335,7 @@ class LocalCaches:
         with self.state.lock:
             return [
                 lease
-                for rec in self.state.registry.caches.values()
+                for rec in self.state.cache_table.caches.values()
                 for lease in rec.leases
                 if lease.done is not None
             ]
@@ -343,7 +343,7 @@ class LocalCaches:
     def drop_all(self) -> None:
         """Forget every cache and key, their Cache objects closed (finalize,
         once the engine is closed)."""
-        reg = self.state.registry
+        reg = self.state.cache_table
         with self.state.lock:
             recs = list(reg.caches.values())
             reg.caches.clear()

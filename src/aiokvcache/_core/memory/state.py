@@ -282,7 +282,7 @@ class State:
         self.options = options
         self.engine = engine
         self.local = local
-        self.registry = CacheTable()
+        self.cache_table = CacheTable()
         self.links: dict[int, Link] = {}
         self.linking: set[int] = set()
         #: Set once finalize() begins; read by both threads.

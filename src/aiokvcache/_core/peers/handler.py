@@ -192,32 +192,32 @@ class PeerHandler:
     def _by_id(self, link: Link, cache_id: int) -> LocalCache:
         st = self._state
         with st.lock:
-            rec = st.registry.served(cache_id, st.options.enable_remote_cache_accessible)
+            rec = st.cache_table.served(cache_id, st.options.enable_remote_cache_accessible)
             rec.exposed.add(link)
         return rec
 
     def _by_key(self, link: Link, key: CacheKey) -> tuple[LocalCache, int]:
         st = self._state
         with st.lock:
-            bound = st.registry.keys.get(key)
+            bound = st.cache_table.keys.get(key)
             if bound is None:
                 raise make_error(
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST, f"no cache is bound to {key!r}"
                 )
-            rec = st.registry.served(bound[0], st.options.enable_remote_cache_accessible)
+            rec = st.cache_table.served(bound[0], st.options.enable_remote_cache_accessible)
             rec.exposed.add(link)
         return rec, bound[1]
 
     def _by_blocks_key(self, link: Link, bkey: BlocksCacheKey) -> LocalCache:
         st = self._state
         with st.lock:
-            bound_id = st.registry.blocks_keys.get(bkey)
+            bound_id = st.cache_table.blocks_keys.get(bkey)
             if bound_id is None:
                 raise make_error(
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                     f"no blocks cache is bound to {bkey!r}",
                 )
-            rec = st.registry.served(bound_id, st.options.enable_remote_cache_accessible)
+            rec = st.cache_table.served(bound_id, st.options.enable_remote_cache_accessible)
             rec.exposed.add(link)
         return rec
 
@@ -232,7 +232,7 @@ class PeerHandler:
         with st.lock:
             # Ids grow with registration, and the registry's dict keeps that order.
             newest = itertools.islice(
-                reversed(st.registry.caches.values()), 8 * MAX_CACHES_PER_ANSWER
+                reversed(st.cache_table.caches.values()), 8 * MAX_CACHES_PER_ANSWER
             )
             for rec in newest:
                 if rec.valid and rec.remote_accessible:
@@ -248,8 +248,8 @@ class PeerHandler:
         found: dict[int, LocalCache] = {}
         with st.lock:
             for a in addrs:
-                hit = st.registry.cache_at(a)  # O(log n): never a scan under the lock
+                hit = st.cache_table.cache_at(a)  # O(log n): never a scan under the lock
                 if hit is not None and hit.cache_id not in found:
-                    found[hit.cache_id] = st.registry.served(hit.cache_id, access)
+                    found[hit.cache_id] = st.cache_table.served(hit.cache_id, access)
                     hit.exposed.add(link)
         return list(found.values())

@@ -275,7 +275,7 @@ class Links:
         st = self._state
         with st.lock:
             link.quiescent = True
-            for rec in st.registry.caches.values():
+            for rec in st.cache_table.caches.values():
                 rec.exposed.discard(link)
 
     async def announce_finalizing(self) -> None:

@@ -74,12 +74,12 @@ class Retirement:
         st = self._state
         with st.lock:
             # One retirement per cache, whatever threads race to release it.
-            if not rec.valid or st.registry.caches.get(rec.cache_id) is not rec:
+            if not rec.valid or st.cache_table.caches.get(rec.cache_id) is not rec:
                 raise make_error(
                     LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
                     f"cache {rec.cache_id} was already released",
                 )
-            st.registry.drop(rec)  # out of every lookup, no new use of it
+            st.cache_table.drop(rec)  # out of every lookup, no new use of it
             leases = list(rec.leases)
             st.ctl.guard_retire(rec.guard_slot)
         owners = invalidate_cache(rec.cache)
