@@ -583,7 +583,7 @@ async def run(args: argparse.Namespace) -> None:
     """The peer until ``exit`` or end of input: its LLMDataDist and its ops
     modules' start-up (``args.ops``), its hello, then an answer a request."""
     watch_service_errors()
-    modules = [load_ops(spec) for spec in args.ops]
+    modules = _modules(args.ops)
     node = PeerNode(args)
     for module in modules:
         if hasattr(module, "register"):
@@ -626,6 +626,11 @@ def load_ops(spec: str) -> ModuleType:
         raise SystemExit(f"--ops {spec}: defines none of {', '.join(_HOOKS)}")
     _loaded[spec] = module
     return module
+
+
+def _modules(specs: Sequence[str]) -> list[ModuleType]:
+    """The ops modules ``specs`` name, each once, in the order first named."""
+    return list(dict.fromkeys(load_ops(spec) for spec in specs))
 
 
 def parser(
@@ -672,15 +677,23 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the peer until told to exit."""
-    first = argparse.ArgumentParser(add_help=False)
+    # What must hold before anything else runs (an ops module's import
+    # included): the watchdog and the lifetime, and SIGINT left to the parent.
+    first = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     first.add_argument("--ops", action="append", default=[])
-    specs = first.parse_known_args(argv)[0].ops  # their options are parsed with the rest
-    args = finish_args(parser(modules=[load_ops(spec) for spec in specs]).parse_args(argv))
+    first.add_argument("--lifetime", type=float, default=None)
+    early = first.parse_known_args(argv)[0]  # the rest is parsed with the modules' options
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    guard(args.lifetime)
+    guard(early.lifetime)
+    args = finish_args(parser(modules=_modules(early.ops)).parse_args(argv))
     asyncio.run(run(args))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the package's module, not as a second copy named __main__: an
+    # ops module that imports aiokvcache.testing.peer (service_errors(), its
+    # PeerNode) must see the state this run keeps.
+    from aiokvcache.testing import peer as _this
+
+    sys.exit(_this.main())
