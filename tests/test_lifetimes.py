@@ -89,28 +89,15 @@ import aiokvcache as kv
 from aiokvcache import testing
 from aiokvcache.testing import Pair, fill, freeze_process, options, snapshot
 from support.harness import BARE_ENGINE, LIFETIMES, AsyncPeer, mapping_of
+from support.instances import regions_at_most, u8_desc
 
 S = kv.LLMStatusCode
 SUPPORT = Path(__file__).parent / "support"
 LT_VICTIM = str(SUPPORT / "lt_victim.py")
 
 
-def u8_desc(tensors: int, nbytes: int) -> kv.CacheDesc:
-    return kv.CacheDesc(tensors, [1, nbytes], kv.DataType.DT_UINT8, kv.Placement.HOST)
-
-
 def blocks_u8(tensors: int, blocks: int, block_bytes: int) -> kv.CacheDesc:
     return kv.CacheDesc(tensors, [blocks, block_bytes], kv.DataType.DT_UINT8, kv.Placement.HOST)
-
-
-async def regions_drop_to(cm: kv.CacheManager, want: int, seconds: float) -> bool:
-    """Whether ``cm.stats()["regions"]`` reaches ``want`` within ``seconds``."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if cm.stats()["regions"] <= want:
-            return True
-        await asyncio.sleep(0.02)
-    return cm.stats()["regions"] <= want
 
 
 class LtPeer(AsyncPeer):
@@ -141,7 +128,7 @@ async def test_registered_bytearray_cannot_be_resized_while_registered(pair: Pai
             del b[: 1 << 10]
     assert all(len(b) == 1 << 16 for b in bufs)
     pair.d.unregister_cache(cache.cache_id)
-    assert await regions_drop_to(pair.d, regions, 10), "the registration was never retired"
+    assert await regions_at_most(pair.d, regions, 10), "the registration was never retired"
     # Retired: the buffers are the user's again (the export goes with the
     # registration's last reference, just after its memory: allow a moment).
     end = time.monotonic() + 10

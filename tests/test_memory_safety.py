@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,7 @@ import aiokvcache as kv
 from aiokvcache import testing
 from aiokvcache.testing import cluster_info
 from support.harness import LIFETIMES, MEMORY, AsyncPeer, mapping_of
-from support.instances import instance, link, runtime, status_of, u8_desc
+from support.instances import instance, link, regions_at_most, runtime, status_of, u8_desc
 
 S = kv.LLMStatusCode
 SUPPORT = Path(__file__).parent / "support"
@@ -47,15 +46,6 @@ def memory_peer(role: str, transport: str, cluster_id: int) -> AsyncPeer:
     the LLMConfig default layer deadline, 1 s."""
     args = (f"--cluster-id={cluster_id}", "--sync-kv-timeout=1000")
     return AsyncPeer(role, transport, *args, ops=MEMORY, lifetime=180)
-
-
-async def regions_at_most(cm: kv.CacheManager, want: int, seconds: float) -> bool:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if cm.stats()["regions"] <= want:
-            return True
-        await asyncio.sleep(0.02)
-    return cm.stats()["regions"] <= want
 
 
 # ------------------------------------------------- retirement

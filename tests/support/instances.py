@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -87,3 +88,13 @@ async def link(
     """``dd.link_clusters`` to ``target`` (an instance, or an address and ``cid``)."""
     rc, _ = await dd.link_clusters([testing.cluster_info(target, cid)], timeout=5000)
     return rc
+
+
+async def regions_at_most(cm: kv.CacheManager, want: int, seconds: float) -> bool:
+    """Whether ``cm.stats()["regions"]`` falls to ``want`` or below within ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if cm.stats()["regions"] <= want:
+            return True
+        await asyncio.sleep(0.02)
+    return cm.stats()["regions"] <= want
