@@ -5,7 +5,8 @@
   program (one that speaks JSON lines) and waits for its hello: the decode
   side of ``python -m aiokvcache bench`` (:data:`DECODE_PEER`), or the peer
   program of :mod:`aiokvcache.testing` (:func:`aiokvcache.testing.peer_argv`;
-  with :data:`BARE_ENGINE`, a bare engine owning the destination region).
+  with :data:`aiokvcache.testing.BARE_ENGINE`, a bare engine owning the
+  destination region).
 * :func:`run_perftest`: ``ucx_perftest`` from the libucx wheel, server and
   client, at one size, parsed into a :class:`PerftestResult`: the plain
   baseline every number is compared with.
@@ -123,9 +124,6 @@ def percentile(values: Sequence[float], q: float) -> float:
 #: The decode side of ``python -m aiokvcache bench``, taking the bench's shape
 #: options (one cache of that shape; ``wait`` and ``digest``).
 DECODE_PEER = (sys.executable, "-m", "aiokvcache._benchpeer")
-#: The ops module of :mod:`aiokvcache.testing.peer`, ROLE ``none``, for a bare
-#: native engine owning one region of ``--size`` bytes.
-BARE_ENGINE = "aiokvcache.testing._bare_engine"
 
 
 class Children:

@@ -384,7 +384,7 @@ def run_transport(
 
     Fills ``res`` as it goes, so an interruption keeps what was measured.
     """
-    from aiokvcache.testing import peer_argv
+    from aiokvcache.testing import BARE_ENGINE, peer_argv
 
     transport, tls, peer_errors = res.transport, res.tls, res.peer_errors
     ucx_options = {"TLS": tls} if tls != C.ENGINE_TLS[transport] else {}
@@ -404,7 +404,7 @@ def run_transport(
         transport,
         f"--size={remote_size}",
         f"--ucx-options={json.dumps(ucx_options)}",
-        ops=[C.BARE_ENGINE],
+        ops=[BARE_ENGINE],
         lifetime=lifetime,
     )
     receiver = children.peer(argv, label="engine", stderr=subprocess.DEVNULL)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from aiokvcache._child import JsonPeer
-from aiokvcache.testing import JsonChild, peer_argv
+from aiokvcache.testing import BARE_ENGINE, JsonChild, peer_argv
 
 __all__ = [
     "BARE_ENGINE",
@@ -29,8 +29,6 @@ __all__ = [
     "suite_peer_argv",
 ]
 
-#: ROLE ``none`` with this: a bare native engine owning one region (``--size``).
-BARE_ENGINE = "aiokvcache.testing._bare_engine"
 #: Pushes into caches being retired (tests/test_lifetimes.py).
 LIFETIMES = ("transfers", "lifetimes")
 #: tests/test_memory_safety.py's: the lifetimes' ops, allocations with no zero byte.

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from ._process import JsonChild, PeerProcess
 
 __all__ = [
+    "BARE_ENGINE",
     "DECODER_ID",
     "PROMPT_ID",
     "Child",
@@ -105,6 +106,10 @@ def __getattr__(name: str) -> Any:
 
 
 PROMPT_ID, DECODER_ID = 1, 2
+
+#: The ops module for ROLE ``none`` that makes the peer a bare native engine
+#: owning one region (``--size`` bytes; :mod:`aiokvcache.testing._bare_engine`).
+BARE_ENGINE = "aiokvcache.testing._bare_engine"
 
 
 def peer_argv(
