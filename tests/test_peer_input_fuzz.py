@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import pytest_asyncio
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -49,10 +50,11 @@ from aiokvcache._core.transfer.runner import run_jobs
 from aiokvcache._core.wire import frames, handshake
 from aiokvcache._core.wire import messages as wire
 from aiokvcache._loader import native
-from aiokvcache.testing import PeerProcess, cluster_info
+from aiokvcache.testing import PeerExited, PeerProcess, cluster_info
 from support.fuzz import SECONDS, Mutator, Run, encodable
-from support.harness import AsyncPeer, rss_kb
+from support.harness import BARE_ENGINE, TRUST, AsyncPeer, rss_kb
 from support.instances import instance, runtime
+from support.peer_ops_trust import from_json, to_json
 
 S = kv.LLMStatusCode
 K = frames.Kind
@@ -66,14 +68,31 @@ def fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def fuzzer_pids(victim: int) -> set[int]:
+    """This process and its children but ``victim``: the fuzzer's engines
+    (in-process, and the children that own what a mutated identity names)."""
+    me, pids = os.getpid(), {os.getpid()}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == victim:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == me:
+            pids.add(int(entry))
+    return pids
+
+
 def sockets_to_us(pid: int) -> int:
-    """TCP connections between process ``pid`` and this one.
+    """TCP connections between process ``pid`` and the fuzzer's processes.
 
     A link's UCX endpoint over TCP outlives the link while both processes
     live: UCX destroys an endpoint the peer connected back to only when its
     worker goes, unless it is force-closed, which it allows only with
     peer-failure handling (docs/design.md, *What a link leaves behind*). So
-    every link the fuzzer's engine made with the victim leaves a connection
+    every link the fuzzer's engines made with the victim leaves a connection
     per TCP lane on each side; they are not what the run checks for."""
     try:
         out = subprocess.run(
@@ -82,7 +101,8 @@ def sockets_to_us(pid: int) -> int:
     except (OSError, subprocess.TimeoutExpired):
         return 0
     rows = [line.split() for line in out.splitlines()]
-    ours = {r[2] for r in rows if len(r) >= 5 and f"pid={os.getpid()}," in r[-1]}
+    tags = tuple(f"pid={p}," for p in fuzzer_pids(pid))
+    ours = {r[2] for r in rows if len(r) >= 5 and any(t in r[-1] for t in tags)}
     return sum(1 for r in rows if len(r) >= 5 and f"pid={pid}," in r[-1] and r[3] in ours)
 
 
@@ -160,15 +180,35 @@ def boot_id() -> bytes:
 
 class Identity:
     """A real engine's worker address and a probe slot in its memory: what a
-    peer's handshake identity carries, before it is mutated."""
+    peer's handshake identity carries, before it is mutated.
+
+    The engine lives in a child (the peer program's bare engine), not here:
+    a victim puts its probe where the slot it was handed says, and over TCP
+    the receiving engine applies a put at whatever address it names
+    (docs/design.md, *What a linked peer can do*), so a mutated slot aims the
+    victim's put at any address of the slot's owner. That owner is a child
+    the run can lose (:meth:`revive` starts another), never the fuzzer."""
 
     def __init__(self) -> None:
-        self.engine = native.Engine("tcp")
-        self.region, self.base = self.engine.mem_alloc(1 << 16)
-        self.rkey = self.engine.rkey_pack(self.region)
+        self.sink: AsyncPeer | None = None
+        self.stack = contextlib.AsyncExitStack()
+        self.worker_address, self.base, self.rkey = b"", 0, b""
+        self.sinks = 0  # children started (more than one: a put killed one)
 
-    def close(self) -> None:
-        self.engine.close()
+    async def revive(self) -> None:
+        """Start the engine's child, or a new one if the last one died."""
+        if self.sink is not None and self.sink.returncode is None:
+            return
+        size = "--size=65536"
+        sink = AsyncPeer("none", "tcp", size, ops=[BARE_ENGINE], lifetime=600)
+        self.sink = await self.stack.enter_async_context(sink)
+        hello = self.sink.hello
+        self.worker_address = bytes.fromhex(hello["worker"])
+        self.base, self.rkey = int(hello["addr"]), bytes.fromhex(hello["rkey"])
+        self.sinks += 1
+
+    async def close(self) -> None:
+        await self.stack.aclose()
 
     def probe(self) -> dict[str, Any]:
         return {
@@ -182,7 +222,7 @@ class Identity:
 
     def payload(self, note_key: bytes | None = None, host_id: bytes = b"") -> dict[str, Any]:
         return {
-            "worker_address": self.engine.worker_address,
+            "worker_address": self.worker_address,
             "host_id": host_id,
             "note_key": note_key or secrets.token_bytes(handshake.NOTE_KEY_LEN),
             "probe": self.probe(),
@@ -226,18 +266,21 @@ def with_mac(mac: bytes, ident: Any) -> Any:
     return {"mac": mac, **ident} if isinstance(ident, dict) else ident
 
 
-@pytest.fixture
-def identity() -> Any:
+@pytest_asyncio.fixture
+async def identity() -> AsyncIterator[Identity]:
     ident = Identity()
-    yield ident
-    ident.close()
+    await ident.revive()
+    try:
+        yield ident
+    finally:
+        await ident.close()
 
 
 def local_of(ident: Identity, cid: int, token: str | None) -> handshake.LocalInfo:
     return handshake.LocalInfo(
         cluster_id=cid,
         role=int(kv.LLMRole.PROMPT),
-        worker_address=ident.engine.worker_address,
+        worker_address=ident.worker_address,
         auth_token=None if token is None else token.encode(),
         probe=ident.probe,
     )
@@ -433,9 +476,11 @@ async def test_fuzz_a_listener_through_every_handshake_state(
         for _ in run:
             if victim.returncode is not None:
                 break  # the journal's last inputs are what killed it
+            await identity.revive()
             await dialler.session(bodies)
         await asyncio.sleep(0.5)  # what it still reads and answers
         await sound(victim, run, vitals, log)
+        print(f"FUZZ {run.name}: {identity.sinks} identity engines started")
         await legit_push_to(victim, "tcp", token)
 
 
@@ -576,6 +621,7 @@ async def test_fuzz_a_dialler_through_every_handshake_state(
         for _ in run:
             if victim.returncode is not None:
                 break
+            await identity.revive()
             acceptor.stage = run.rng.randrange(3)
             got = await victim.link(address, 2, timeout_ms=LINK_MS)
             if acceptor.stage < 2:
@@ -583,6 +629,7 @@ async def test_fuzz_a_dialler_through_every_handshake_state(
             if got["status"] == "LLM_SUCCESS":
                 await victim.call("unlink", address=address, cluster_id=2, force=True)
         await sound(victim, run, vitals, log)
+        print(f"FUZZ {run.name}: {identity.sinks} identity engines started")
         async with instance("tcp", 2, **({} if token is None else {"auth_token": token})) as dd:
             got = await victim.link(str(dd.listen_address), 2, timeout_ms=10_000)
             assert got["status"] == "LLM_SUCCESS", got
@@ -591,15 +638,56 @@ async def test_fuzz_a_dialler_through_every_handshake_state(
 # ------------------------------------------- metadata and probe slots served
 
 
-class Tampered:
-    """A probe slot whose wire form is mutated (what probe_info answers and the
-    handshake's identity carry)."""
+class Liar:
+    """A linked peer that serves mutated cache metadata and probe slots: a
+    child (the peer program with the trust ops), since the victim pushes and
+    pulls where the metadata says and over TCP the liar's engine applies
+    those puts and gets at any address they name (see :class:`Identity`).
+    A run can lose it: :meth:`revive` starts another, with a real cache."""
 
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body
+    def __init__(self, transport: str, log: Any) -> None:
+        self.transport, self.log = transport, log
+        self.peer: AsyncPeer | None = None
+        self.stack = contextlib.AsyncExitStack()
+        self.address = ""
+        self.cache_id = 0
+        self.meta: dict[str, Any] = {}
+        self.slot: dict[str, Any] = {}
+        self.started = 0
 
-    def encode(self) -> dict[str, Any]:
-        return self.body
+    async def revive(self, victim: PeerProcess) -> None:
+        """Start the liar if it is not running, and link the victim to it."""
+        if self.peer is not None and self.peer.returncode is None:
+            return
+        if self.address:  # the dead one's link goes first
+            await victim.call("unlink", address=self.address, cluster_id=2, force=True)
+        peer = AsyncPeer("decoder", self.transport, ops=TRUST, stderr=self.log, lifetime=600)
+        self.peer = await self.stack.enter_async_context(peer)
+        self.address = self.peer.address
+        made = await self.peer.call("alloc", name="real", tensors=2, bytes=4096, seed=9)
+        self.cache_id = int(made["cache_id"])
+        self.meta = from_json((await self.peer.call("meta", name="real"))["meta"])
+        self.slot = from_json((await self.peer.call("evil_probe", slot=None))["slot"])
+        self.started += 1
+        got = await victim.link(self.address, 2, timeout_ms=5000)
+        assert got["status"] == "LLM_SUCCESS", got
+
+    async def serve(self, op: str, **args: Any) -> None:
+        """Arm (or disarm) one of its evil ops; a liar that died is left dead."""
+        assert self.peer is not None
+        with contextlib.suppress(PeerExited):
+            await self.peer.call(op, **{k: to_json(v) for k, v in args.items()})
+
+    async def relink(self, victim: PeerProcess, slot: Any) -> None:
+        """The victim relinks while the liar hands out ``slot``, then with the real one."""
+        await self.serve("evil_probe", slot=slot)
+        await victim.call("unlink", address=self.address, cluster_id=2, force=True)
+        await victim.link(self.address, 2, timeout_ms=1000)
+        await self.serve("evil_probe", slot=None)
+        await victim.link(self.address, 2, timeout_ms=5000)
+
+    async def close(self) -> None:
+        await self.stack.aclose()
 
 
 async def test_fuzz_cache_metadata_and_probe_slots(transport: str, log: Any) -> None:
@@ -607,60 +695,55 @@ async def test_fuzz_cache_metadata_and_probe_slots(transport: str, log: Any) -> 
     included) and, on relinks, mutated probe slots; the victim pushes to it."""
     run = Run(f"metadata-{transport}")
     m = run.mutator
-    desc = kv.CacheDesc(2, [1, 4096], kv.DataType.DT_UINT8, kv.Placement.HOST)
-    async with (
-        instance(transport, 2) as liar,
-        PeerProcess("prefill", transport, stderr=log) as victim,
-    ):
-        address = str(liar.listen_address)
-        assert (await victim.link(address, 2))["status"] == "LLM_SUCCESS"
-        real = liar.cache_manager.allocate_cache(desc)
-        handler = runtime(liar).service.handler
-        prober = runtime(liar).service.prober
-        serve_real = type(handler)._serve_lookup.__get__(handler)
-        real_meta = serve_real(runtime(liar).state.links[1], wire.CacheById(real.cache_id))
-        await victim.alloc("src", 2, 4096, seed=3)
-        vitals = Vitals.of(victim.pid)
-        fresh = 100_000
-        for _ in run:
-            if victim.returncode is not None:
-                break
-            if m.rng.random() < 0.12:  # relink, with a mutated probe slot
-                slot = prober.probe_info().encode()
-                bad = (
-                    dict(slot, rkey=m.bytes_(slot["rkey"]))
-                    if m.rng.random() < 0.6
-                    else m.values(slot)
+    liar = Liar(transport, log)
+    async with PeerProcess("prefill", transport, stderr=log) as victim:
+        try:
+            await victim.alloc("src", 2, 4096, seed=3)
+            await liar.revive(victim)
+            vitals = Vitals.of(victim.pid)
+            fresh = 100_000
+            for _ in run:
+                if victim.returncode is not None:
+                    break
+                await liar.revive(victim)
+                if m.rng.random() < 0.12:  # relink, with a mutated probe slot
+                    slot = liar.slot
+                    bad = (
+                        dict(slot, rkey=m.bytes_(slot["rkey"]))
+                        if m.rng.random() < 0.6
+                        else m.values(slot)
+                    )
+                    if encodable(bad) is None:
+                        continue  # our own handshake could not carry it
+                    run.note("probe slot", bad)
+                    await liar.relink(victim, bad)
+                    continue
+                fresh += 1
+                meta = dict(liar.meta, cache_id=fresh)
+                if m.rng.random() < 0.5:
+                    meta["regions"] = [dict(r, rkey=m.bytes_(r["rkey"])) for r in meta["regions"]]
+                else:
+                    meta = m.values(meta)
+                run.note("metadata", meta)
+                await liar.serve("evil", op_name="*", meta=meta)
+                op = m.rng.choice(("push", "pull"))
+                extra = {"src": "src"} if op == "push" else {"dst": "src"}
+                await victim.call(
+                    op, cluster_id=2, cache_id=fresh, index=0, call_timeout=2, **extra
                 )
-                if encodable(bad) is None:
-                    continue  # our own handshake could not carry it
-                run.note("probe slot", bad)
-                prober.probe_info = lambda bad=bad: Tampered(bad)
-                await victim.call("unlink", address=address, cluster_id=2, force=True)
-                await victim.link(address, 2, timeout_ms=1000)
-                del prober.probe_info
-                await victim.link(address, 2, timeout_ms=5000)
-                continue
-            fresh += 1
-            meta = dict(real_meta, cache_id=fresh)
-            if m.rng.random() < 0.5:
-                regions = [dict(r, rkey=m.bytes_(r["rkey"])) for r in meta["regions"]]
-                meta["regions"] = regions
-            else:
-                meta = m.values(meta)
-            run.note("metadata", meta)
-            handler._serve_lookup = lambda link, request, meta=meta: meta
-            op = m.rng.choice(("push", "pull"))
-            extra = {"src": "src"} if op == "push" else {"dst": "src"}
-            await victim.call(op, cluster_id=2, cache_id=fresh, index=0, call_timeout=2, **extra)
-        del handler._serve_lookup
-        await sound(victim, run, vitals, log)
-        if (await victim.link(address, 2, timeout_ms=5000))["status"] != "LLM_ALREADY_LINK":
-            pass  # relinked now if the last relink failed
-        got = await victim.call("push", cluster_id=2, cache_id=real.cache_id, index=0, src="src")
-        assert got["status"] == "LLM_SUCCESS", got
-        sha = hashlib.sha256(b"".join(t.tobytes() for t in real.tensors))
-        assert sha.hexdigest() == await victim.sha("src")
+            await sound(victim, run, vitals, log)
+            print(f"FUZZ {run.name}: {liar.started} liars started")
+            await liar.revive(victim)
+            await liar.relink(victim, None)  # if the last relink failed
+            await liar.serve("evil", op_name="*", meta=None)
+            got = await victim.call(
+                "push", cluster_id=2, cache_id=liar.cache_id, index=0, src="src"
+            )
+            assert got["status"] == "LLM_SUCCESS", got
+            assert liar.peer is not None
+            assert (await liar.peer.call("hash", name="real"))["sha"] == await victim.sha("src")
+        finally:
+            await liar.close()
 
 
 # ------------------------------------------------------------- notifications

@@ -37,8 +37,12 @@ Ops (the public API unless marked *internal*), beside the built-in ``hash``,
   (a pure Python loop under a switch interval longer than ``seconds``) so
   that none of its other Python threads (the event loop's, the service's)
   runs; answers ``{"hogged": seconds it took}``.
-* ``evil`` (``op_name``, ``meta``: the body to answer that lookup with, or
-  null to restore): *internal* — replaces the peer handler's ``_serve_lookup``.
+* ``evil`` (``op_name``: a lookup op, or ``"*"`` for every lookup;
+  ``meta``: the body to answer it with, or null to restore): *internal* —
+  replaces the peer handler's ``_serve_lookup``.
+* ``evil_probe`` (``slot``: the probe slot to hand out, or null to restore):
+  *internal* — what the handshake's identity and ``probe_info`` answer carry
+  from now on; answers the real ``slot``.
 * ``meta`` (``name``): *internal* — the metadata this peer serves for a cache.
 * ``probe_flood`` (``cluster_id``, ``count``): *internal* — arms its peer
   service to hold the next ``count`` ``probe_info`` requests it is asked,
@@ -98,6 +102,16 @@ async def status_of(aw: Awaitable[Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------ internals
 # The one place this module reaches inside the library: the runtime of an
 # LLMDataDist (its engine, state, peer service). Only the *internal* ops use it.
+
+
+class _Tampered:
+    """A probe slot whose wire form is given (``evil_probe``)."""
+
+    def __init__(self, body: Any) -> None:
+        self.body = body
+
+    def encode(self) -> Any:
+        return self.body
 
 
 def runtime(dd: kv.LLMDataDist) -> Any:
@@ -256,12 +270,21 @@ class Trust:
         evil_op, meta = str(req["op_name"]), from_json(req["meta"])
 
         def serve(link: Any, request: Any) -> dict[str, Any]:
-            if request.op == evil_op:
+            if evil_op in (request.op, "*"):
                 return meta  # type: ignore[no-any-return]
             return real(link, request)  # type: ignore[no-any-return]
 
         handler._serve_lookup = serve
         return {"armed": evil_op}
+
+    async def evil_probe(self, req: dict[str, Any]) -> dict[str, Any]:
+        prober = self.rt.service.prober
+        vars(prober).pop("probe_info", None)  # the real one again
+        real = prober.probe_info().encode()
+        if req.get("slot") is not None:
+            slot = from_json(req["slot"])
+            prober.probe_info = lambda: _Tampered(slot)
+        return {"slot": to_json(real)}
 
     async def meta(self, req: dict[str, Any]) -> dict[str, Any]:
         from aiokvcache._core.memory.catalog import metadata
@@ -327,7 +350,7 @@ class Trust:
 
 _OPS = (
     "alloc", "register_private", "free", "links", "link_go", "pull_free", "notify", "forge",
-    "block", "hog", "evil", "meta", "probe_flood", "by_addr",
+    "block", "hog", "evil", "evil_probe", "meta", "probe_flood", "by_addr",
 )  # fmt: skip
 
 
