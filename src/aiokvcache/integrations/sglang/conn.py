@@ -1,0 +1,377 @@
+"""SGLang's transfer-backend classes over aiokvcache (imported by SGLang
+through :func:`aiokvcache.integrations.sglang.register`).
+
+The control plane is SGLang's own (``common/conn.py``: the bootstrap
+server, each rank's ZMQ socket, the status and abort messages, the decode's
+heartbeat to the prefill); the data plane is aiokvcache (:mod:`.engine`):
+each rank's KV pages and aux rows are blocks caches of a rank-local
+``LLMDataDist``, and the prefill pushes a request's pages, then its aux row,
+then reports Success. What is ours on the wire (Common leaves both to the
+backend): the decode's registration, ``[b"AKV_REG", ip, port, session,
+engine host, engine port, engine cluster id, JSON row sizes]``, and its
+per-request metadata, ``[room, ip, port, session, int32 page ids, aux row,
+destinations, decode prefix]``.
+
+What the scheduler calls never waits for the network: ``send`` posts a
+chunk to the engine's thread, ``poll`` reads a dict. Decode KV release is
+deferred (``supports_deferred_decode_kv_release``): after a failure or an
+abort the decode keeps the request's pages until the prefill acknowledges
+that none of its pushes can write any more.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    ABORT_ACK_TAG,
+    ABORT_TAG,
+    AbortNotification,
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from .engine import Buffers, Peer, RankEngine
+
+__all__ = ["AioKVBootstrapServer", "AioKVManager", "AioKVReceiver", "AioKVSender"]
+
+log = logging.getLogger("aiokvcache.sglang")
+
+REG_TAG = b"AKV_REG"
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+@dataclasses.dataclass
+class _Registration:
+    """A decode rank, as its registration names it."""
+
+    peer: Peer
+    refused: str  # why its layout cannot take our pages ("" if it can)
+
+
+@dataclasses.dataclass
+class _Destination:
+    """Where one decode rank wants a request's pages and aux row."""
+
+    endpoint: str
+    dst_port: int
+    session: str
+    kv: np.ndarray
+    aux: int | None
+    required_dst_info_num: int
+    decode_prefix_len: int
+
+    @property
+    def is_dummy(self) -> bool:
+        return self.aux is None and len(self.kv) == 0
+
+    @classmethod
+    def from_zmq(cls, msg: list[bytes]) -> _Destination:
+        kv = np.frombuffer(msg[4], dtype=np.int32).copy() if msg[4] else np.zeros(0, np.int32)
+        return cls(
+            endpoint=msg[1].decode("ascii"),
+            dst_port=int(msg[2]),
+            session=msg[3].decode("ascii"),
+            kv=kv,
+            aux=int(msg[5]) if msg[5] else None,
+            required_dst_info_num=int(msg[6]),
+            decode_prefix_len=int(msg[7]) if len(msg) > 7 and msg[7] else 0,
+        )
+
+
+class AioKVManager(CommonKVManager):  # type: ignore[misc]
+    """A scheduler rank's transfer manager: its aiokvcache engine and SGLang's sockets."""
+
+    supports_deferred_decode_kv_release = True
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> None:
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        if self.attn_tp_size != 1 or self.pp_size != 1 or self.attn_cp_size != 1:
+            raise ValueError(
+                "aiokvcache's SGLang backend supports tensor, pipeline and context "
+                "parallel size 1 only (for now)"
+            )
+        if args.state_types:
+            raise ValueError("aiokvcache's SGLang backend does not move state buffers (yet)")
+        kv = Buffers.of(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
+        aux = Buffers.of(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
+        self.engine = RankEngine(
+            kv,
+            aux,
+            host=self.local_ip,
+            transport=os.environ.get("AIOKVCACHE_SGLANG_TRANSPORT", "auto"),
+            timeout=_env_float("AIOKVCACHE_SGLANG_TIMEOUT", 30.0),
+        )
+        self.engine.start()
+        self.session_id = f"{self.local_ip}:{self.rank_port}"
+        self._lock = threading.Lock()  # the room counters below
+        self._waiting_last: dict[int, int] = {}  # room -> last chunks not landed yet
+        # Status messages go out in order from one thread: a send to a dead
+        # decode may wait out the socket's timeout, never on the engine's.
+        self._status = concurrent.futures.ThreadPoolExecutor(1, "aiokvcache-sglang-status")
+        self._registrations: dict[str, _Registration] = {}
+        self._stopped = False
+        target = self._prefill_loop if self._is_prefill else self._decode_loop
+        threading.Thread(target=target, name="aiokvcache-sglang-ctl", daemon=True).start()
+        if not self._is_prefill:
+            self._start_heartbeat_checker_thread()
+
+    @property
+    def _is_prefill(self) -> bool:
+        return bool(self.disaggregation_mode == DisaggregationMode.PREFILL)
+
+    def _shape(self) -> dict[str, list[int]]:
+        return {"kv": self.engine.kv.shape(), "aux": self.engine.aux.shape()}
+
+    # ------------------------------------------------------------ decode
+
+    def build_receiver_registration_message(self) -> list[bytes]:
+        host, port = self.engine.address.rsplit(":", 1)
+        return [
+            REG_TAG, self.local_ip.encode(), str(self.rank_port).encode(),
+            self.session_id.encode(), host.encode(), port.encode(),
+            str(self.engine.cluster_id).encode(), json.dumps(self._shape()).encode(),
+        ]  # fmt: skip
+
+    def build_receiver_metadata_message(
+        self,
+        *,
+        bootstrap_room: int,
+        required_dst_info_num: int,
+        kv_indices: Any,
+        aux_index: int | None,
+        state_indices: Any,
+        decode_prefix_len: int | None,
+        is_dummy: bool,
+        device_kv_indices: Any = None,
+    ) -> list[bytes]:
+        pages = b"" if is_dummy else np.asarray(kv_indices, dtype=np.int32).tobytes()
+        aux = b"" if is_dummy or aux_index is None else str(int(aux_index)).encode()
+        return [
+            str(bootstrap_room).encode(), self.local_ip.encode(), str(self.rank_port).encode(),
+            self.session_id.encode(), pages, aux, str(required_dst_info_num).encode(),
+            str(decode_prefix_len or 0).encode(),
+        ]  # fmt: skip
+
+    def _decode_loop(self) -> None:
+        recv = self._make_worker_recv(self.server_socket)
+        while not self._stopped:
+            msg = recv()
+            if msg is None or self.handle_abort_ack_message(msg):
+                continue
+            parsed = self.parse_kv_status_message(msg)
+            if parsed is None:
+                continue
+            room, status, rank, reason = parsed
+            self.apply_prefill_status(
+                bootstrap_room=room, status=status, prefill_rank=rank, failure_reason=reason
+            )
+
+    # ------------------------------------------------------------ prefill
+
+    def _prefill_loop(self) -> None:
+        recv = self._make_worker_recv(self.server_socket)
+        while not self._stopped:
+            msg = recv()
+            if not msg:
+                continue
+            try:
+                if msg[0] == ABORT_TAG:
+                    self._on_abort(msg)
+                elif msg[0] == REG_TAG:
+                    self._on_registration(msg)
+                else:
+                    self._on_metadata(msg)
+            except (IndexError, ValueError, UnicodeDecodeError) as exc:
+                log.warning("aiokvcache: dropped a malformed message from a decode: %s", exc)
+
+    def _on_registration(self, msg: list[bytes]) -> None:
+        session = msg[3].decode("ascii")
+        peer = Peer(msg[4].decode("ascii"), int(msg[5]), int(msg[6]))
+        theirs = json.loads(msg[7])
+        refused = ""
+        if theirs != self._shape():
+            refused = (
+                f"aiokvcache: the decode's buffers ({theirs}) are not laid out as the "
+                f"prefill's ({self._shape()}): same model, dtype and page size on both sides?"
+            )
+            log.error("%s (decode %s)", refused, session)
+        self._registrations[session] = _Registration(peer, refused)
+        if not refused:
+            self.engine.link(peer)
+
+    def _on_metadata(self, msg: list[bytes]) -> None:
+        room = int(msg[0])
+        dest = _Destination.from_zmq(msg)
+        infos = self.transfer_infos.setdefault(room, {})
+        if dest.session not in infos and len(infos) >= dest.required_dst_info_num:
+            log.warning("aiokvcache: room %d already has its decode ranks; dropped one more", room)
+            return
+        infos[dest.session] = dest
+        if len(infos) == dest.required_dst_info_num:
+            self.req_to_decode_prefix_len[room] = dest.decode_prefix_len
+            self.update_status(room, KVPoll.WaitingForInput)
+
+    def _on_abort(self, msg: list[bytes]) -> None:
+        note = AbortNotification.from_zmq(msg)
+        if note is None:
+            return
+        room = note.room
+        status = self.request_status.get(room)
+        if status is not None and status != KVPoll.Success:
+            self.record_failure(room, "aborted by the decode")
+            self.update_status(room, KVPoll.Failed)
+            self.engine.cancel(room)
+        target = note.deferred_ack_target()
+        if target is not None:
+            self.register_deferred_ack_target(room, target)
+            with self._lock:
+                self._maybe_ack_drained_abort(room)
+        elif note.decode_ip is not None and note.decode_port is not None:
+            ack = [ABORT_ACK_TAG, str(room).encode("ascii")]
+            endpoint = f"tcp://{note.decode_ip}:{note.decode_port}"
+            self._status.submit(self._send_multipart_locked, endpoint, ack)
+
+    def add_transfer_request(
+        self,
+        bootstrap_room: int,
+        kv_indices: Any,
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        num_kv_tokens: int | None = None,
+        *,
+        wait_event: Any = None,
+        indices_event: Any = None,
+        trace_ctx: Any = None,
+    ) -> None:
+        """A chunk the scheduler computed: post its pushes (never waits on the network)."""
+        room = bootstrap_room
+        if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+            return
+        infos = self.transfer_infos.get(room)
+        if not infos:
+            return
+        for event in (wait_event, indices_event):
+            if event is not None:
+                event.synchronize()  # the chunk's KV is written (a GPU stream's event)
+        src_all = np.asarray(
+            kv_indices.cpu().numpy() if hasattr(kv_indices, "cpu") else kv_indices, np.int64
+        )
+        dests = [d for d in list(infos.values()) if not d.is_dummy]
+        if not dests:
+            if is_last_chunk:
+                self.update_status(room, KVPoll.Success)
+            return
+        if is_last_chunk:
+            with self._lock:
+                self._waiting_last[room] = len(dests)
+        for dest in dests:
+            reg = self._registrations.get(dest.session)
+            if reg is None or reg.refused:
+                why = reg.refused if reg else f"decode {dest.session} never registered"
+                self._conclude(room, False, why)
+                return
+            dst = dest.kv[index_slice].astype(np.int64)
+            src = src_all[: len(dst)]
+            aux = None
+            if is_last_chunk:
+                if aux_index is None or dest.aux is None:
+                    self._conclude(room, False, "aiokvcache: the last chunk has no aux row")
+                    return
+                aux = (int(aux_index), int(dest.aux))
+            with self._lock:
+                self._staging_outstanding[room] += 1
+            self.engine.push(room, reg.peer, (src, dst[: len(src)]), aux, self._on_result)
+
+    def _on_result(self, room: int, ok: bool, reason: str, last: bool) -> None:
+        """A chunk's pushes ended (on the engine's thread)."""
+        conclude: bool | None = None
+        with self._lock:
+            left = self._staging_outstanding.get(room, 0) - 1
+            if left > 0:
+                self._staging_outstanding[room] = left
+            else:
+                self._staging_outstanding.pop(room, None)
+            if not ok:
+                conclude = False
+            elif last and room in self._waiting_last:
+                self._waiting_last[room] -= 1
+                if self._waiting_last[room] == 0:
+                    del self._waiting_last[room]
+                    conclude = True
+            if left <= 0:
+                self._maybe_ack_drained_abort(room)
+        if conclude is not None:
+            self._conclude(room, conclude, reason)
+
+    def _conclude(self, room: int, ok: bool, reason: str) -> None:
+        """Tell the room's decode ranks (from the status thread, in order)."""
+        with self._lock:
+            self._waiting_last.pop(room, None) if not ok else None
+        if not ok:
+            self.record_failure(room, reason)
+            self.update_status(room, KVPoll.Failed)
+            self._status.submit(self.conclude_failure, bootstrap_room=room, failure_reason=reason)
+        else:
+            self._status.submit(self.conclude_transfer, bootstrap_room=room, status=KVPoll.Success)
+
+    def teardown(self) -> None:
+        self._stopped = True
+        self.engine.close()
+        self._status.shutdown(wait=False)
+
+
+class AioKVSender(CommonKVSender):  # type: ignore[misc]
+    """A request's prefill side; on an abort its pushes stop and its decode is told."""
+
+    supports_host_tensor_indices = False
+
+    def abort(self) -> None:
+        super().abort()
+        mgr = self.kv_mgr
+        assert isinstance(mgr, AioKVManager)
+        mgr.engine.cancel(self.bootstrap_room)
+        mgr._status.submit(
+            mgr.conclude_failure,
+            bootstrap_room=self.bootstrap_room,
+            failure_reason="aborted on the prefill",
+        )
+
+    def clear(self) -> None:
+        mgr = self.kv_mgr
+        if isinstance(mgr, AioKVManager) and self.conclude_state != KVPoll.Success:
+            mgr.engine.cancel(self.bootstrap_room)
+        super().clear()
+
+
+class AioKVReceiver(CommonKVReceiver):  # type: ignore[misc]
+    """A request's decode side: SGLang's, unchanged."""
+
+
+class AioKVBootstrapServer(CommonKVBootstrapServer):  # type: ignore[misc]
+    """The prefill's bootstrap server: SGLang's, unchanged."""

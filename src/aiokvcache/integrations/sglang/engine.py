@@ -1,0 +1,303 @@
+"""The SGLang backend's data plane: one aiokvcache instance per scheduler
+rank, on a thread of its own, holding that rank's KV and aux buffers.
+
+SGLang describes a rank's memory as lists of buffers (``KVArgs``): the KV
+pool's (K of every layer, then V), each a run of pages of ``item`` bytes,
+and the metadata ("aux") buffers, each a run of rows (the first output
+token travels in one). Buffers of one row size become one blocks cache
+(model id 0, 1, ... in their order), so a page is a block of every KV
+buffer and an aux row a block of every aux buffer of its size.
+
+The prefill pushes: :meth:`RankEngine.push` writes a chunk's pages into the
+decode's (runs consecutive on both sides go as one segment per buffer),
+and the request's last chunk, once every earlier chunk of it landed, its
+aux row; then it reports. A push returns once the bytes are in the peer's
+memory (the core's remote completion), so a reported success holds them.
+:meth:`RankEngine.cancel` stops a request's pushes and reports once none
+of them can write any more (the core's cancellation is quiescent). No
+SGLang import here: the SGLang classes are in :mod:`.conn`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ... import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
+from ..agent.kvtypes import Peer, TransferFailed
+from ..agent.links import PeerLinks
+
+__all__ = ["Buffers", "Peer", "RankEngine"]
+
+log = logging.getLogger("aiokvcache.sglang")
+
+#: (room, ok, reason, last): how a pushed chunk ended (``reason`` "" when ok).
+OnResult = Callable[[int, bool, str, bool], None]
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """One kind of a rank's buffers (KV or aux): base addresses, byte
+    lengths and row (page) bytes, as ``KVArgs`` lists them."""
+
+    ptrs: tuple[int, ...]
+    lens: tuple[int, ...]
+    items: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.ptrs) == len(self.lens) == len(self.items):
+            raise ValueError("buffer pointers, lengths and row sizes differ in number")
+        if any(i <= 0 or n < i for n, i in zip(self.lens, self.items, strict=True)):
+            raise ValueError("a buffer is shorter than one row, or its row size is not positive")
+
+    @classmethod
+    def of(cls, ptrs: Sequence[int], lens: Sequence[int], items: Sequence[int]) -> Buffers:
+        return cls(tuple(map(int, ptrs)), tuple(map(int, lens)), tuple(map(int, items)))
+
+    def groups(self) -> list[tuple[int, list[int]]]:
+        """Row size and buffer indices of each group of one row size, in order."""
+        out: dict[int, list[int]] = {}
+        for i, item in enumerate(self.items):
+            out.setdefault(item, []).append(i)
+        return list(out.items())
+
+    def shape(self) -> list[int]:
+        """What both sides must agree on: each buffer's row size, in order."""
+        return list(self.items)
+
+
+class RankEngine:
+    """One ``LLMDataDist`` on a daemon thread, for one SGLang scheduler rank.
+
+    Thread-safe: :meth:`push`, :meth:`cancel` and :meth:`link` return at
+    once; results come through the callbacks, on the engine's thread.
+    """
+
+    def __init__(
+        self,
+        kv: Buffers,
+        aux: Buffers,
+        *,
+        host: str = "127.0.0.1",
+        transport: str = "auto",
+        timeout: float = 30.0,
+        link_timeout: float = 5.0,
+    ) -> None:
+        self.kv, self.aux = kv, aux
+        self.cluster_id = secrets.randbits(48) + 1
+        self.timeout = float(timeout)
+        self._host, self._transport = host, transport
+        self.links = PeerLinks(link_timeout, self._spawn)
+        self._caches: list[tuple[int, Any, int]] = []  # (model id, cache, row bytes)
+        self._rooms: dict[int, list[asyncio.Task[None]]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.address = ""
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, timeout: float = 60.0) -> str:
+        """Start the thread and the engine; ``"host:port"`` it listens on."""
+        started = threading.Event()
+        box: dict[str, Any] = {}
+
+        def main() -> None:
+            loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(loop)
+            try:
+                box["address"] = loop.run_until_complete(self._init())
+            except BaseException as exc:  # reported to start()'s caller
+                box["error"] = exc
+                started.set()
+                loop.close()
+                return
+            self._loop = loop
+            started.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.run_until_complete(self._shutdown())
+                loop.close()
+
+        self._thread = threading.Thread(target=main, name="aiokvcache-sglang", daemon=True)
+        self._thread.start()
+        if not started.wait(timeout):
+            raise TimeoutError(f"aiokvcache did not start within {timeout} s")
+        if "error" in box:
+            raise RuntimeError(f"aiokvcache failed to start: {box['error']}") from box["error"]
+        self.address = str(box["address"])
+        return self.address
+
+    async def _init(self) -> str:
+        cfg = LLMConfig()
+        cfg.listen_ip_info = f"{self._host}:0"
+        cfg.transport = self._transport
+        cfg.enable_remote_cache_accessible = True
+        dd = LLMDataDist(LLMRole.MIX, self.cluster_id)
+        await dd.init(cfg.generate_options())
+        self.links.dd, self.links.cm = dd, dd.cache_manager
+        model = 0
+        for bufs in (self.kv, self.aux):
+            for item, idx in bufs.groups():
+                rows = min(bufs.lens[i] // item for i in idx)
+                desc = CacheDesc(len(idx), [rows, item], DataType.DT_UINT8, Placement.HOST)
+                key = BlocksCacheKey(self.cluster_id, model)
+                addrs = [bufs.ptrs[i] for i in idx]
+                cache = dd.cache_manager.register_blocks_cache(desc, addrs, key, True)
+                self._caches.append((model, cache, item))
+                model += 1
+        assert dd.listen_address is not None
+        return str(dd.listen_address)
+
+    async def _shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.links.dd is not None:
+            await self.links.dd.finalize()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop: pushes in flight are cancelled (and quiescent) first."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout)
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            raise RuntimeError("the aiokvcache engine is not running")
+        loop.call_soon_threadsafe(fn, *args)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------ prefill
+
+    def link(self, peer: Peer) -> None:
+        """Start linking to ``peer`` now (a push links first anyway)."""
+        self._post(lambda: self._spawn(self._try_link(peer)))
+
+    async def _try_link(self, peer: Peer) -> None:
+        with contextlib.suppress(Exception):
+            await self.links.link(peer)
+
+    def push(
+        self,
+        room: int,
+        peer: Peer,
+        pages: tuple[np.ndarray, np.ndarray],
+        aux_rows: tuple[int, int] | None,
+        on_result: OnResult,
+    ) -> None:
+        """Write pages ``pages[0]`` here into pages ``pages[1]`` of ``peer``;
+        with ``aux_rows`` (here, there: the request's last chunk), once every
+        earlier chunk of ``room`` landed, its aux row too. ``on_result``
+        says how it ended, once it can write no more."""
+        src, dst = (np.asarray(p, dtype=np.int64) for p in pages)
+        if src.shape != dst.shape:
+            raise ValueError(f"{len(src)} source pages for {len(dst)} destination pages")
+        deadline = time.monotonic() + self.timeout
+        args = (room, peer, src, dst, aux_rows, deadline, on_result)
+        self._post(self._start_push, *args)
+
+    def _start_push(
+        self,
+        room: int,
+        peer: Peer,
+        src: np.ndarray,
+        dst: np.ndarray,
+        aux_rows: tuple[int, int] | None,
+        deadline: float,
+        on_result: OnResult,
+    ) -> None:
+        tasks = self._rooms.setdefault(room, [])
+        earlier = list(tasks)
+        last = aux_rows is not None
+        task = self._spawn(self._push(peer, src, dst, aux_rows, earlier, deadline))
+
+        def done(t: asyncio.Task[None]) -> None:
+            tasks.remove(t)
+            if not tasks:
+                self._rooms.pop(room, None)
+            if t.cancelled():
+                on_result(room, False, "cancelled", last)
+            elif t.exception() is not None:
+                on_result(room, False, _reason(t.exception()), last)
+            else:
+                on_result(room, True, "", last)
+
+        tasks.append(task)
+        task.add_done_callback(done)
+
+    async def _push(
+        self,
+        peer: Peer,
+        src: np.ndarray,
+        dst: np.ndarray,
+        aux_rows: tuple[int, int] | None,
+        earlier: list[asyncio.Task[None]],
+        deadline: float,
+    ) -> None:
+        cm = self.links.cm
+        assert cm is not None
+        await asyncio.wait_for(self.links.link(peer), max(0.001, deadline - time.monotonic()))
+        n_kv = len(self.kv.groups())
+        for model, cache, _ in self._caches[:n_kv]:
+            if len(src):
+                await cm.push_blocks(
+                    BlocksCacheKey(peer.cluster_id, model), cache, src, dst,
+                    tensor_num_per_layer=1, timeout=_left(deadline),
+                )  # fmt: skip
+        if aux_rows is None:
+            return
+        for t in earlier:  # the request's earlier chunks landed first
+            await asyncio.wait_for(asyncio.shield(t), _left(deadline))
+        here, there = aux_rows
+        for model, cache, _ in self._caches[n_kv:]:
+            await cm.push_blocks(
+                BlocksCacheKey(peer.cluster_id, model), cache, [here], [there],
+                tensor_num_per_layer=1, timeout=_left(deadline),
+            )  # fmt: skip
+
+    def cancel(self, room: int) -> None:
+        """Stop ``room``'s pushes: each reports through its ``on_result`` once
+        it can write no more (the core's cancellation is quiescent)."""
+        self._post(self._cancel, room)
+
+    def _cancel(self, room: int) -> None:
+        for t in list(self._rooms.get(room, ())):
+            t.cancel()
+
+    def busy(self, room: int) -> bool:
+        """Whether a push of ``room`` is in flight (read from any thread)."""
+        return bool(self._rooms.get(room))
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the transfer's deadline passed")
+    return left
+
+
+def _reason(exc: BaseException | None) -> str:
+    if isinstance(exc, TransferFailed):
+        return str(exc)
+    if isinstance(exc, TimeoutError):
+        return "aiokvcache: the transfer did not complete within its deadline"
+    return f"aiokvcache: {type(exc).__name__}: {exc}"

@@ -1,0 +1,141 @@
+"""The SGLang backend's data plane (:mod:`aiokvcache.integrations.sglang.engine`),
+without SGLang: two rank engines over NumPy buffers laid out as SGLang's
+``KVArgs`` lists them (K of each layer, then V; aux buffers of two row sizes).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiokvcache.integrations.sglang.engine import Buffers, Peer, RankEngine
+
+LAYERS, PAGES, PAGE = 2, 16, 256
+AUX_ROWS, AUX_ITEMS = 8, (64, 64, 512)
+
+
+class Rank:
+    """A rank's buffers (filled from ``seed``) and its engine."""
+
+    def __init__(self, seed: int, transport: str, timeout: float = 10.0) -> None:
+        rng = np.random.default_rng(seed)
+        self.kv = [rng.integers(0, 256, (PAGES, PAGE), np.uint8) for _ in range(2 * LAYERS)]
+        self.aux = [rng.integers(0, 256, (AUX_ROWS, n), np.uint8) for n in AUX_ITEMS]
+        self.engine = RankEngine(
+            Buffers.of([a.ctypes.data for a in self.kv], [a.nbytes for a in self.kv],
+                       [PAGE] * len(self.kv)),
+            Buffers.of([a.ctypes.data for a in self.aux], [a.nbytes for a in self.aux],
+                       list(AUX_ITEMS)),
+            transport=transport,
+            timeout=timeout,
+        )  # fmt: skip
+        self.engine.start()
+
+    @property
+    def peer(self) -> Peer:
+        host, port = self.engine.address.rsplit(":", 1)
+        return Peer(host, int(port), self.engine.cluster_id)
+
+
+@pytest.fixture
+def pair(transport: str) -> Iterator[tuple[Rank, Rank]]:
+    p, d = Rank(1, transport), Rank(2, transport)
+    try:
+        yield p, d
+    finally:
+        p.engine.close()
+        d.engine.close()
+
+
+class Results:
+    """``on_result`` calls, as a queue."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[tuple[int, bool, str, bool]] = queue.Queue()
+
+    def __call__(self, room: int, ok: bool, reason: str, last: bool) -> None:
+        self.q.put((room, ok, reason, last))
+
+    def next(self, timeout: float = 20) -> tuple[int, bool, str, bool]:
+        return self.q.get(timeout=timeout)
+
+
+def test_a_request_lands_page_for_page_then_its_aux_row(pair: Any) -> None:
+    """Two chunks (runs and single pages, out of order), then the last with
+    the aux row: each page is the prefill's, the aux row too, nothing else moved."""
+    p, d = pair
+    before = [a.copy() for a in d.kv], [a.copy() for a in d.aux]
+    res = Results()
+    chunks = [([1, 2, 3], [9, 10, 11]), ([7], [2])]
+    for src, dst in chunks:
+        p.engine.push(5, d.peer, (np.array(src), np.array(dst)), None, res)
+    p.engine.push(5, d.peer, (np.array([4, 5]), np.array([0, 14])), (3, 6), res)
+    got = [res.next() for _ in range(3)]
+    assert all(ok for _, ok, _, _ in got), got
+    assert got[-1][3] is True  # the last chunk reports last, after the others
+    pairs = [(1, 9), (2, 10), (3, 11), (7, 2), (4, 0), (5, 14)]
+    for t in range(2 * LAYERS):
+        want = before[0][t].copy()
+        for s, x in pairs:
+            want[x] = p.kv[t][s]
+        np.testing.assert_array_equal(d.kv[t], want)
+    for i in range(len(AUX_ITEMS)):
+        want = before[1][i].copy()
+        want[6] = p.aux[i][3]
+        np.testing.assert_array_equal(d.aux[i], want)
+
+
+def test_a_push_to_a_gone_decode_fails_within_its_deadline(transport: str) -> None:
+    p, d = Rank(1, transport, timeout=3.0), Rank(2, transport)
+    try:
+        peer = d.peer
+        d.engine.close()
+        res = Results()
+        start = time.monotonic()
+        p.engine.push(1, peer, (np.array([0]), np.array([0])), (0, 0), res)
+        room, ok, reason, last = res.next()
+        assert (room, ok, last) == (1, False, True) and reason, reason
+        assert time.monotonic() - start < 15
+    finally:
+        p.engine.close()
+
+
+def test_out_of_range_pages_fail_and_move_nothing(pair: Any) -> None:
+    p, d = pair
+    before = [a.copy() for a in d.kv]
+    res = Results()
+    p.engine.push(2, d.peer, (np.array([0, 1]), np.array([3, PAGES])), (0, 0), res)
+    _, ok, reason, _ = res.next()
+    assert not ok and reason
+    for a, b in zip(d.kv, before, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_cancelled_request_reports_and_writes_nothing_after(pair: Any) -> None:
+    """Cancel right after posting: every chunk reports (cancelled or landed),
+    and once all reported, the decode's pages no longer change."""
+    p, d = pair
+    res = Results()
+    for _ in range(4):
+        p.engine.push(3, d.peer, (np.arange(PAGES), np.arange(PAGES)), None, res)
+    p.engine.cancel(3)
+    got = [res.next() for _ in range(4)]
+    assert all(room == 3 for room, *_ in got)
+    assert not p.engine.busy(3)
+    after = [a.copy() for a in d.kv]
+    time.sleep(0.3)
+    for a, b in zip(d.kv, after, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_buffers_refuse_what_cannot_be_a_layout() -> None:
+    with pytest.raises(ValueError):
+        Buffers.of([1, 2], [64], [64])
+    with pytest.raises(ValueError):
+        Buffers.of([1], [32], [64])
+    assert Buffers.of([1, 2, 3], [128, 64, 128], [64, 32, 64]).groups() == [(64, [0, 2]), (32, [1])]
