@@ -5,6 +5,7 @@ without SGLang: two rank engines over NumPy buffers laid out as SGLang's
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aiokvcache import LLMClusterInfo
 from aiokvcache.integrations.sglang.engine import Buffers, Peer, RankEngine
 
 LAYERS, PAGES, PAGE = 2, 16, 256
@@ -40,6 +42,18 @@ class Rank:
     def peer(self) -> Peer:
         host, port = self.engine.address.rsplit(":", 1)
         return Peer(host, int(port), self.engine.cluster_id)
+
+    def run(self, coro: Any, timeout: float = 10) -> Any:
+        """``coro`` on the engine's loop."""
+        assert self.engine._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.engine._loop).result(timeout)
+
+    def state(self) -> list[np.ndarray]:
+        return [a.copy() for a in (*self.kv, *self.aux)]
+
+    def assert_unchanged(self, before: list[np.ndarray]) -> None:
+        for a, b in zip((*self.kv, *self.aux), before, strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.fixture
@@ -105,15 +119,99 @@ def test_a_push_to_a_gone_decode_fails_within_its_deadline(transport: str) -> No
         p.engine.close()
 
 
-def test_out_of_range_pages_fail_and_move_nothing(pair: Any) -> None:
+@pytest.mark.parametrize(
+    "dst", [[3, PAGES], [-1, 2], [5, 5]], ids=["past-the-end", "negative", "twice"]
+)
+def test_pages_a_peer_cannot_take_fail_the_push_and_move_nothing(pair: Any, dst: Any) -> None:
+    """Without the peer's counts the core checks the pages against the
+    peer's cache before any byte moves."""
     p, d = pair
-    before = [a.copy() for a in d.kv]
+    before = d.state()
     res = Results()
-    p.engine.push(2, d.peer, (np.array([0, 1]), np.array([3, PAGES])), (0, 0), res)
+    p.engine.push(2, d.peer, (np.array([0, 1]), np.array(dst)), (0, 0), res)
     _, ok, reason, _ = res.next()
     assert not ok and reason
-    for a, b in zip(d.kv, before, strict=True):
-        np.testing.assert_array_equal(a, b)
+    d.assert_unchanged(before)
+
+
+@pytest.mark.parametrize(
+    "pages, aux",
+    [
+        (([1, 2], [1, PAGES]), (0, 0)),
+        (([1, 2], [1, 2]), (0, -1)),
+        (([1, 2], [1, 2]), (0, 2**70)),
+        (([1, 2], [1, 2]), (0, AUX_ROWS)),
+        (([1, PAGES], [1, 2]), (0, 0)),
+        (([1, 2], [1, 2]), (AUX_ROWS, 0)),
+        (([1, 2, 3], [1, 2]), (0, 0)),
+    ],
+    ids=["dst-page", "dst-aux-negative", "dst-aux-huge", "dst-aux-past", "src-page", "src-aux",
+         "counts"],
+)  # fmt: skip
+def test_pages_or_aux_rows_out_of_either_side_are_refused_before_any_byte_moves(
+    pair: Any, pages: Any, aux: Any
+) -> None:
+    """With the peer's page and aux-row counts (its registration's), a bad
+    page or aux row is a ``ValueError`` at once: the KV pages never land
+    ahead of an aux row that would then fail."""
+    p, d = pair
+    before = d.state()
+    with pytest.raises(ValueError):
+        src, dst = (np.array(x) for x in pages)
+        p.engine.push(2, d.peer, (src, dst), aux, Results(), (PAGES, AUX_ROWS))
+    time.sleep(0.2)
+    d.assert_unchanged(before)
+
+
+def test_a_push_posted_after_its_room_was_cancelled_moves_nothing(pair: Any) -> None:
+    """A cancel is remembered: a push the scheduler posts after the decode's
+    abort was handled reports cancelled and writes nothing; the room taken
+    again (``reopen``) pushes again."""
+    p, d = pair
+    before = d.state()
+    res = Results()
+    p.engine.cancel(7)
+    p.engine.push(7, d.peer, (np.array([3, 4]), np.array([5, 6])), (1, 2), res)
+    assert res.next()[:2] == (7, False)
+    time.sleep(0.2)
+    d.assert_unchanged(before)
+    p.engine.reopen(7)
+    p.engine.push(7, d.peer, (np.array([3]), np.array([5])), (1, 2), res)
+    assert res.next()[:2] == (7, True)
+    np.testing.assert_array_equal(d.kv[0][5], p.kv[0][3])
+
+
+def test_a_decode_whose_link_broke_is_linked_again(pair: Any) -> None:
+    """A link that was up and broke (here the decode force-unlinks, as a
+    heartbeat declaring a starved peer dead does) is made again by the next
+    push: the next requests to that live decode land."""
+    p, d = pair
+    res = Results()
+    p.engine.push(1, d.peer, (np.array([1]), np.array([1])), (0, 0), res)
+    assert res.next()[1]
+    info = LLMClusterInfo()
+    info.remote_cluster_id = p.engine.cluster_id
+    assert d.engine.links.dd is not None
+    d.run(d.engine.links.dd.unlink_clusters([info], force=True))
+    time.sleep(0.5)
+    p.engine.push(2, d.peer, (np.array([2]), np.array([2])), (0, 0), res)
+    res.next()  # this one may see the break
+    p.engine.push(3, d.peer, (np.array([3]), np.array([3])), (0, 0), res)
+    _, ok, reason, _ = res.next()
+    assert ok, reason
+    np.testing.assert_array_equal(d.kv[1][3], p.kv[1][3])
+
+
+def test_a_push_to_a_closed_engine_is_refused(transport: str) -> None:
+    """After ``close``, ``push`` raises ``RuntimeError`` (the manager counts
+    a push only once it was posted) instead of posting one that never reports."""
+    p, d = Rank(1, transport), Rank(2, transport)
+    try:
+        p.engine.close()
+        with pytest.raises(RuntimeError):
+            p.engine.push(1, d.peer, (np.array([1]), np.array([1])), (0, 0), Results())
+    finally:
+        d.engine.close()
 
 
 def test_a_cancelled_request_reports_and_writes_nothing_after(pair: Any) -> None:

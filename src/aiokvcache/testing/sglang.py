@@ -16,7 +16,8 @@ CPU-only host, for tests and benchmarks of the SGLang transfer backend.
   ``"aiokvcache"`` or ``"mooncake_tcp"``), with the CPU flags
   (:data:`CPU_FLAGS`); :class:`Router`: ``sglang_router`` in front of a
   prefill and a decode; :class:`Deployment`: the three together.
-* :func:`generate`: requests by token ids (the servers run without a
+* :func:`post` (JSON to a server's endpoint, e.g. ``/abort_request``);
+  :func:`generate`: requests by token ids (the servers run without a
   tokenizer), greedy, in flight together; the output ids of each.
 
 SGLang is imported in the servers' processes only; :func:`tiny_model` needs
@@ -50,6 +51,7 @@ __all__ = [
     "Server",
     "cpu_shim",
     "generate",
+    "post",
     "tiny_model",
 ]
 
@@ -72,7 +74,8 @@ TINY_LLAMA: dict[str, Any] = {
 CPU_FLAGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--grammar-backend", "none", "--skip-tokenizer-init", "--disable-overlap-schedule",
-    "--mem-fraction-static", "0.05", "--max-running-requests", "16", "--chunked-prefill-size", "-1",
+    "--mem-fraction-static", "0.3", "--max-total-tokens", "32768", "--max-running-requests", "16",
+    "--chunked-prefill-size", "-1",
 )  # fmt: skip
 
 
@@ -146,11 +149,13 @@ def _get(url: str, timeout: float = 5) -> Any:
     return json.loads(body) if body.strip().startswith((b"{", b"[")) else body
 
 
-def _post(url: str, payload: dict[str, Any], timeout: float) -> Any:
+def post(url: str, payload: dict[str, Any], timeout: float) -> Any:
+    """POST ``payload`` as JSON; the answer's JSON (None for an empty body)."""
     data = json.dumps(payload).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+        body = r.read()
+    return json.loads(body) if body.strip() else None
 
 
 class _Child:
@@ -281,7 +286,7 @@ def generate(
             },
         }  # fmt: skip
         try:
-            out = _post(f"{url}/generate", payload, timeout)
+            out = post(f"{url}/generate", payload, timeout)
         except urllib.error.HTTPError as exc:
             return {"error": f"HTTP {exc.code}: {exc.read()[:300]!r}"}
         except (OSError, ValueError) as exc:
@@ -305,6 +310,7 @@ class Deployment:
     ) -> None:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="akv-sglang-")
         self.workdir = workdir or (self._tmp.name if self._tmp else "")
+        self.model, self.backend, self.extra, self.env = model, backend, extra, env
         self.prefill = Server(model, self.workdir, "prefill", backend, extra, env)
         self.decode = Server(model, self.workdir, "decode", backend, extra, env)
         self.router: Router | None = None
@@ -324,6 +330,21 @@ class Deployment:
     def url(self) -> str:
         assert self.router is not None
         return self.router.url
+
+    def replace_prefill(self, timeout: float = 300) -> None:
+        """A new prefill (the old one stopped) and a new router in front of
+        it and the same decode: what an operator does after a prefill died."""
+        old, self.prefill = (
+            self.prefill,
+            Server(self.model, self.workdir, "prefill", self.backend, self.extra, self.env),
+        )
+        old.stop()
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+        self.prefill.wait_ready(timeout)
+        self.router = Router(self.prefill, self.decode, self.workdir)
+        self.router.wait_ready()
 
     def children(self) -> Iterator[_Child]:
         yield self.prefill

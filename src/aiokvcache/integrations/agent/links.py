@@ -43,6 +43,15 @@ class PeerLinks:
             task = self._links[peer.cluster_id] = self._spawn(self._do_link(peer))
         await asyncio.shield(task)
 
+    async def relink(self, peer: Peer) -> None:
+        """:meth:`link`, making the link again if the one made before went
+        away since (the peer restarted, unlinked, or was declared dead)."""
+        task = self._links.get(peer.cluster_id)
+        made = task is not None and task.done() and task.exception() is None
+        if made and not self.alive(peer.cluster_id):
+            await self._forget(peer.cluster_id)
+        await self.link(peer)
+
     async def _do_link(self, peer: Peer) -> None:
         assert self.dd is not None
         info = LLMClusterInfo()

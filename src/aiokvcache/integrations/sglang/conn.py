@@ -21,6 +21,7 @@ that none of its pushes can write any more.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -49,6 +50,13 @@ __all__ = ["AioKVBootstrapServer", "AioKVManager", "AioKVReceiver", "AioKVSender
 log = logging.getLogger("aiokvcache.sglang")
 
 REG_TAG = b"AKV_REG"
+#: Rooms a prefill remembers as aborted, for a decode's metadata that comes after.
+ABORTED_ROOMS = 4096
+#: Decode ranks a prefill rank keeps registrations of (the oldest go first).
+MAX_REGISTRATIONS = 1024
+#: The largest registration shape and page list a prefill reads from a decode.
+MAX_SHAPE_BYTES = 64 << 10
+MAX_PAGE_BYTES = 16 << 20
 
 
 def _env_float(name: str, default: float) -> float:
@@ -64,6 +72,8 @@ class _Registration:
 
     peer: Peer
     refused: str  # why its layout cannot take our pages ("" if it can)
+    kv_rows: int  # pages in each of its KV buffers
+    aux_rows: int  # rows in each of its aux buffers
 
 
 @dataclasses.dataclass
@@ -116,6 +126,8 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
             )
         if args.state_types:
             raise ValueError("aiokvcache's SGLang backend does not move state buffers (yet)")
+        if str(getattr(server_args, "device", "cpu")) != "cpu":
+            raise ValueError("aiokvcache's SGLang backend moves KV pools in host memory only (yet)")
         kv = Buffers.of(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)
         aux = Buffers.of(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)
         self.engine = RankEngine(
@@ -123,16 +135,19 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
             aux,
             host=self.local_ip,
             transport=os.environ.get("AIOKVCACHE_SGLANG_TRANSPORT", "auto"),
-            timeout=_env_float("AIOKVCACHE_SGLANG_TIMEOUT", 30.0),
+            timeout=_env_float("AIOKVCACHE_SGLANG_TIMEOUT", 20.0),
         )
         self.engine.start()
         self.session_id = f"{self.local_ip}:{self.rank_port}"
         self._lock = threading.Lock()  # the room counters below
-        self._waiting_last: dict[int, int] = {}  # room -> last chunks not landed yet
+        self._waiting_last: dict[int, int] = {}  # rooms whose last chunk is in flight
         # Status messages go out in order from one thread: a send to a dead
         # decode may wait out the socket's timeout, never on the engine's.
         self._status = concurrent.futures.ThreadPoolExecutor(1, "aiokvcache-sglang-status")
-        self._registrations: dict[str, _Registration] = {}
+        self._registrations: collections.OrderedDict[str, _Registration] = collections.OrderedDict()
+        # Rooms aborted here, newest last: a decode whose metadata arrives
+        # after the abort is told at once (it would wait out its timeout).
+        self._aborted: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._stopped = False
         target = self._prefill_loop if self._is_prefill else self._decode_loop
         threading.Thread(target=target, name="aiokvcache-sglang-ctl", daemon=True).start()
@@ -146,6 +161,10 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
     def _shape(self) -> dict[str, list[int]]:
         return {"kv": self.engine.kv.shape(), "aux": self.engine.aux.shape()}
 
+    def _registration(self) -> dict[str, list[int]]:
+        """Our buffers' row sizes and how many rows (pages) each kind has."""
+        return {**self._shape(), "rows": [self.engine.kv.rows(), self.engine.aux.rows()]}
+
     # ------------------------------------------------------------ decode
 
     def build_receiver_registration_message(self) -> list[bytes]:
@@ -153,7 +172,7 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
         return [
             REG_TAG, self.local_ip.encode(), str(self.rank_port).encode(),
             self.session_id.encode(), host.encode(), port.encode(),
-            str(self.engine.cluster_id).encode(), json.dumps(self._shape()).encode(),
+            str(self.engine.cluster_id).encode(), json.dumps(self._registration()).encode(),
         ]  # fmt: skip
 
     def build_receiver_metadata_message(
@@ -205,55 +224,88 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
                     self._on_registration(msg)
                 else:
                     self._on_metadata(msg)
-            except (IndexError, ValueError, UnicodeDecodeError) as exc:
-                log.warning("aiokvcache: dropped a malformed message from a decode: %s", exc)
+            except Exception as exc:  # a peer's bytes: this loop must go on
+                log.warning("aiokvcache: dropped a malformed message from a decode: %r", exc)
 
     def _on_registration(self, msg: list[bytes]) -> None:
+        if len(msg) != 8 or len(msg[7]) > MAX_SHAPE_BYTES:
+            raise ValueError("a registration of the wrong size")
         session = msg[3].decode("ascii")
+        if session != f"{msg[1].decode('ascii')}:{int(msg[2])}":
+            raise ValueError("a registration whose session is not its address")
         peer = Peer(msg[4].decode("ascii"), int(msg[5]), int(msg[6]))
         theirs = json.loads(msg[7])
+        if not isinstance(theirs, dict) or not isinstance(theirs.get("rows"), list):
+            raise ValueError("a registration without its buffers' row sizes and counts")
+        rows = [int(r) for r in theirs["rows"]]
+        shape = {"kv": theirs.get("kv"), "aux": theirs.get("aux")}
         refused = ""
-        if theirs != self._shape():
+        if shape != self._shape() or len(rows) != 2:
             refused = (
-                f"aiokvcache: the decode's buffers ({theirs}) are not laid out as the "
+                f"aiokvcache: the decode's buffers ({shape}) are not laid out as the "
                 f"prefill's ({self._shape()}): same model, dtype and page size on both sides?"
             )
             log.error("%s (decode %s)", refused, session)
-        self._registrations[session] = _Registration(peer, refused)
+            rows = [0, 0]
+        with self._lock:
+            self._registrations[session] = _Registration(peer, refused, rows[0], rows[1])
+            self._registrations.move_to_end(session)
+            while len(self._registrations) > MAX_REGISTRATIONS:
+                self._registrations.popitem(last=False)
         if not refused:
-            self.engine.link(peer)
+            self.engine.link(peer)  # ahead of its first request
 
     def _on_metadata(self, msg: list[bytes]) -> None:
+        if len(msg) != 8 or len(msg[4]) > MAX_PAGE_BYTES:
+            raise ValueError("request metadata of the wrong size")
         room = int(msg[0])
         dest = _Destination.from_zmq(msg)
+        if room in self._aborted:
+            self._send_status([(dest.endpoint, dest.dst_port)], room, "aborted on the prefill")
+            return
+        if dest.required_dst_info_num != 1:
+            why = "aiokvcache: one decode rank per request only (tensor parallel size 1)"
+            self._send_status([(dest.endpoint, dest.dst_port)], room, why)
+            return
         infos = self.transfer_infos.setdefault(room, {})
-        if dest.session not in infos and len(infos) >= dest.required_dst_info_num:
-            log.warning("aiokvcache: room %d already has its decode ranks; dropped one more", room)
+        if infos:  # its decode rank is set (a replay or a second claim: ignored)
+            log.warning("aiokvcache: room %d already has its decode rank; dropped another", room)
             return
         infos[dest.session] = dest
-        if len(infos) == dest.required_dst_info_num:
-            self.req_to_decode_prefix_len[room] = dest.decode_prefix_len
-            self.update_status(room, KVPoll.WaitingForInput)
+        self.req_to_decode_prefix_len[room] = dest.decode_prefix_len
+        self.update_status(room, KVPoll.WaitingForInput)
 
     def _on_abort(self, msg: list[bytes]) -> None:
         note = AbortNotification.from_zmq(msg)
         if note is None:
             return
         room = note.room
-        status = self.request_status.get(room)
-        if status is not None and status != KVPoll.Success:
-            self.record_failure(room, "aborted by the decode")
-            self.update_status(room, KVPoll.Failed)
-            self.engine.cancel(room)
         target = note.deferred_ack_target()
-        if target is not None:
-            self.register_deferred_ack_target(room, target)
-            with self._lock:
-                self._maybe_ack_drained_abort(room)
-        elif note.decode_ip is not None and note.decode_port is not None:
+        with self._lock:  # no chunk is posted between this and the count's check
+            status = self.request_status.get(room)
+            if status is not None and status != KVPoll.Success:
+                self._record(room, "aborted by the decode")
+                self.update_status(room, KVPoll.Failed)
+            self.engine.cancel(room)
+            if target is not None:
+                self.register_deferred_ack_target(room, target)
+            acks = self._drained_acks(room)
+        if acks:
+            self._status.submit(self._send_abort_acks, room, acks)
+        elif target is None and note.decode_ip is not None and note.decode_port is not None:
             ack = [ABORT_ACK_TAG, str(room).encode("ascii")]
             endpoint = f"tcp://{note.decode_ip}:{note.decode_port}"
             self._status.submit(self._send_multipart_locked, endpoint, ack)
+
+    def _drained_acks(self, room: int) -> Any:
+        """Under ``_lock``: the room's ACK targets if none of its pushes can
+        write any more (taken: each is sent once), else None."""
+        if self._staging_outstanding.get(room, 0) > 0:
+            return None
+        if room in self._deferred_ack_poisoned_rooms:
+            self._deferred_ack_targets.pop(room, None)
+            return None
+        return self._deferred_ack_targets.pop(room, None)
 
     def add_transfer_request(
         self,
@@ -270,46 +322,54 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
         trace_ctx: Any = None,
     ) -> None:
         """A chunk the scheduler computed: post its pushes (never waits on the network)."""
-        room = bootstrap_room
-        if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
-            return
-        infos = self.transfer_infos.get(room)
-        if not infos:
-            return
         for event in (wait_event, indices_event):
             if event is not None:
                 event.synchronize()  # the chunk's KV is written (a GPU stream's event)
         src_all = np.asarray(
             kv_indices.cpu().numpy() if hasattr(kv_indices, "cpu") else kv_indices, np.int64
         )
-        dests = [d for d in list(infos.values()) if not d.is_dummy]
-        if not dests:
-            if is_last_chunk:
+        room = bootstrap_room
+        with self._lock:  # an abort is handled wholly before or after this
+            failed = self._post_chunk(room, src_all, index_slice, is_last_chunk, aux_index)
+        if failed:
+            self._conclude(room, False, failed)
+
+    def _post_chunk(
+        self, room: int, src_all: Any, index_slice: slice, last: bool, aux_index: int | None
+    ) -> str:
+        """Under ``_lock``: count and post the chunk's push; why it cannot be, or ""."""
+        if room not in self.request_status or self.check_status(room) == KVPoll.Failed:
+            return ""
+        dest = next(iter(self.transfer_infos.get(room, {}).values()), None)
+        if dest is None:
+            return ""
+        if dest.is_dummy:
+            if last:
                 self.update_status(room, KVPoll.Success)
-            return
-        if is_last_chunk:
-            with self._lock:
-                self._waiting_last[room] = len(dests)
-        for dest in dests:
-            reg = self._registrations.get(dest.session)
-            if reg is None or reg.refused:
-                why = reg.refused if reg else f"decode {dest.session} never registered"
-                self._conclude(room, False, why)
-                return
-            dst = dest.kv[index_slice].astype(np.int64)
-            src = src_all[: len(dst)]
-            aux = None
-            if is_last_chunk:
-                if aux_index is None or dest.aux is None:
-                    self._conclude(room, False, "aiokvcache: the last chunk has no aux row")
-                    return
-                aux = (int(aux_index), int(dest.aux))
-            with self._lock:
-                self._staging_outstanding[room] += 1
-            self.engine.push(room, reg.peer, (src, dst[: len(src)]), aux, self._on_result)
+            return ""
+        reg = self._registrations.get(dest.session)
+        if reg is None or reg.refused:
+            return reg.refused if reg else f"aiokvcache: decode {dest.session} never registered"
+        dst = dest.kv[index_slice].astype(np.int64)
+        src = src_all[: len(dst)]
+        dst = dst[: len(src)]
+        aux = None
+        if last:
+            if aux_index is None or dest.aux is None:
+                return "aiokvcache: the last chunk has no aux row"
+            aux = (int(aux_index), int(dest.aux))
+        rows = (reg.kv_rows, reg.aux_rows)
+        try:
+            self.engine.push(room, reg.peer, (src, dst), aux, self._on_result, rows)
+        except (ValueError, RuntimeError) as exc:
+            return f"aiokvcache: {exc}"
+        if last:
+            self._waiting_last[room] = 1
+        self._staging_outstanding[room] += 1
+        return ""
 
     def _on_result(self, room: int, ok: bool, reason: str, last: bool) -> None:
-        """A chunk's pushes ended (on the engine's thread)."""
+        """A chunk's pushes ended, and can write no more (on the engine's thread)."""
         conclude: bool | None = None
         with self._lock:
             left = self._staging_outstanding.get(room, 0) - 1
@@ -319,26 +379,53 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
                 self._staging_outstanding.pop(room, None)
             if not ok:
                 conclude = False
-            elif last and room in self._waiting_last:
-                self._waiting_last[room] -= 1
-                if self._waiting_last[room] == 0:
-                    del self._waiting_last[room]
-                    conclude = True
-            if left <= 0:
-                self._maybe_ack_drained_abort(room)
+            elif last and self._waiting_last.pop(room, None) is not None:
+                conclude = True
+            acks = self._drained_acks(room) if left <= 0 else None
+        if acks:
+            self._status.submit(self._send_abort_acks, room, acks)
         if conclude is not None:
             self._conclude(room, conclude, reason)
 
+    def _record(self, room: int, reason: str) -> None:
+        """Keep the first cause of a live room's failure (a cleared room's is dropped)."""
+        with self.failure_lock:
+            if room in self.request_status:
+                self.failure_records.setdefault(room, reason)
+
+    def _send_status(self, targets: list[tuple[str, int]], room: int, reason: str) -> None:
+        """Failed, to ``targets``, from the status thread (in order)."""
+        self._status.submit(
+            self.send_kv_status_message, targets=targets, bootstrap_room=room,
+            status=KVPoll.Failed, failure_reason=reason,
+        )  # fmt: skip
+
     def _conclude(self, room: int, ok: bool, reason: str) -> None:
-        """Tell the room's decode ranks (from the status thread, in order)."""
-        with self._lock:
-            self._waiting_last.pop(room, None) if not ok else None
-        if not ok:
-            self.record_failure(room, reason)
-            self.update_status(room, KVPoll.Failed)
-            self._status.submit(self.conclude_failure, bootstrap_room=room, failure_reason=reason)
-        else:
+        """Tell the room's decode rank how it ended. A failure's targets are
+        read now: the scheduler may clear the room before the status thread runs."""
+        if ok:
             self._status.submit(self.conclude_transfer, bootstrap_room=room, status=KVPoll.Success)
+            return
+        with self._lock:
+            self._waiting_last.pop(room, None)
+        targets = self._room_notify_targets(room)
+        self._record(room, reason)
+        self.update_status(room, KVPoll.Failed)
+        if targets:
+            self._send_status(targets, room, reason)
+
+    def aborted(self, room: int) -> None:
+        """``room`` was aborted here: stop its pushes, tell its decode rank
+        (now, or when its metadata comes)."""
+        with self._lock:
+            self._aborted[room] = None
+            self._aborted.move_to_end(room)
+            while len(self._aborted) > ABORTED_ROOMS:
+                self._aborted.popitem(last=False)
+            self.engine.cancel(room)
+            targets = self._room_notify_targets(room)
+        if targets:
+            self._send_status(targets, room, "aborted on the prefill")
 
     def teardown(self) -> None:
         self._stopped = True
@@ -351,16 +438,18 @@ class AioKVSender(CommonKVSender):  # type: ignore[misc]
 
     supports_host_tensor_indices = False
 
+    def __init__(self, mgr: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(mgr, *args, **kwargs)
+        if isinstance(mgr, AioKVManager):  # a room used again (SGLang's re-bootstrap)
+            with mgr._lock:
+                mgr._aborted.pop(self.bootstrap_room, None)
+            mgr.engine.reopen(self.bootstrap_room)
+
     def abort(self) -> None:
         super().abort()
         mgr = self.kv_mgr
-        assert isinstance(mgr, AioKVManager)
-        mgr.engine.cancel(self.bootstrap_room)
-        mgr._status.submit(
-            mgr.conclude_failure,
-            bootstrap_room=self.bootstrap_room,
-            failure_reason="aborted on the prefill",
-        )
+        if isinstance(mgr, AioKVManager):
+            mgr.aborted(self.bootstrap_room)
 
     def clear(self) -> None:
         mgr = self.kv_mgr

@@ -21,6 +21,7 @@ SGLang import here: the SGLang classes are in :mod:`.conn`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import secrets
@@ -42,6 +43,9 @@ log = logging.getLogger("aiokvcache.sglang")
 
 #: (room, ok, reason, last): how a pushed chunk ended (``reason`` "" when ok).
 OnResult = Callable[[int, bool, str, bool], None]
+#: Rooms an engine remembers as cancelled (a push posted after the cancel
+#: reports at once, moving nothing).
+CANCELLED_ROOMS = 4096
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,10 @@ class Buffers:
         """What both sides must agree on: each buffer's row size, in order."""
         return list(self.items)
 
+    def rows(self) -> int:
+        """Rows (pages) every buffer has: a block id below it is valid in all."""
+        return min((n // i for n, i in zip(self.lens, self.items, strict=True)), default=0)
+
 
 class RankEngine:
     """One ``LLMDataDist`` on a daemon thread, for one SGLang scheduler rank.
@@ -99,6 +107,9 @@ class RankEngine:
         self.links = PeerLinks(link_timeout, self._spawn)
         self._caches: list[tuple[int, Any, int]] = []  # (model id, cache, row bytes)
         self._rooms: dict[int, list[asyncio.Task[None]]] = {}
+        self._cancelled: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._closing = threading.Lock()
+        self._closed = False
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -160,25 +171,30 @@ class RankEngine:
         return str(dd.listen_address)
 
     async def _shutdown(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        while self._tasks:  # a push posted while closing is cancelled too
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.links.dd is not None:
             await self.links.dd.finalize()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop: pushes in flight are cancelled (and quiescent) first."""
         loop, thread = self._loop, self._thread
+        with self._closing:
+            self._closed = True
         if loop is None or thread is None or not thread.is_alive():
             return
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout)
 
     def _post(self, fn: Callable[..., Any], *args: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            raise RuntimeError("the aiokvcache engine is not running")
-        loop.call_soon_threadsafe(fn, *args)
+        """Run ``fn`` on the engine's loop; ``RuntimeError`` once it is closing."""
+        with self._closing:
+            loop = self._loop
+            if self._closed or loop is None or loop.is_closed():
+                raise RuntimeError("the aiokvcache engine is closed")
+            loop.call_soon_threadsafe(fn, *args)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
@@ -203,14 +219,28 @@ class RankEngine:
         pages: tuple[np.ndarray, np.ndarray],
         aux_rows: tuple[int, int] | None,
         on_result: OnResult,
+        peer_rows: tuple[int, int] | None = None,
     ) -> None:
         """Write pages ``pages[0]`` here into pages ``pages[1]`` of ``peer``;
         with ``aux_rows`` (here, there: the request's last chunk), once every
         earlier chunk of ``room`` landed, its aux row too. ``on_result``
-        says how it ended, once it can write no more."""
+        says how it ended, once it can write no more. ``peer_rows``: the
+        peer's page and aux-row counts, as its registration gave them.
+        ``ValueError`` for a page or aux row outside either side's buffers
+        (checked before any byte moves); ``RuntimeError`` once the engine is
+        closing (nothing was posted either way)."""
         src, dst = (np.asarray(p, dtype=np.int64) for p in pages)
-        if src.shape != dst.shape:
+        if src.shape != dst.shape or src.ndim != 1:
             raise ValueError(f"{len(src)} source pages for {len(dst)} destination pages")
+        if len(src) and not (0 <= src.min() and src.max() < self.kv.rows()):
+            raise ValueError("a source page is outside this rank's KV pool")
+        if aux_rows is not None and not 0 <= aux_rows[0] < self.aux.rows():
+            raise ValueError("the source aux row is outside this rank's aux buffers")
+        if peer_rows is not None:
+            if len(dst) and not (0 <= dst.min() and dst.max() < peer_rows[0]):
+                raise ValueError("a destination page is outside the peer's KV pool")
+            if aux_rows is not None and not 0 <= aux_rows[1] < peer_rows[1]:
+                raise ValueError("the destination aux row is outside the peer's aux buffers")
         deadline = time.monotonic() + self.timeout
         args = (room, peer, src, dst, aux_rows, deadline, on_result)
         self._post(self._start_push, *args)
@@ -225,9 +255,12 @@ class RankEngine:
         deadline: float,
         on_result: OnResult,
     ) -> None:
+        last = aux_rows is not None
+        if room in self._cancelled:  # posted after its room was cancelled
+            on_result(room, False, "cancelled", last)
+            return
         tasks = self._rooms.setdefault(room, [])
         earlier = list(tasks)
-        last = aux_rows is not None
         task = self._spawn(self._push(peer, src, dst, aux_rows, earlier, deadline))
 
         def done(t: asyncio.Task[None]) -> None:
@@ -255,7 +288,7 @@ class RankEngine:
     ) -> None:
         cm = self.links.cm
         assert cm is not None
-        await asyncio.wait_for(self.links.link(peer), max(0.001, deadline - time.monotonic()))
+        await asyncio.wait_for(self.links.relink(peer), _left(deadline))
         n_kv = len(self.kv.groups())
         for model, cache, _ in self._caches[:n_kv]:
             if len(src):
@@ -280,8 +313,17 @@ class RankEngine:
         self._post(self._cancel, room)
 
     def _cancel(self, room: int) -> None:
+        self._cancelled[room] = None
+        self._cancelled.move_to_end(room)
+        while len(self._cancelled) > CANCELLED_ROOMS:
+            self._cancelled.popitem(last=False)
         for t in list(self._rooms.get(room, ())):
             t.cancel()
+
+    def reopen(self, room: int) -> None:
+        """``room`` starts a new request (SGLang reuses a room on a
+        re-bootstrap): pushes for it are taken again."""
+        self._post(lambda: self._cancelled.pop(room, None))
 
     def busy(self, room: int) -> bool:
         """Whether a push of ``room`` is in flight (read from any thread)."""
