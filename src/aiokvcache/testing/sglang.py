@@ -70,12 +70,13 @@ TINY_LLAMA: dict[str, Any] = {
 
 #: SGLang on a CPU without sgl-kernel's AMX build: torch-native attention and
 #: sampling, no tokenizer (requests carry token ids), no overlap scheduler (it
-#: records CUDA events on a prefix-cache hit).
+#: records CUDA events on a prefix-cache hit), schedulers that sleep when idle
+#: (else each spins a core: two servers would take this 2-core machine).
 CPU_FLAGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--grammar-backend", "none", "--skip-tokenizer-init", "--disable-overlap-schedule",
     "--mem-fraction-static", "0.3", "--max-total-tokens", "32768", "--max-running-requests", "16",
-    "--chunked-prefill-size", "-1",
+    "--chunked-prefill-size", "-1", "--sleep-on-idle",
 )  # fmt: skip
 
 
