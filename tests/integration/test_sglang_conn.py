@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import importlib.util
 import json
+import os
 import threading
 import time
 import warnings
@@ -145,6 +146,7 @@ def run_loop(mgr: Prefill, msgs: list[list[bytes]]) -> None:
     t.start()
     t.join(20)
     assert not t.is_alive()
+    assert mgr._stopped and not queue, "the control loop ended before reading every message"
 
 
 def open_room(mgr: Prefill, d: Side, pages: list[int], aux: int = 3) -> None:
@@ -320,3 +322,60 @@ def test_a_second_decode_claiming_a_room_is_ignored(sides: Any) -> None:
     assert list(mgr.transfer_infos[ROOM]) == ["127.0.0.1:5000"]
     dest = mgr.transfer_infos[ROOM]["127.0.0.1:5000"]
     assert (list(dest.kv), dest.aux, dest.required_dst_info_num) == ([1, 2], 3, 1)
+
+
+def _mutated(rng: np.random.Generator, frames: list[bytes]) -> list[bytes]:
+    """``frames`` with one to three mutations: a frame dropped, added,
+    replaced by random bytes, truncated, or a number in it changed."""
+    out = list(frames)
+    for _ in range(int(rng.integers(1, 4))):
+        pick = int(rng.integers(6))
+        i = int(rng.integers(len(out))) if out else 0
+        if pick == 0 and out:
+            del out[i]
+        elif pick == 1:
+            out.insert(i, rng.bytes(int(rng.integers(0, 40))))
+        elif pick == 2 and out:
+            out[i] = rng.bytes(int(rng.integers(0, 300)))
+        elif pick == 3 and out:
+            out[i] = out[i][: int(rng.integers(0, len(out[i]) + 1))]
+        elif out:
+            out[i] = str(int(rng.choice([-1, 0, 1, 2**31, 2**63, 10**30]))).encode()
+    return out
+
+
+FUZZ_ROUNDS = int(os.environ.get("AIOKVCACHE_SGLANG_FUZZ_ROUNDS", "300"))
+
+
+def test_fuzzed_frames_leave_the_prefill_serving_and_push_nowhere_unasked(sides: Any) -> None:
+    """Mutated registrations, metadata and ABORTs (``AIOKVCACHE_SGLANG_FUZZ_ROUNDS``
+    rounds, seeded by ``AIOKVCACHE_FUZZ_SEED``): the control loop survives
+    each, the decode's memory is untouched (no chunk was posted), the
+    bookkeeping stays bounded, and a legitimate request still lands."""
+    mgr, p, d = sides
+    seed = int(os.environ.get("AIOKVCACHE_FUZZ_SEED", "0")) or int(
+        np.random.SeedSequence().entropy % 2**32
+    )
+    rng = np.random.default_rng(seed)
+    valid = [
+        registration(d),
+        metadata(ROOM + 1, [1, 2, 3], 4),
+        [b"ABORT", str(ROOM + 1).encode(), b"127.0.0.1", b"5000", b"7"],
+    ]
+    before = d.state()
+    for _ in range(FUZZ_ROUNDS):
+        run_loop(mgr, [_mutated(rng, valid[int(rng.integers(len(valid)))]) for _ in range(8)])
+    mgr.settle()
+    for a, b in zip((*d.kv, *d.aux), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert len(mgr._registrations) <= conn.MAX_REGISTRATIONS, seed
+    mgr._registrations.clear()
+    mgr.transfer_infos.clear()
+    mgr.request_status.clear()
+    open_room(mgr, d, [7, 8], aux=3)
+    mgr.add_transfer_request(ROOM, np.array([1, 2]), slice(0, 2), True, aux_index=1)
+    end = time.monotonic() + 20
+    while (ROOM, int(KVPoll.Success)) not in mgr.statuses() and time.monotonic() < end:
+        time.sleep(0.02)
+    assert (ROOM, int(KVPoll.Success)) in mgr.statuses(), seed
+    np.testing.assert_array_equal(d.kv[0][7], p.kv[0][1])
