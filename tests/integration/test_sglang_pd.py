@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -136,12 +137,15 @@ def test_aiokvcache_an_abort_on_either_side_ends_its_requests(
 def test_aiokvcache_a_killed_prefill_fails_its_requests_and_the_decode_serves_on(
     aiokv: driver.Deployment, reference: list[list[int]]
 ) -> None:
-    """The prefill is killed with requests in flight: each fails within the
-    heartbeat's deadline, the decode lives, and with a new prefill it serves
-    the next requests with the reference tokens (no restart)."""
+    """The prefill is killed with requests in flight (frozen first, so that
+    none can have been computed: otherwise a fast one finishes before the
+    kill): each fails within the heartbeat's deadline, the decode lives, and
+    with a new prefill it serves the next requests with the reference
+    tokens (no restart)."""
+    aiokv.prefill.kill(signal.SIGSTOP)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(driver.generate, aiokv.url, prompts([900] * 6), 60, 150)
-        time.sleep(0.5)
+        time.sleep(1.0)
         killed = time.monotonic()
         aiokv.prefill.kill()
         out = running.result()
