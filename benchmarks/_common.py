@@ -121,6 +121,24 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 # ---------------------------------------------------------------- processes
 
+
+def group_pids(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (an instance and the engine
+    processes it started), ``pgid`` first."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            out.append(int(entry))
+    return sorted(out, key=lambda p: (p != pgid, p))
+
+
 #: The decode side of ``python -m aiokvcache bench``, taking the bench's shape
 #: options (one cache of that shape; ``wait`` and ``digest``).
 DECODE_PEER = (sys.executable, "-m", "aiokvcache._benchpeer")

@@ -39,6 +39,8 @@ import time
 import urllib.request
 from typing import Any
 
+from _common import group_pids
+
 from aiokvcache.testing import sglang as driver
 from aiokvcache.testing.vllm import prompts
 
@@ -48,16 +50,13 @@ TICK = os.sysconf("SC_CLK_TCK")
 def group_cpu_s(pgid: int) -> float:
     """CPU seconds (user + system) of every process in process group ``pgid``."""
     total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in group_pids(pgid):
         try:
-            with open(f"/proc/{entry}/stat") as f:
+            with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
+        total += int(fields[11]) + int(fields[12])
     return total / TICK
 
 

@@ -85,6 +85,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _common import group_pids
+
 from aiokvcache.testing import vllm as driver
 
 #: 24 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes = 96 KiB of KV per token.
@@ -137,23 +139,6 @@ def ms(x: float | None) -> str:
 
 def blocks(n: int) -> int:
     return -(-n // driver.BLOCK_SIZE)
-
-
-def group_pids(pgid: int) -> list[int]:
-    """The processes of process group ``pgid`` (an instance and the engine
-    processes it started), ``pgid`` first."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            out.append(int(entry))
-    return sorted(out, key=lambda p: (p != pgid, p))
 
 
 class ThreadSampler(threading.Thread):
