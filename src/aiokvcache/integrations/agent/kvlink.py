@@ -75,8 +75,7 @@ import hashlib
 import logging
 import os
 import secrets
-import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ... import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
@@ -85,6 +84,7 @@ from .decode import DecodeLoads
 from .handoff import blocks_digest
 from .kvtypes import GRACE_S, KVLayout, Peer, block_digest
 from .links import PeerLinks
+from .loopthread import LoopThread
 from .prefill_pull import PullServer
 from .prefill_push import PushSender
 from .results import Results, TransferResults
@@ -154,7 +154,7 @@ def _allowed_cpus() -> set[int]:
     return set(range(os.cpu_count() or 1))
 
 
-class TransferAgent:
+class TransferAgent(LoopThread):
     """One aiokvcache engine on a daemon thread, serving one engine worker.
 
     Thread-safe: every public method may be called from any thread and
@@ -163,6 +163,8 @@ class TransferAgent:
     sides (:attr:`pull_server`, :attr:`push_sender`, :attr:`receiver`) run on
     the loop thread only.
     """
+
+    thread_name = "aiokvcache-vllm"
 
     def __init__(
         self,
@@ -181,6 +183,7 @@ class TransferAgent:
     ) -> None:
         if timeout <= 0 or grace < 0 or link_timeout <= 0:
             raise ValueError("timeout and link_timeout must be positive, grace not negative")
+        super().__init__()
         self.cluster_id = cluster_id
         self.layout = layout
         self.timeout = float(timeout)
@@ -189,7 +192,6 @@ class TransferAgent:
         self._auth = auth_token
         self._unpin = unpin
         self._cpus = _allowed_cpus()
-        self._tasks: set[asyncio.Task[Any]] = set()
         #: Counters: what this side loaded, sent and refused.
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         self._results = Results()
@@ -212,9 +214,6 @@ class TransferAgent:
         self.receiver = DecodeLoads(
             layout, timeout=self.timeout, grace=self.grace, record_digests=record_digests, **sides
         )
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self.address: str | None = None
 
     @property
     def load_seconds(self) -> collections.deque[float]:
@@ -229,50 +228,17 @@ class TransferAgent:
 
     # ------------------------------------------------------------ lifecycle
 
-    def start(self, timeout: float = 60.0) -> str:
-        """Start the loop thread and the engine; returns ``"host:port"``."""
-        started = threading.Event()
-        box: dict[str, Any] = {}
+    def _enter_thread(self) -> None:
+        if self._unpin:
+            # vLLM's CPU worker pins its threads (ours would inherit it) to
+            # the model's core: run ours, and the engine threads started from
+            # here, on every core the process may use.
+            with contextlib.suppress(OSError, AttributeError):
+                os.sched_setaffinity(0, self._cpus)
+        calls.attach()  # the loads' and pushes' figures come from their records
 
-        def main() -> None:
-            if self._unpin:
-                # vLLM's CPU worker pins its threads (ours would inherit it) to
-                # the model's core: run ours, and the engine threads started from
-                # here, on every core the process may use.
-                with contextlib.suppress(OSError, AttributeError):
-                    os.sched_setaffinity(0, self._cpus)
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            asyncio.set_event_loop(loop)
-            calls.attach()  # the loads' and pushes' figures come from their records
-            try:
-                serve(loop)
-            finally:
-                calls.detach()
-
-        def serve(loop: asyncio.AbstractEventLoop) -> None:
-            try:
-                box["address"] = loop.run_until_complete(self._init())
-            except BaseException as exc:  # reported to start()'s caller
-                box["error"] = exc
-                started.set()
-                loop.close()
-                return
-            started.set()
-            try:
-                loop.run_forever()
-            finally:
-                loop.run_until_complete(self._shutdown())
-                loop.close()
-
-        self._thread = threading.Thread(target=main, name="aiokvcache-vllm", daemon=True)
-        self._thread.start()
-        if not started.wait(timeout):
-            raise TimeoutError(f"aiokvcache did not start within {timeout} s")
-        if "error" in box:
-            raise RuntimeError(f"aiokvcache failed to start: {box['error']}") from box["error"]
-        self.address = box["address"]
-        return str(self.address)
+    def _exit_thread(self) -> None:
+        calls.detach()
 
     async def _init(self) -> str:
         cfg = LLMConfig()
@@ -303,31 +269,9 @@ class TransferAgent:
     async def _shutdown(self) -> None:
         self.receiver.stop()
         self.pull_server.stop()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._cancel_tasks()
         if self.links.dd is not None:
             await self.links.dd.finalize()
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop: in-flight transfers are cancelled (and quiescent) first."""
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None or not thread.is_alive():
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout)
-
-    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            raise RuntimeError("the aiokvcache agent is not running")
-        loop.call_soon_threadsafe(fn, *args)
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     # ------------------------------------------------------------ results
 
