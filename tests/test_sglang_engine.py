@@ -237,3 +237,40 @@ def test_buffers_refuse_what_cannot_be_a_layout() -> None:
     with pytest.raises(ValueError):
         Buffers.of([1], [32], [64])
     assert Buffers.of([1, 2, 3], [128, 64, 128], [64, 32, 64]).groups() == [(64, [0, 2]), (32, [1])]
+
+
+def test_a_failed_chunk_fails_its_request_and_later_chunks_move_nothing(pair: Any) -> None:
+    """A chunk the decode's core refuses ends the request: the last chunk,
+    posted after that failure was reported, reports failed and writes neither
+    its pages nor its aux row (the first output token never lands after a
+    lost page); the room taken again pushes again."""
+    p, d = pair
+    res = Results()
+    p.engine.push(4, d.peer, (np.array([1, 2]), np.array([3, PAGES])), None, res)
+    assert res.next()[:2] == (4, False)
+    before = d.state()
+    p.engine.push(4, d.peer, (np.array([5]), np.array([6])), (2, 3), res)
+    room, ok, reason, last = res.next()
+    assert (room, ok, last) == (4, False, True) and "earlier chunk" in reason, reason
+    time.sleep(0.2)
+    d.assert_unchanged(before)
+    p.engine.reopen(4)
+    p.engine.push(4, d.peer, (np.array([5]), np.array([6])), (2, 3), res)
+    assert res.next()[:2] == (4, True)
+    np.testing.assert_array_equal(d.aux[0][3], p.aux[0][2])
+
+
+def test_a_room_taken_again_does_not_wait_for_the_earlier_requests_pushes(pair: Any) -> None:
+    """SGLang reuses a room on a re-bootstrap: the new request's last chunk
+    neither waits for nor fails with the cancelled pushes of the earlier one."""
+    p, d = pair
+    old, new = Results(), Results()
+    for _ in range(4):
+        p.engine.push(8, d.peer, (np.arange(PAGES), np.arange(PAGES)), None, old)
+    p.engine.cancel(8)
+    p.engine.reopen(8)
+    p.engine.push(8, d.peer, (np.array([1]), np.array([1])), (4, 5), new)
+    room, ok, reason, _ = new.next()
+    assert (room, ok) == (8, True), reason
+    np.testing.assert_array_equal(d.aux[1][5], p.aux[1][4])
+    assert all(old.next()[0] == 8 for _ in range(4))

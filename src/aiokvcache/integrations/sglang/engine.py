@@ -14,7 +14,9 @@ and the request's last chunk, once every earlier chunk of it landed, its
 aux row; then it reports. A push returns once the bytes are in the peer's
 memory (the core's remote completion), so a reported success holds them.
 :meth:`RankEngine.cancel` stops a request's pushes and reports once none
-of them can write any more (the core's cancellation is quiescent). No
+of them can write any more (the core's cancellation is quiescent); a
+chunk that fails ends its request alike (its other chunks stop, and a chunk
+posted later moves nothing: no aux row lands after a lost page). No
 SGLang import here: the SGLang classes are in :mod:`.conn`.
 """
 
@@ -25,9 +27,8 @@ import collections
 import contextlib
 import logging
 import secrets
-import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ import numpy as np
 from ... import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLMRole, Placement
 from ..agent.kvtypes import Peer, TransferFailed
 from ..agent.links import PeerLinks
+from ..agent.loopthread import LoopThread
 
 __all__ = ["Buffers", "Peer", "RankEngine"]
 
@@ -43,9 +45,9 @@ log = logging.getLogger("aiokvcache.sglang")
 
 #: (room, ok, reason, last): how a pushed chunk ended (``reason`` "" when ok).
 OnResult = Callable[[int, bool, str, bool], None]
-#: Rooms an engine remembers as cancelled (a push posted after the cancel
-#: reports at once, moving nothing).
-CANCELLED_ROOMS = 4096
+#: Rooms an engine remembers as ended, cancelled or failed (a push posted
+#: after that reports at once, moving nothing).
+ENDED_ROOMS = 4096
 
 
 @dataclass(frozen=True)
@@ -83,12 +85,14 @@ class Buffers:
         return min((n // i for n, i in zip(self.lens, self.items, strict=True)), default=0)
 
 
-class RankEngine:
+class RankEngine(LoopThread):
     """One ``LLMDataDist`` on a daemon thread, for one SGLang scheduler rank.
 
     Thread-safe: :meth:`push`, :meth:`cancel` and :meth:`link` return at
     once; results come through the callbacks, on the engine's thread.
     """
+
+    thread_name = "aiokvcache-sglang"
 
     def __init__(
         self,
@@ -100,6 +104,7 @@ class RankEngine:
         timeout: float = 30.0,
         link_timeout: float = 5.0,
     ) -> None:
+        super().__init__()
         self.kv, self.aux = kv, aux
         self.cluster_id = secrets.randbits(48) + 1
         self.timeout = float(timeout)
@@ -107,47 +112,10 @@ class RankEngine:
         self.links = PeerLinks(link_timeout, self._spawn)
         self._caches: list[tuple[int, Any, int]] = []  # (model id, cache, row bytes)
         self._rooms: dict[int, list[asyncio.Task[None]]] = {}
-        self._cancelled: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._closing = threading.Lock()
-        self._closed = False
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self.address = ""
+        # room -> why its pushes end (cancelled, or an earlier chunk failed)
+        self._ended: collections.OrderedDict[int, str] = collections.OrderedDict()
 
     # ------------------------------------------------------------ lifecycle
-
-    def start(self, timeout: float = 60.0) -> str:
-        """Start the thread and the engine; ``"host:port"`` it listens on."""
-        started = threading.Event()
-        box: dict[str, Any] = {}
-
-        def main() -> None:
-            loop = asyncio.new_event_loop()
-            asyncio.set_event_loop(loop)
-            try:
-                box["address"] = loop.run_until_complete(self._init())
-            except BaseException as exc:  # reported to start()'s caller
-                box["error"] = exc
-                started.set()
-                loop.close()
-                return
-            self._loop = loop
-            started.set()
-            try:
-                loop.run_forever()
-            finally:
-                loop.run_until_complete(self._shutdown())
-                loop.close()
-
-        self._thread = threading.Thread(target=main, name="aiokvcache-sglang", daemon=True)
-        self._thread.start()
-        if not started.wait(timeout):
-            raise TimeoutError(f"aiokvcache did not start within {timeout} s")
-        if "error" in box:
-            raise RuntimeError(f"aiokvcache failed to start: {box['error']}") from box["error"]
-        self.address = str(box["address"])
-        return self.address
 
     async def _init(self) -> str:
         cfg = LLMConfig()
@@ -171,42 +139,21 @@ class RankEngine:
         return str(dd.listen_address)
 
     async def _shutdown(self) -> None:
-        while self._tasks:  # a push posted while closing is cancelled too
-            for t in list(self._tasks):
-                t.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._cancel_tasks()  # a push posted while closing is cancelled too
         if self.links.dd is not None:
             await self.links.dd.finalize()
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Stop: pushes in flight are cancelled (and quiescent) first."""
-        loop, thread = self._loop, self._thread
-        with self._closing:
-            self._closed = True
-        if loop is None or thread is None or not thread.is_alive():
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout)
-
-    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn`` on the engine's loop; ``RuntimeError`` once it is closing."""
-        with self._closing:
-            loop = self._loop
-            if self._closed or loop is None or loop.is_closed():
-                raise RuntimeError("the aiokvcache engine is closed")
-            loop.call_soon_threadsafe(fn, *args)
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
 
     # ------------------------------------------------------------ prefill
 
     def link(self, peer: Peer) -> None:
         """Start linking to ``peer`` now (a push links first anyway)."""
         self._post(lambda: self._spawn(self._try_link(peer)))
+
+    def forget(self, peer: Peer) -> None:
+        """Drop the link to ``peer`` (a decode rank that restarted under a new
+        cluster id, or whose registration was dropped): its pushes in flight
+        fail, and a later push links anew."""
+        self._post(lambda: self._spawn(self.links.forget(peer.cluster_id)))
 
     async def _try_link(self, peer: Peer) -> None:
         with contextlib.suppress(Exception):
@@ -256,21 +203,31 @@ class RankEngine:
         on_result: OnResult,
     ) -> None:
         last = aux_rows is not None
-        if room in self._cancelled:  # posted after its room was cancelled
-            on_result(room, False, "cancelled", last)
+        ended = self._ended.get(room)
+        if ended is not None:  # posted after its room was cancelled or failed
+            on_result(room, False, ended, last)
             return
         tasks = self._rooms.setdefault(room, [])
         earlier = list(tasks)
         task = self._spawn(self._push(peer, src, dst, aux_rows, earlier, deadline))
 
         def done(t: asyncio.Task[None]) -> None:
+            # Whether the request that posted it still holds the room (a
+            # reopen hands the room to a new request: the earlier one's
+            # pushes end on their own and neither wait for nor end the new).
+            current = self._rooms.get(room) is tasks
             tasks.remove(t)
-            if not tasks:
-                self._rooms.pop(room, None)
+            if current and not tasks:
+                del self._rooms[room]
             if t.cancelled():
-                on_result(room, False, "cancelled", last)
+                on_result(room, False, (current and self._ended.get(room)) or "cancelled", last)
             elif t.exception() is not None:
-                on_result(room, False, _reason(t.exception()), last)
+                reason = _reason(t.exception())
+                if current:
+                    # The request cannot succeed: its other chunks stop, later
+                    # ones move nothing (its aux row never lands after a loss).
+                    self._end_room(room, f"an earlier chunk of the request failed: {reason}")
+                on_result(room, False, reason, last)
             else:
                 on_result(room, True, "", last)
 
@@ -313,17 +270,25 @@ class RankEngine:
         self._post(self._cancel, room)
 
     def _cancel(self, room: int) -> None:
-        self._cancelled[room] = None
-        self._cancelled.move_to_end(room)
-        while len(self._cancelled) > CANCELLED_ROOMS:
-            self._cancelled.popitem(last=False)
+        self._end_room(room, "cancelled")
+
+    def _end_room(self, room: int, reason: str) -> None:
+        """``room``'s pushes stop, and later ones report ``reason`` at once."""
+        self._ended.setdefault(room, reason)
+        self._ended.move_to_end(room)
+        while len(self._ended) > ENDED_ROOMS:
+            self._ended.popitem(last=False)
         for t in list(self._rooms.get(room, ())):
             t.cancel()
 
     def reopen(self, room: int) -> None:
         """``room`` starts a new request (SGLang reuses a room on a
         re-bootstrap): pushes for it are taken again."""
-        self._post(lambda: self._cancelled.pop(room, None))
+        self._post(self._reopen, room)
+
+    def _reopen(self, room: int) -> None:
+        self._ended.pop(room, None)
+        self._rooms.pop(room, None)  # the earlier request's pushes: no longer its
 
     def busy(self, room: int) -> bool:
         """Whether a push of ``room`` is in flight (read from any thread)."""
