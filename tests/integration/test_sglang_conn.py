@@ -149,6 +149,13 @@ def run_loop(mgr: Prefill, msgs: list[list[bytes]]) -> None:
     assert mgr._stopped and not queue, "the control loop ended before reading every message"
 
 
+def wait_status(mgr: Prefill, room: int, status: int, timeout: float = 20) -> None:
+    end = time.monotonic() + timeout
+    while (room, int(status)) not in mgr.statuses() and time.monotonic() < end:
+        time.sleep(0.02)
+    assert (room, int(status)) in mgr.statuses(), mgr.statuses()
+
+
 def open_room(mgr: Prefill, d: Side, pages: list[int], aux: int = 3) -> None:
     mgr.update_status(ROOM, KVPoll.Bootstrapping)
     run_loop(mgr, [registration(d), metadata(ROOM, pages, aux)])
@@ -322,6 +329,34 @@ def test_a_second_decode_claiming_a_room_is_ignored(sides: Any) -> None:
     assert list(mgr.transfer_infos[ROOM]) == ["127.0.0.1:5000"]
     dest = mgr.transfer_infos[ROOM]["127.0.0.1:5000"]
     assert (list(dest.kv), dest.aux, dest.required_dst_info_num) == ([1, 2], 3, 1)
+
+
+def test_a_decode_rank_registered_again_under_a_new_engine_drops_the_old_link(
+    sides: Any,
+) -> None:
+    """A decode rank that restarted registers its session again with a new
+    engine: the prefill's link to the old one is dropped (links do not pile
+    up with restarts), the new one serves the next request."""
+    mgr, p, d = sides
+    open_room(mgr, d, [1, 2], aux=3)
+    mgr.add_transfer_request(ROOM, np.array([5, 6]), slice(0, 2), True, aux_index=1)
+    wait_status(mgr, ROOM, KVPoll.Success)
+    old = d.engine.cluster_id
+    assert p.engine.links.alive(old)
+    d2 = Side(3)
+    try:
+        room = ROOM + 1
+        mgr.update_status(room, KVPoll.Bootstrapping)
+        run_loop(mgr, [registration(d2), metadata(room, [7], 2)])
+        deadline = time.monotonic() + 10
+        while old in p.engine.links._links and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert old not in p.engine.links._links and not p.engine.links.alive(old)
+        mgr.add_transfer_request(room, np.array([4]), slice(0, 1), True, aux_index=0)
+        wait_status(mgr, room, KVPoll.Success)
+        np.testing.assert_array_equal(d2.kv[0][7], p.kv[0][4])
+    finally:
+        d2.engine.close()
 
 
 def _mutated(rng: np.random.Generator, frames: list[bytes]) -> list[bytes]:

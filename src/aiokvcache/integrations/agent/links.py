@@ -49,7 +49,7 @@ class PeerLinks:
         task = self._links.get(peer.cluster_id)
         made = task is not None and task.done() and task.exception() is None
         if made and not self.alive(peer.cluster_id):
-            await self._forget(peer.cluster_id)
+            await self.forget(peer.cluster_id)
         await self.link(peer)
 
     async def _do_link(self, peer: Peer) -> None:
@@ -86,7 +86,7 @@ class PeerLinks:
                 )
                 if attempt or not gone:
                     raise TransferFailed(f"cannot reach the peer: {exc}", "link") from exc
-                await self._forget(peer.cluster_id)
+                await self.forget(peer.cluster_id)
 
     async def send(self, cluster_id: int, msg: Message) -> None:
         """A reply or a notice that need not arrive (the peer's deadlines cover it)."""
@@ -125,8 +125,9 @@ class PeerLinks:
             with contextlib.suppress(Exception):
                 await self.dd.unlink_clusters([info], timeout=int(self.link_timeout * 1000))
 
-    async def _forget(self, cluster_id: int) -> None:
-        """Drop our side of a link that went away, so that it is made afresh."""
+    async def forget(self, cluster_id: int) -> None:
+        """Drop our side of a link (one that went away, or a peer no longer
+        wanted), so that it is made afresh if needed again."""
         self._links.pop(cluster_id, None)
         if self.dd is not None:
             info = LLMClusterInfo()

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import threading
 from typing import Any
 
@@ -64,6 +65,22 @@ def _env_float(name: str, default: float) -> float:
         return float(os.environ.get(name, default))
     except ValueError:
         return default
+
+
+def _lower_switch_interval(setting: str) -> None:
+    """The scheduler runs busy Python while it steps, and Python hands the
+    GIL to another thread only every switch interval (5 ms by default):
+    each hop of a push through the engine's thread would wait that long.
+    Lowered to ``setting`` seconds (never raised); ``"none"`` leaves it."""
+    if setting.strip().lower() == "none":
+        return
+    try:
+        value = float(setting)
+    except ValueError:
+        log.warning("aiokvcache: AIOKVCACHE_SGLANG_SWITCH_INTERVAL=%r is not a number", setting)
+        return
+    if 0 < value < sys.getswitchinterval():
+        sys.setswitchinterval(value)
 
 
 @dataclasses.dataclass
@@ -138,6 +155,7 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
             timeout=_env_float("AIOKVCACHE_SGLANG_TIMEOUT", 20.0),
         )
         self.engine.start()
+        _lower_switch_interval(os.environ.get("AIOKVCACHE_SGLANG_SWITCH_INTERVAL", "0.0002"))
         self.session_id = f"{self.local_ip}:{self.rank_port}"
         self._lock = threading.Lock()  # the room counters below
         self._waiting_last: dict[int, int] = {}  # rooms whose last chunk is in flight
@@ -248,10 +266,15 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
             log.error("%s (decode %s)", refused, session)
             rows = [0, 0]
         with self._lock:
+            dropped = [r.peer for r in (self._registrations.get(session),) if r is not None]
             self._registrations[session] = _Registration(peer, refused, rows[0], rows[1])
             self._registrations.move_to_end(session)
             while len(self._registrations) > MAX_REGISTRATIONS:
-                self._registrations.popitem(last=False)
+                dropped.append(self._registrations.popitem(last=False)[1].peer)
+            kept = {r.peer.cluster_id for r in self._registrations.values()}
+        for old in dropped:
+            if old.cluster_id not in kept:  # a restarted or forgotten decode rank
+                self.engine.forget(old)
         if not refused:
             self.engine.link(peer)  # ahead of its first request
 
