@@ -450,6 +450,46 @@ def test_remote_block_ids_per_kv_cache_group(engines: Callable[..., Engine], mod
     assert len(recvs[0]["local_block_ids"]) == len(rb[0])
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize(
+    "change, loads",
+    [
+        ({"tp_size": 2}, ()),
+        ({"tp_size": "1"}, ()),
+        ({"aiokv_peers": "two"}, ()),
+        ({"aiokv_peers": [[None]]}, ()),
+        ({"aiokv_grant_until": "soon"}, ()),
+        ({"aiokv_grant_keys": 5, "aiokv_push_keys": 5}, ()),
+        ({"remote_block_ids": {"0": [1]}}, ("push",)),  # read in pull mode only
+        ({"remote_num_tokens": "many"}, ("pull", "push")),
+    ],
+    ids=["another-tp-size", "tp-size-not-a-number", "peers-not-a-list", "peer-not-an-address",
+         "until-not-a-number", "keys-not-a-list", "block-ids-not-a-list", "tokens-not-a-number"],
+)  # fmt: skip
+def test_params_a_decode_cannot_read_fail_its_load_and_the_scheduler_goes_on(
+    engines: Callable[..., Engine], mode: str, change: dict[str, Any], loads: tuple[str, ...]
+) -> None:
+    """The params come from the prefill through the client: from another
+    tensor-parallel size, or mangled, they fail the decode's load at once
+    (its blocks invalid: vLLM's load-failure policy applies), asking no peer,
+    and the scheduler goes on to the next request (before, a mangled field
+    raised in the scheduler; rank r >= the prefill's size guessed an
+    address). A junk token count is ignored (the prompt's is used)."""
+    p = engines("kv_producer", mode)
+    d = engines("kv_consumer", mode)
+    tokens = prompt(12, 2 * BS + 3)
+    for rid, seed in (("pre", 1), ("pre2", 3)):
+        p.add(rid, tokens, seed, {"do_remote_decode": True, "transfer_mode": mode})
+    run([p], lambda: {"pre", "pre2"} <= p.finished.keys())
+    params = {**copy.deepcopy(p.finished["pre"].kv_transfer_params), **change}
+    d.add("dec", tokens, 2, params)
+    run([p, d], lambda: "dec" in d.loads)
+    assert d.loads["dec"] == (mode in loads, mode in loads)
+    d.add("dec2", tokens, 4, copy.deepcopy(p.finished["pre2"].kv_transfer_params))
+    run([p, d], lambda: "dec2" in d.loads)
+    assert d.loads["dec2"] == (True, True)
+
+
 # ---------------------------------------------------------------- 2. n > 1, push
 
 

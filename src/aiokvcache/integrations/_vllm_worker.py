@@ -20,10 +20,12 @@ class WorkerBinding:
     """Rank ``rank``'s view of the scheduler's metadata: which prefill worker,
     key and transfer id of a request are its own. ``lease``: this
     instance's ``kv_lease_duration`` (renewals go at a sixth of the prefill's,
-    which its params carry; this one when they do not)."""
+    which its params carry; this one when they do not); ``tp_size``: this
+    instance's tensor-parallel size."""
 
-    def __init__(self, rank: int, block_size: int, lease: float) -> None:
+    def __init__(self, rank: int, block_size: int, lease: float, tp_size: int = 1) -> None:
         self.rank = rank
+        self.tp_size = tp_size
         self.block_size = block_size
         self.lease = lease
         # Transfer ids are per tensor-parallel rank: rank r pushes to rank r.
@@ -55,7 +57,14 @@ class WorkerBinding:
     def _loads(self, agent: TransferAgent, meta: Any) -> None:
         for rid, r in meta.recv.items():
             log.debug("worker: load %s (%s, %d blocks)", rid, r.mode, len(r.local_block_ids))
-            peer = self.peer(r.peers)
+            try:
+                if r.error:
+                    raise ValueError(r.error)
+                peer = self.peer(r.peers, r.tp_size)
+            except ValueError as exc:  # the params name no prefill worker for this rank
+                log.error("aiokvcache: request %s: %s", rid, exc)
+                agent.refuse_load(rid, r.local_block_ids, str(exc))
+                continue
             if r.mode == "push":
                 agent.expect_push(
                     rid,
@@ -83,9 +92,12 @@ class WorkerBinding:
         for rid, ref in meta.renew_start.items():
             # A sixth of the prefill's lease (its params say it; else ours).
             every = max(0.1, min(self.lease, ref.lease or self.lease) / 6)
+            peer = self._peer_or_none(rid, ref)
+            if peer is None:
+                continue
             agent.renew_start(
                 rid,
-                self.peer(ref.peers),
+                peer,
                 ref.remote_request_id,
                 self.grant_key(ref.grant_keys),
                 ref.grant_until,
@@ -97,7 +109,9 @@ class WorkerBinding:
 
     def _drops(self, agent: TransferAgent, meta: Any) -> None:
         for drop in meta.drops:
-            peer = self.peer(drop.peers)
+            peer = self._peer_or_none(drop.remote_request_id, drop)
+            if peer is None:
+                continue
             if drop.mode == "push":
                 key = self.push_key(drop.push_keys, drop.transfer_key)
                 agent.drop_push(peer, drop.transfer_id + self.suffix, key)
@@ -119,12 +133,40 @@ class WorkerBinding:
         the one the client gave both requests (decode first)."""
         return str(keys[self.rank]) if len(keys) > self.rank else transfer_key
 
-    def peer(self, peers: list[list[Any]]) -> Peer:
-        """This rank's peer among a request's prefill workers."""
-        if len(peers) > self.rank:
-            p = peers[self.rank]
-            return Peer(str(p[0]), int(p[1]), int(p[2]))
-        # One address for a TP engine (a client's decode-first params):
-        # rank r listens on port + r with cluster id + r (the config rule).
-        p = peers[0]
-        return Peer(str(p[0]), int(p[1]) + self.rank, int(p[2]) + self.rank)
+    def peer(self, peers: list[list[Any]], remote_tp: int = 0) -> Peer:
+        """This rank's prefill worker among a request's (``[host, port,
+        cluster_id]`` each, as its params list them); ``remote_tp``: the
+        prefill's tensor-parallel size, as its params say (0: not said).
+        ``ValueError`` when the params name none for this rank: checked,
+        never guessed."""
+        if remote_tp < 0:
+            raise ValueError("the params' tp_size is not a tensor-parallel size")
+        if remote_tp and remote_tp != self.tp_size:
+            raise ValueError(
+                f"the prefill instance runs tensor parallel size {remote_tp} and this decode "
+                f"instance {self.tp_size}: aiokvcache moves KV between instances of one "
+                f"tensor-parallel size only (docs/vllm.md)"
+            )
+        try:
+            if len(peers) == self.tp_size:
+                p = peers[self.rank]
+                return Peer(str(p[0]), int(p[1]), int(p[2]))
+            if len(peers) == 1 and not remote_tp:
+                # One address for a TP engine, no size said (a client's
+                # decode-first params): rank r listens on port + r with
+                # cluster id + r (the config rule, docs/vllm.md).
+                p = peers[0]
+                return Peer(str(p[0]), int(p[1]) + self.rank, int(p[2]) + self.rank)
+        except (TypeError, IndexError) as exc:
+            raise ValueError(f"a prefill worker's address in the params is bad: {exc}") from exc
+        raise ValueError(
+            f"the params list {len(peers)} prefill workers for this decode instance's "
+            f"tensor parallel size {self.tp_size}"
+        )
+
+    def _peer_or_none(self, rid: str, ref: Any) -> Peer | None:
+        try:
+            return self.peer(ref.peers, getattr(ref, "tp_size", 0))
+        except ValueError as exc:
+            log.warning("aiokvcache: request %s: %s", rid, exc)
+            return None

@@ -169,6 +169,8 @@ class AioKVHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc,unused-
 
 def _flat(block_ids: Any) -> list[int]:
     """vLLM's block ids: a list, or one list per KV cache group (only one here)."""
+    if not isinstance(block_ids, (list, tuple)):
+        raise TypeError(f"block ids: expected a list, got {type(block_ids).__name__}")
     if block_ids and isinstance(block_ids[0], (list, tuple)):
         if len(block_ids) != 1:
             raise ValueError("AioKVConnector supports one KV cache group")
@@ -199,6 +201,8 @@ class _Recv:
     grant_until: int = 0
     push_keys: list[str] = field(default_factory=list)  # push: one per prefill worker
     transfer_key: str = ""  # push, decode first: the key the client gave both requests
+    tp_size: int = 0  # the prefill's tensor-parallel size, as its params say (0: not said)
+    error: str = ""  # why its params cannot be loaded from ("": they can)
 
 
 @dataclass
@@ -215,23 +219,49 @@ class _Drop:
     push_keys: list[str] = field(default_factory=list)
     transfer_key: str = ""
     lease: float = 0.0  # pull: the prefill's lease (its params say), 0: not said
+    tp_size: int = 0  # the prefill's tensor-parallel size, as its params say (0: not said)
 
     @classmethod
     def from_params(cls, params: dict[str, Any], mode: str) -> _Drop:
         """The drop of the request whose params are ``params`` (``mode``: the
-        connector's, unless the params name one)."""
-        return cls(
-            mode=str(params.get("transfer_mode") or mode),
-            peers=_remote_peers(params),
-            remote_request_id=str(params.get("remote_request_id", "")),
-            remote_block_ids=_flat(params.get("remote_block_ids") or []),
-            transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
-            grant_keys=[str(k) for k in params.get("aiokv_grant_keys") or ()],
-            grant_until=int(params.get("aiokv_grant_until") or 0),
-            push_keys=[str(k) for k in params.get("aiokv_push_keys") or ()],
-            transfer_key=str(params.get("aiokv_transfer_key") or ""),
-            lease=_seconds(params.get("aiokv_lease")),
-        )
+        connector's, unless the params name one). Params that cannot be read
+        give a drop that names no prefill worker: the worker skips it (the
+        prefill's hold or pushes run out on their own)."""
+        try:
+            return cls(
+                mode=str(params.get("transfer_mode") or mode),
+                peers=_remote_peers(params),
+                remote_request_id=str(params.get("remote_request_id", "")),
+                remote_block_ids=_flat(params.get("remote_block_ids") or []),
+                transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
+                grant_keys=_strs(params.get("aiokv_grant_keys")),
+                grant_until=int(params.get("aiokv_grant_until") or 0),
+                push_keys=_strs(params.get("aiokv_push_keys")),
+                transfer_key=str(params.get("aiokv_transfer_key") or ""),
+                lease=_seconds(params.get("aiokv_lease")),
+                tp_size=_tp_size(params),
+            )
+        except (TypeError, ValueError, OverflowError) as exc:
+            log.error("aiokvcache: a request's kv_transfer_params cannot be read: %s", exc)
+            return cls(mode, [], "", [], "", [], 0)
+
+
+def _strs(v: Any) -> list[str]:
+    """A list of strings from a peer's params (a list or tuple), else raises."""
+    if v is None:
+        return []
+    if not isinstance(v, (list, tuple)):
+        raise TypeError(f"expected a list, got {type(v).__name__}")
+    return [str(k) for k in v]
+
+
+def _tp_size(params: dict[str, Any]) -> int:
+    """The prefill's tensor-parallel size its params say: a positive int, -1
+    for anything else (refused by the worker), 0 when they say none."""
+    v = params.get("tp_size")
+    if v is None:
+        return 0
+    return v if isinstance(v, int) and not isinstance(v, bool) and 0 < v < 1 << 16 else -1
 
 
 def _seconds(v: Any) -> float:
@@ -328,7 +358,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         )
         address = self._agent.start()
         lease = float(cfg["kv_lease_duration"])
-        self._binding = WorkerBinding(self._rank, self._block_size, lease)
+        self._binding = WorkerBinding(self._rank, self._block_size, lease, self._tp_size)
         si = cfg["switch_interval"]
         if si is not None and sys.getswitchinterval() > si:
             sys.setswitchinterval(float(si))
@@ -485,12 +515,35 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         log.debug("scheduler: %s asks for matches", request.request_id)
         if params and params.get("do_remote_prefill"):
             n = len(request.prompt_token_ids or ())
-            if params.get("remote_num_tokens"):
-                n = min(n, int(params["remote_num_tokens"]))
+            said = params.get("remote_num_tokens")
+            if isinstance(said, int) and not isinstance(said, bool) and said > 0:
+                n = min(n, said)
             count = n - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
+
+    @staticmethod
+    def _recv(params: dict[str, Any], mode: str, first: int, local: list[int]) -> _Recv:
+        """D: the load of the request whose params are ``params`` into
+        ``local`` (its blocks from index ``first`` of the prefill's)."""
+        return _Recv(
+            mode=mode,
+            peers=_remote_peers(params),
+            remote_request_id=str(params.get("remote_request_id", "")),
+            remote_block_ids=_flat(params.get("remote_block_ids") or []) if mode == "pull" else [],
+            # Blocks before `first` are in the local prefix cache (they may
+            # be shared with running requests): neither read nor pushed.
+            first=first,
+            local_block_ids=local,
+            transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
+            layout=params.get("aiokv_layout"),
+            grant_keys=_strs(params.get("aiokv_grant_keys")),
+            grant_until=int(params.get("aiokv_grant_until") or 0),
+            push_keys=_strs(params.get("aiokv_push_keys")),
+            transfer_key=str(params.get("aiokv_transfer_key") or ""),
+            tp_size=_tp_size(params),
+        )
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         return tuple(self._kv_cache_config.transfer_group_ids)
@@ -514,24 +567,14 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             first = request.num_computed_tokens // bs
             last = -(-(request.num_computed_tokens + num_external_tokens) // bs)
             mode = str(params.get("transfer_mode") or self._mode)
-            self._staged.recv[rid] = _Recv(
-                mode=mode,
-                peers=_remote_peers(params),
-                remote_request_id=str(params.get("remote_request_id", "")),
-                remote_block_ids=_flat(params.get("remote_block_ids") or [])
-                if mode == "pull"
-                else [],
-                # Blocks before `first` are in the local prefix cache (they may
-                # be shared with running requests): neither read nor pushed.
-                first=first,
-                local_block_ids=ids[first:last],
-                transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
-                layout=params.get("aiokv_layout"),
-                grant_keys=[str(k) for k in params.get("aiokv_grant_keys") or ()],
-                grant_until=int(params.get("aiokv_grant_until") or 0),
-                push_keys=[str(k) for k in params.get("aiokv_push_keys") or ()],
-                transfer_key=str(params.get("aiokv_transfer_key") or ""),
-            )
+            try:
+                recv = self._recv(params, mode, first, ids[first:last])
+            except (TypeError, ValueError, OverflowError) as exc:
+                # A peer's params: the load fails (its blocks reported
+                # invalid), the scheduler goes on.
+                why = f"the request's kv_transfer_params cannot be read: {exc}"
+                recv = _Recv(mode, [], "", [], first, ids[first:last], "", None, error=why)
+            self._staged.recv[rid] = recv
             self._loading.add(rid)
         elif params.get("do_remote_decode"):
             if (

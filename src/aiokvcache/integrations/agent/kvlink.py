@@ -82,7 +82,7 @@ from ... import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLM
 from . import calls
 from .decode import DecodeLoads
 from .handoff import blocks_digest
-from .kvtypes import GRACE_S, KVLayout, Peer, block_digest
+from .kvtypes import GRACE_S, KVLayout, Peer, TransferFailed, block_digest
 from .links import PeerLinks
 from .loopthread import LoopThread
 from .prefill_pull import PullServer
@@ -128,6 +128,10 @@ STATS = (
     "leases_expired",
     "dropped_messages",
 )
+
+
+async def _refused(why: str) -> None:
+    raise TransferFailed(why, "layout")
 
 
 def cluster_id_for(engine_id: str, rank: int) -> int:
@@ -392,6 +396,12 @@ class TransferAgent(LoopThread):
             (key, int(until_ms)),
         )
         self._post(self.receiver.start, req_id, local_ids, pull)
+
+    def refuse_load(self, req_id: str, local_ids: Sequence[int], why: str) -> None:
+        """D: the engine's load of ``req_id`` into ``local_ids`` cannot start
+        (its params name no prefill worker for this rank): reported failed,
+        its blocks invalid, as any failed load; nothing is asked of a peer."""
+        self._post(self.receiver.start, req_id, list(local_ids), _refused(why))
 
     def expect_push(
         self,

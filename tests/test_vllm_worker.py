@@ -1,0 +1,111 @@
+"""The vLLM connector's worker side (``integrations/_vllm_worker.py``, no vLLM
+import): which prefill worker a decode rank loads from, as the request's
+params name it, checked and never guessed; and a load whose params name none
+is reported failed, its blocks invalid, without asking any peer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from aiokvcache.integrations._vllm_worker import WorkerBinding
+from aiokvcache.integrations.agent.kvtypes import Peer
+from support.kvlink_harness import close_agent, make_agent, until
+
+PEERS = [["10.0.0.1", 7000, 50], ["10.0.0.2", 7100, 60]]
+
+
+def binding(rank: int, tp: int) -> WorkerBinding:
+    return WorkerBinding(rank, 16, 30.0, tp)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_rank_loads_from_the_prefill_rank_of_its_own_number(rank: int) -> None:
+    host, port, cid = PEERS[rank]
+    assert binding(rank, 2).peer(PEERS, 2) == Peer(str(host), int(port), int(cid))
+    assert binding(rank, 2).peer(PEERS) == Peer(str(host), int(port), int(cid))
+
+
+def test_one_address_without_a_size_follows_the_config_rule() -> None:
+    """A client's decode-first params name the prefill's rank 0 only: rank
+    r is at port + r with cluster id + r (docs/vllm.md)."""
+    assert binding(1, 2).peer([PEERS[0]]) == Peer("10.0.0.1", 7001, 51)
+
+
+@pytest.mark.parametrize(
+    "rank, tp, peers, remote_tp, says",
+    [
+        (1, 2, [PEERS[0]], 1, "tensor parallel size 1 and this decode instance 2"),
+        (0, 1, PEERS, 2, "tensor parallel size 2 and this decode instance 1"),
+        (0, 2, PEERS, 4, "tensor parallel size 4 and this decode instance 2"),
+        (0, 1, PEERS, 0, "2 prefill workers"),
+        (1, 4, PEERS, 0, "2 prefill workers"),
+        (0, 2, [], 0, "0 prefill workers"),
+        (0, 1, PEERS, -1, "not a tensor-parallel size"),
+        (0, 1, [["h", "port", 1]], 0, "invalid literal"),
+        (0, 1, [["h"]], 0, "bad"),
+        (0, 1, [None], 0, "bad"),
+    ],
+)
+def test_params_that_name_no_prefill_worker_for_this_rank_are_refused(
+    rank: int, tp: int, peers: Any, remote_tp: int, says: str
+) -> None:
+    """Before, rank r >= the prefill's size guessed ``port + r``: a process
+    that may not be the prefill's at all."""
+    with pytest.raises(ValueError, match=says):
+        binding(rank, tp).peer(peers, remote_tp)
+
+
+@dataclass
+class _Recv:
+    mode: str
+    peers: list[list[Any]]
+    tp_size: int
+    local_block_ids: list[int] = field(default_factory=lambda: [4, 5])
+    remote_request_id: str = "p-req"
+    remote_block_ids: list[int] = field(default_factory=lambda: [1, 2])
+    first: int = 0
+    transfer_id: str = "x"
+    layout: str | None = None
+    grant_keys: list[str] = field(default_factory=list)
+    grant_until: int = 0
+    push_keys: list[str] = field(default_factory=list)
+    transfer_key: str = ""
+
+
+@dataclass
+class _Meta:
+    recv: dict[str, _Recv]
+    holds: dict[str, Any] = field(default_factory=dict)
+    push_steps: dict[str, Any] = field(default_factory=dict)
+    push_release: dict[str, Any] = field(default_factory=dict)
+    cancel_recv: set[str] = field(default_factory=set)
+    renew_start: dict[str, Any] = field(default_factory=dict)
+    renew_stop: set[str] = field(default_factory=set)
+    drops: list[Any] = field(default_factory=list)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_a_load_whose_params_name_another_tp_size_fails_and_asks_no_peer(
+    mode: str,
+) -> None:
+    agent, rec = await make_agent()
+    try:
+        meta = _Meta({"d-req": _Recv(mode, PEERS, tp_size=2)})
+        assert binding(0, 1).bind(agent, meta) == []
+        failed: set[str] = set()
+        invalid: set[int] = set()
+
+        def reported() -> bool:
+            r = agent.take_results()
+            failed.update(r.failed_recving)
+            invalid.update(r.invalid_block_ids)
+            return "d-req" in failed
+
+        await until(reported)
+        assert invalid == {4, 5}
+        assert not rec.sent and not rec.pushes, "a peer was asked"
+    finally:
+        await close_agent(agent)
