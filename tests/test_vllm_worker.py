@@ -73,6 +73,7 @@ class _Recv:
     grant_until: int = 0
     push_keys: list[str] = field(default_factory=list)
     transfer_key: str = ""
+    error: str = ""
 
 
 @dataclass
@@ -88,12 +89,17 @@ class _Meta:
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
-async def test_a_load_whose_params_name_another_tp_size_fails_and_asks_no_peer(
-    mode: str,
+@pytest.mark.parametrize(
+    "recv",
+    [{"tp_size": 2}, {"tp_size": 0, "error": "the params cannot be read"}],
+    ids=["another-tp-size", "unreadable"],
+)
+async def test_a_load_whose_params_name_no_prefill_worker_fails_and_asks_no_peer(
+    mode: str, recv: dict[str, Any]
 ) -> None:
     agent, rec = await make_agent()
     try:
-        meta = _Meta({"d-req": _Recv(mode, PEERS, tp_size=2)})
+        meta = _Meta({"d-req": _Recv(mode, PEERS, **recv)})
         assert binding(0, 1).bind(agent, meta) == []
         failed: set[str] = set()
         invalid: set[int] = set()
