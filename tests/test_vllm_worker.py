@@ -115,3 +115,66 @@ async def test_a_load_whose_params_name_no_prefill_worker_fails_and_asks_no_peer
         assert not rec.sent and not rec.pushes, "a peer was asked"
     finally:
         await close_agent(agent)
+
+
+# ---------------------------------------------------------------- hostile params
+# kv_transfer_params come from the prefill through the client/proxy: any JSON
+# value. ``peer`` promises ``ValueError`` for params that name no prefill
+# worker, and the worker's ``_loads`` / ``_renewals`` / ``_drops`` catch only
+# that: anything else escapes into vLLM's worker (bind_connector_metadata).
+
+
+@pytest.mark.parametrize(
+    "peers",
+    [
+        {"0": ["h", 1, 2]},  # a JSON object of one entry for a TP-1 decode
+        [{"host": "h", "port": 1, "cluster_id": 2}],  # each worker an object
+        [["h", float("inf"), 2]],  # JSON 1e400 parses to inf: int(inf) -> OverflowError
+        [["h", 1, float("-inf")]],
+    ],
+    ids=["peers-object", "peer-object", "port-1e400", "cluster-minus-1e400"],
+)
+def test_any_json_as_the_prefill_workers_is_refused_as_a_value_error(peers: Any) -> None:
+    """A JSON object where a list is expected, or a number past a float
+    (``int(inf)``): ``ValueError``, which the worker turns into a refused
+    load (before, ``KeyError`` and ``OverflowError`` escaped into vLLM)."""
+    with pytest.raises(ValueError):
+        binding(0, 1).peer(peers, 0)
+
+
+@dataclass
+class _DropRef:
+    peers: Any
+    mode: str = "pull"
+    remote_request_id: str = "p-req"
+    remote_block_ids: list[int] = field(default_factory=lambda: [1, 2])
+    transfer_id: str = "x"
+    grant_keys: list[str] = field(default_factory=lambda: ["k"])
+    grant_until: int = 0
+    push_keys: list[str] = field(default_factory=list)
+    transfer_key: str = ""
+    lease: float = 0.0
+    tp_size: int = 0
+
+
+class _NoAgent:
+    """Any call on it is a bug here: the params name no prefill worker."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"agent.{name} called for params that name no worker")
+
+
+@pytest.mark.parametrize("where", ["drops", "renew_start"])
+def test_a_drop_or_renewal_whose_params_name_no_worker_is_skipped(
+    where: str,
+) -> None:
+    """``_Drop.from_params`` keeps ``aiokv_peers`` as the params give it; a
+    JSON object there is skipped (logged), asking no peer, instead of raising
+    out of ``bind`` (vLLM's ``bind_connector_metadata``: the worker dies)."""
+    ref = _DropRef({"0": ["h", 1, 2]})
+    meta = _Meta({})
+    if where == "drops":
+        meta.drops = [ref]
+    else:
+        meta.renew_start = {"d-req": ref}
+    binding(0, 1).bind(_NoAgent(), meta)  # type: ignore[arg-type]

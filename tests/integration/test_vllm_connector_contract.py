@@ -457,13 +457,15 @@ def test_remote_block_ids_per_kv_cache_group(engines: Callable[..., Engine], mod
         ({"tp_size": 2}, ()),
         ({"tp_size": "1"}, ()),
         ({"aiokv_peers": "two"}, ()),
+        ({"aiokv_peers": {"0": ["127.0.0.1", 1, 2]}}, ()),
         ({"aiokv_peers": [[None]]}, ()),
         ({"aiokv_grant_until": "soon"}, ()),
         ({"aiokv_grant_keys": 5, "aiokv_push_keys": 5}, ()),
         ({"remote_block_ids": {"0": [1]}}, ("push",)),  # read in pull mode only
         ({"remote_num_tokens": "many"}, ("pull", "push")),
     ],
-    ids=["another-tp-size", "tp-size-not-a-number", "peers-not-a-list", "peer-not-an-address",
+    ids=["another-tp-size", "tp-size-not-a-number", "peers-not-a-list", "peers-an-object",
+         "peer-not-an-address",
          "until-not-a-number", "keys-not-a-list", "block-ids-not-a-list", "tokens-not-a-number"],
 )  # fmt: skip
 def test_params_a_decode_cannot_read_fail_its_load_and_the_scheduler_goes_on(

@@ -147,6 +147,8 @@ class WorkerBinding:
                 f"instance {self.tp_size}: aiokvcache moves KV between instances of one "
                 f"tensor-parallel size only (docs/vllm.md)"
             )
+        if not isinstance(peers, (list, tuple)):
+            raise ValueError(f"the params' prefill workers: a {type(peers).__name__}, not a list")
         try:
             if len(peers) == self.tp_size:
                 p = peers[self.rank]
@@ -157,7 +159,7 @@ class WorkerBinding:
                 # cluster id + r (the config rule, docs/vllm.md).
                 p = peers[0]
                 return Peer(str(p[0]), int(p[1]) + self.rank, int(p[2]) + self.rank)
-        except (TypeError, IndexError) as exc:
+        except (TypeError, LookupError, OverflowError) as exc:
             raise ValueError(f"a prefill worker's address in the params is bad: {exc}") from exc
         raise ValueError(
             f"the params list {len(peers)} prefill workers for this decode instance's "
