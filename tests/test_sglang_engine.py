@@ -274,3 +274,23 @@ def test_a_room_taken_again_does_not_wait_for_the_earlier_requests_pushes(pair: 
     assert (room, ok) == (8, True), reason
     np.testing.assert_array_equal(d.aux[1][5], p.aux[1][4])
     assert all(old.next()[0] == 8 for _ in range(4))
+
+
+def test_a_failed_request_stays_ended_while_other_rooms_end(pair: Any) -> None:
+    """The engine remembers the last ``ENDED_ROOMS`` rooms that ended (the
+    manager's Failed status guards beyond: it posts no chunk of a failed
+    request): a failed room stays ended while that many others end after it."""
+    from aiokvcache.integrations.sglang import engine as eng
+
+    p, d = pair
+    res = Results()
+    p.engine.push(4, d.peer, (np.array([1, 2]), np.array([3, PAGES])), None, res)
+    assert res.next()[:2] == (4, False)
+    before = d.state()
+    for other in range(10_000, 10_000 + eng.ENDED_ROOMS - 1):
+        p.engine.cancel(other)
+    p.engine.push(4, d.peer, (np.array([5]), np.array([6])), (2, 3), res)
+    room, ok, _, last = res.next()
+    assert (room, ok, last) == (4, False, True), "a chunk of a failed request landed"
+    time.sleep(0.2)
+    d.assert_unchanged(before)

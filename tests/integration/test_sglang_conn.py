@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
 import os
@@ -79,6 +80,7 @@ class Prefill(conn.AioKVManager):
         self._status = concurrent.futures.ThreadPoolExecutor(1)
         self._registrations: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._aborted: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._requests: collections.OrderedDict[int, object] = collections.OrderedDict()
         self._stopped = False
         self.sent: list[tuple[float, str, list[bytes]]] = []
 
@@ -348,10 +350,11 @@ def test_a_decode_rank_registered_again_under_a_new_engine_drops_the_old_link(
         room = ROOM + 1
         mgr.update_status(room, KVPoll.Bootstrapping)
         run_loop(mgr, [registration(d2), metadata(room, [7], 2)])
+        links = p.engine.links
         deadline = time.monotonic() + 10
-        while old in p.engine.links._links and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert old not in p.engine.links._links and not p.engine.links.alive(old)
+        while (old in links._links or links.alive(old)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the unlink is posted to the engine's thread
+        assert old not in links._links and not links.alive(old)
         mgr.add_transfer_request(room, np.array([4]), slice(0, 1), True, aux_index=0)
         wait_status(mgr, room, KVPoll.Success)
         np.testing.assert_array_equal(d2.kv[0][7], p.kv[0][4])
@@ -414,3 +417,109 @@ def test_fuzzed_frames_leave_the_prefill_serving_and_push_nowhere_unasked(sides:
         time.sleep(0.02)
     assert (ROOM, int(KVPoll.Success)) in mgr.statuses(), seed
     np.testing.assert_array_equal(d.kv[0][7], p.kv[0][1])
+
+
+# ---------------------------------------------------------------- a room taken again
+
+
+class SlowQuiesce:
+    """Wraps the prefill engine's ``links.relink``: the first ``n`` pushes
+    wait at a gate each; cancelled meanwhile, each reports only once its
+    gate opens (a core push's cancellation is quiescent: it may take the
+    core's graces, seconds)."""
+
+    def __init__(self, engine: RankEngine, n: int) -> None:
+        self.real = engine.links.relink
+        self.gates = [threading.Event() for _ in range(n)]
+        self.calls = 0
+        engine.links.relink = self  # type: ignore[method-assign]
+
+    async def __call__(self, peer: Any) -> None:
+        import asyncio
+
+        i, self.calls = self.calls, self.calls + 1
+        if i < len(self.gates):
+            gate = self.gates[i]
+            try:
+                while not gate.is_set():  # noqa: ASYNC110 (a thread's Event)
+                    await asyncio.sleep(0.005)
+            except asyncio.CancelledError:
+                while not gate.is_set():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.sleep(0.005)
+                raise
+        await self.real(peer)
+
+    def wait_calls(self, n: int) -> None:
+        end = time.monotonic() + 10
+        while self.calls < n and time.monotonic() < end:
+            time.sleep(0.005)
+        assert self.calls >= n
+
+
+def _wait_tasks(engine: RankEngine, n: int) -> None:
+    end = time.monotonic() + 10
+    while len(engine._tasks) > n and time.monotonic() < end:
+        time.sleep(0.005)
+    assert len(engine._tasks) <= n
+
+
+def _take_room_again(mgr: Prefill, p: Side, d: Side, pages: list[int], aux: int) -> None:
+    """The earlier request's sender is cleared (AioKVSender.clear: cancel, as
+    it did not succeed; SGLang's clear pops the room), then a new request's
+    sender takes the room (AioKVSender.__init__: reopen; CommonKVSender:
+    Bootstrapping), and its decode's metadata comes."""
+    p.engine.cancel(ROOM)
+    mgr.request_status.pop(ROOM, None)
+    mgr.transfer_infos.pop(ROOM, None)
+    mgr.req_to_decode_prefix_len.pop(ROOM, None)
+    mgr.new_request(ROOM)
+    open_room(mgr, d, pages, aux)
+
+
+def test_the_earlier_requests_cancelled_push_does_not_fail_the_new_request(
+    sides: Any,
+) -> None:
+    """A room taken again by a new request (SGLang's re-bootstrap): the
+    earlier request's cancelled push, reporting after that, neither
+    concludes the new request Failed nor tells its decode (``_on_result``
+    was keyed by the room alone)."""
+    mgr, p, d = sides
+    open_room(mgr, d, [1, 2], aux=3)
+    gate = SlowQuiesce(p.engine, 1)
+    mgr.add_transfer_request(ROOM, np.array([4, 5]), slice(0, 2), False)
+    gate.wait_calls(1)
+    _take_room_again(mgr, p, d, [10, 11], aux=4)
+    mgr.settle()
+    mgr.sent.clear()
+    gate.gates[0].set()  # the earlier request's push is quiescent now: it reports
+    _wait_tasks(p.engine, 0)
+    mgr.settle()
+    assert mgr.request_status[ROOM] != KVPoll.Failed, mgr.failure_records.get(ROOM)
+    assert (ROOM, int(KVPoll.Failed)) not in mgr.statuses()
+
+
+def test_no_abort_ack_while_the_new_requests_push_can_still_write(sides: Any) -> None:
+    """SGLang's update_status(Bootstrapping) resets the room's outstanding
+    count for the new request; the earlier request's push, reporting after
+    that, must not count the new one's down (it did: the count reached 0
+    with the new request's push in flight, and the decode's ABORT was ACKed
+    at once, freeing pages a push could still write)."""
+    mgr, p, d = sides
+    open_room(mgr, d, [1, 2], aux=3)
+    gate = SlowQuiesce(p.engine, 2)
+    mgr.add_transfer_request(ROOM, np.array([4, 5]), slice(0, 2), False)
+    gate.wait_calls(1)
+    _take_room_again(mgr, p, d, [10, 11], aux=4)
+    mgr.add_transfer_request(ROOM, np.array([6, 7]), slice(0, 2), False)  # the new one's
+    gate.wait_calls(2)
+    gate.gates[0].set()  # the earlier request's push reports
+    _wait_tasks(p.engine, 1)
+    mgr.settle()
+    mgr.sent.clear()
+    run_loop(mgr, [[b"ABORT", str(ROOM).encode(), b"127.0.0.1", b"5000", b"1"]])
+    mgr.settle()
+    try:
+        assert not mgr.acks(), "ABORT_ACK sent while the new request's push had not reported"
+    finally:
+        gate.gates[1].set()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -53,6 +54,9 @@ log = logging.getLogger("aiokvcache.sglang")
 REG_TAG = b"AKV_REG"
 #: Rooms a prefill remembers as aborted, for a decode's metadata that comes after.
 ABORTED_ROOMS = 4096
+#: Rooms a prefill rank tells requests apart in, the newest (an older room's
+#: results count for whichever request holds it, as if never taken again).
+MAX_REQUESTS = 65536
 #: Decode ranks a prefill rank keeps registrations of (the oldest go first).
 MAX_REGISTRATIONS = 1024
 #: The largest registration shape and page list a prefill reads from a decode.
@@ -166,6 +170,9 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
         # Rooms aborted here, newest last: a decode whose metadata arrives
         # after the abort is told at once (it would wait out its timeout).
         self._aborted: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # room -> its current request (a token each sender makes): the
+        # results of an earlier request's pushes are told from its own.
+        self._requests: collections.OrderedDict[int, object] = collections.OrderedDict()
         self._stopped = False
         target = self._prefill_loop if self._is_prefill else self._decode_loop
         threading.Thread(target=target, name="aiokvcache-sglang-ctl", daemon=True).start()
@@ -382,8 +389,13 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
                 return "aiokvcache: the last chunk has no aux row"
             aux = (int(aux_index), int(dest.aux))
         rows = (reg.kv_rows, reg.aux_rows)
+        # The result counts for this request only: a room taken again by a
+        # new request (SGLang's re-bootstrap resets its counts) is not
+        # concluded, counted down or ACKed by the earlier one's pushes.
+        request = self._requests.get(room)
+        on_result = functools.partial(self._on_result, request=request)
         try:
-            self.engine.push(room, reg.peer, (src, dst), aux, self._on_result, rows)
+            self.engine.push(room, reg.peer, (src, dst), aux, on_result, rows)
         except (ValueError, RuntimeError) as exc:
             return f"aiokvcache: {exc}"
         if last:
@@ -391,10 +403,17 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
         self._staging_outstanding[room] += 1
         return ""
 
-    def _on_result(self, room: int, ok: bool, reason: str, last: bool) -> None:
-        """A chunk's pushes ended, and can write no more (on the engine's thread)."""
+    def _on_result(
+        self, room: int, ok: bool, reason: str, last: bool, request: object = None
+    ) -> None:
+        """A chunk's pushes ended, and can write no more (on the engine's
+        thread); ``request``: the room's request when it was posted."""
         conclude: bool | None = None
         with self._lock:
+            current = self._requests.get(room)
+            if current is not None and current is not request:
+                log.debug("aiokvcache: room %d: an earlier request's push ended", room)
+                return
             left = self._staging_outstanding.get(room, 0) - 1
             if left > 0:
                 self._staging_outstanding[room] = left
@@ -450,6 +469,17 @@ class AioKVManager(CommonKVManager):  # type: ignore[misc]
         if targets:
             self._send_status(targets, room, "aborted on the prefill")
 
+    def new_request(self, room: int) -> None:
+        """A sender takes ``room`` for a new request: the earlier request's
+        abort is forgotten, and its pushes' results are its own."""
+        with self._lock:
+            self._aborted.pop(room, None)
+            self._requests[room] = object()
+            self._requests.move_to_end(room)
+            while len(self._requests) > MAX_REQUESTS:
+                self._requests.popitem(last=False)
+        self.engine.reopen(room)
+
     def teardown(self) -> None:
         self._stopped = True
         self.engine.close()
@@ -464,9 +494,7 @@ class AioKVSender(CommonKVSender):  # type: ignore[misc]
     def __init__(self, mgr: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(mgr, *args, **kwargs)
         if isinstance(mgr, AioKVManager):  # a room used again (SGLang's re-bootstrap)
-            with mgr._lock:
-                mgr._aborted.pop(self.bootstrap_room, None)
-            mgr.engine.reopen(self.bootstrap_room)
+            mgr.new_request(self.bootstrap_room)
 
     def abort(self) -> None:
         super().abort()
