@@ -23,6 +23,13 @@ concurrency:
 - *idle CPU*: CPU the two servers burn per second while no request is in
   flight (a polling transfer thread shows here).
 
+``--model wide-kv`` serves :data:`aiokvcache.testing.sglang.WIDE_KV_LLAMA`
+(32 KiB of KV a token, 12 MiB a 384-token prompt; the default model has
+2 KiB a token), where the transfer is a larger part of the time to first
+token. ``--pinned`` puts the prefill's processes on core 0 and the decode's
+on core 1 (the reference on core 0); without it every process may run on
+every core (SGLang binds no thread on a CPU without sgl-kernel's AMX build).
+
 Ratios: aiokvcache over Mooncake, measured in the same run (the issue's goal:
 TTFT <= 0.6x Mooncake's, CPU per request below Mooncake's).
 """
@@ -39,7 +46,7 @@ import time
 import urllib.request
 from typing import Any
 
-from _common import group_pids
+from _common import group_pids, percentile
 
 from aiokvcache.testing import sglang as driver
 from aiokvcache.testing.vllm import prompts
@@ -86,13 +93,6 @@ def stream(url: str, ids: list[int], max_new: int) -> dict[str, Any]:
     return {"start": start, "stamps": stamps, "tokens": tokens}
 
 
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def measure(
     url: str, pids: list[int], ps: list[list[int]], conc: int, max_new: int, ref: list[list[int]]
 ) -> dict[str, float]:
@@ -110,8 +110,8 @@ def measure(
     time.sleep(5)
     idle = (sum(group_cpu_s(p) for p in pids) - c0) / 5
     return {
-        "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99),
-        "itl_p50": pct(itl, 0.5), "itl_p99": pct(itl, 0.99),
+        "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+        "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99),
         "equal": equal, "n": len(rows), "cpu_per_req": cpu / max(1, len(rows)), "idle_cpu": idle,
     }  # fmt: skip
 
@@ -123,15 +123,27 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=384)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--backends", default="mooncake_tcp,aiokvcache")
+    ap.add_argument(
+        "--model",
+        choices=("tiny", "wide-kv"),
+        default="tiny",
+        help="tiny: TINY_LLAMA (2 KiB of KV a token); wide-kv: WIDE_KV_LLAMA (32 KiB a token)",
+    )
+    ap.add_argument(
+        "--pinned",
+        action="store_true",
+        help="prefill on core 0, decode on core 1 (the reference on core 0); else every core",
+    )
     args = ap.parse_args()
     concs = [int(c) for c in args.concurrency.split(",")]
     work = tempfile.mkdtemp(prefix="akv-bench-sglang-")
-    model = driver.tiny_model(os.path.join(work, "model"))
+    config = driver.WIDE_KV_LLAMA if args.model == "wide-kv" else driver.TINY_LLAMA
+    model = driver.tiny_model(os.path.join(work, "model"), config=config)
     ps = [
         [(p[0] + i) % 1000 + 3, *p[1:]]
         for i, p in enumerate(prompts([args.prompt_len] * args.requests))
     ]
-    plain = driver.Server(model, work)
+    plain = driver.Server(model, work, cpus=[0] if args.pinned else None)
     try:
         plain.wait_ready()
         ref = [o["output_ids"] for o in driver.generate(plain.url, ps, args.max_tokens)]
@@ -140,11 +152,13 @@ def main() -> int:
     results: dict[str, dict[int, dict[str, float]]] = {}
     for backend in args.backends.split(","):
         env = dict(os.environ, AIOKVCACHE_SGLANG_TRANSPORT="tcp")
-        with driver.Deployment(model, backend, os.path.join(work, backend), env=env) as pd:
+        pd_dir = os.path.join(work, backend)
+        with driver.Deployment(model, backend, pd_dir, env=env, pinned=args.pinned) as pd:
             pids = [pd.prefill.pid, pd.decode.pid]
             results[backend] = {
                 c: measure(pd.url, pids, ps, c, args.max_tokens, ref) for c in concs
             }
+    print(f"model {args.model}, {'pinned (P core 0, D core 1)' if args.pinned else 'unpinned'}")
     head = ("backend", "conc", "TTFT p50", "p99", "ITL p50", "p99", "equal", "CPU/req", "idle CPU")
     print("".join(f"{h:>10}" for h in head))
     for backend, by_c in results.items():

@@ -4,7 +4,8 @@ CPU-only host, for tests and benchmarks of the SGLang transfer backend.
 * :func:`tiny_model`: a Llama with real random weights (hidden 256, 4
   layers, 4 heads, 2 KV heads, vocabulary 1024; ``initializer_range`` 0.3,
   so that the context changes the next token: a dummy-weights model ignores
-  it and would hide a KV cache that never arrived).
+  it and would hide a KV cache that never arrived); :data:`WIDE_KV_LLAMA`,
+  the same with 16x the KV per token, for benchmarks.
 * :func:`cpu_shim`: the workarounds SGLang 0.5.23 needs on a CPU without
   AMX (``../shared/recipes/sglang-cpu``): a torch stand-in for the one vLLM
   kernel its rotary embedding imports, and a plugin (entry point group
@@ -13,8 +14,8 @@ CPU-only host, for tests and benchmarks of the SGLang transfer backend.
   SGLang is edited.
 * :class:`Server`: ``sglang.launch_server`` in its own process group
   (``mode`` ``"plain"``, ``"prefill"`` or ``"decode"``, a transfer backend:
-  ``"aiokvcache"`` or ``"mooncake_tcp"``), with the CPU flags
-  (:data:`CPU_FLAGS`); :class:`Router`: ``sglang_router`` in front of a
+  ``"aiokvcache"`` or ``"mooncake_tcp"``, optionally pinned to ``cpus``),
+  with the CPU flags (:data:`CPU_FLAGS`); :class:`Router`: ``sglang_router`` in front of a
   prefill and a decode; :class:`Deployment`: the three together.
 * :func:`post` (JSON to a server's endpoint, e.g. ``/abort_request``);
   :func:`generate`: requests by token ids (the servers run without a
@@ -46,6 +47,7 @@ from .vllm import free_port
 __all__ = [
     "CPU_FLAGS",
     "TINY_LLAMA",
+    "WIDE_KV_LLAMA",
     "Deployment",
     "Router",
     "Server",
@@ -80,15 +82,27 @@ CPU_FLAGS = (
 )  # fmt: skip
 
 
-def tiny_model(directory: str, seed: int = 0) -> str:
-    """Save :data:`TINY_LLAMA` with random weights (seeded) under ``directory``."""
+#: :data:`TINY_LLAMA` with 16x its KV per token (8 layers, 4 KV heads of 256,
+#: 32 KiB a token in bf16) for little more compute: where the transfer, not
+#: the model, is most of a request's time to first token.
+WIDE_KV_LLAMA: dict[str, Any] = {
+    **TINY_LLAMA,
+    "num_hidden_layers": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+}
+
+
+def tiny_model(directory: str, seed: int = 0, config: dict[str, Any] | None = None) -> str:
+    """Save a Llama (``config``, :data:`TINY_LLAMA` by default) with random
+    weights (seeded) under ``directory``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if (Path(directory) / "config.json").exists():
         return directory
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).to(torch.bfloat16)
+    model = LlamaForCausalLM(LlamaConfig(**(config or TINY_LLAMA))).to(torch.bfloat16)
     model.save_pretrained(directory)
     return directory
 
@@ -159,12 +173,23 @@ def post(url: str, payload: dict[str, Any], timeout: float) -> Any:
     return json.loads(body) if body.strip() else None
 
 
+#: Sets its affinity to the cores in argv[1], then execs argv[2:].
+_PIN = (
+    "import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(',')));"
+    " os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
 class _Child:
     """A command in its own process group, its output in a log file."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log: str) -> None:
+    def __init__(
+        self, argv: list[str], env: dict[str, str], log: str, cpus: Sequence[int] | None = None
+    ) -> None:
         self.log_path = log
         self._log: IO[bytes] = open(log, "wb")  # closed in stop()
+        if cpus is not None:  # the affinity, then the command: every process it starts inherits it
+            argv = [sys.executable, "-c", _PIN, ",".join(map(str, cpus)), *argv]
         self.proc = subprocess.Popen(
             argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -210,6 +235,7 @@ class Server(_Child):
         backend: str = "aiokvcache",
         extra: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        cpus: Sequence[int] | None = None,
     ) -> None:
         self.mode, self.backend = mode, backend
         self.port = free_port()
@@ -225,7 +251,8 @@ class Server(_Child):
         shim = cpu_shim(os.path.join(workdir, "shim"))
         full = dict(os.environ if env is None else env)
         full["PYTHONPATH"] = os.pathsep.join(p for p in (shim, full.get("PYTHONPATH")) if p)
-        super().__init__([*argv, *extra], full, os.path.join(workdir, f"{mode}-{self.port}.log"))
+        log = os.path.join(workdir, f"{mode}-{self.port}.log")
+        super().__init__([*argv, *extra], full, log, cpus)
 
     @property
     def url(self) -> str:
@@ -299,7 +326,9 @@ def generate(
 
 
 class Deployment:
-    """A prefill, a decode and the router, started together."""
+    """A prefill, a decode and the router, started together; ``pinned``: the
+    prefill's processes on core 0, the decode's on core 1 (else both on every
+    core, as SGLang leaves them on a CPU without sgl-kernel's AMX build)."""
 
     def __init__(
         self,
@@ -308,12 +337,14 @@ class Deployment:
         workdir: str | None = None,
         extra: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        pinned: bool = False,
     ) -> None:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="akv-sglang-")
         self.workdir = workdir or (self._tmp.name if self._tmp else "")
         self.model, self.backend, self.extra, self.env = model, backend, extra, env
-        self.prefill = Server(model, self.workdir, "prefill", backend, extra, env)
-        self.decode = Server(model, self.workdir, "decode", backend, extra, env)
+        self.cpus: tuple[Sequence[int] | None, ...] = ([0], [1]) if pinned else (None, None)
+        self.prefill = self._server("prefill")
+        self.decode = self._server("decode")
         self.router: Router | None = None
 
     def start(self, timeout: float = 300) -> Deployment:
@@ -335,10 +366,7 @@ class Deployment:
     def replace_prefill(self, timeout: float = 300) -> None:
         """A new prefill (the old one stopped) and a new router in front of
         it and the same decode: what an operator does after a prefill died."""
-        old, self.prefill = (
-            self.prefill,
-            Server(self.model, self.workdir, "prefill", self.backend, self.extra, self.env),
-        )
+        old, self.prefill = self.prefill, self._server("prefill")
         old.stop()
         if self.router is not None:
             self.router.stop()
@@ -346,6 +374,10 @@ class Deployment:
         self.prefill.wait_ready(timeout)
         self.router = Router(self.prefill, self.decode, self.workdir)
         self.router.wait_ready()
+
+    def _server(self, mode: str) -> Server:
+        cpus = self.cpus[0 if mode == "prefill" else 1]
+        return Server(self.model, self.workdir, mode, self.backend, self.extra, self.env, cpus)
 
     def children(self) -> Iterator[_Child]:
         yield self.prefill
