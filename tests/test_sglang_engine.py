@@ -5,7 +5,6 @@ without SGLang: two rank engines over NumPy buffers laid out as SGLang's
 
 from __future__ import annotations
 
-import asyncio
 import queue
 import time
 from collections.abc import Iterator
@@ -15,50 +14,21 @@ import numpy as np
 import pytest
 
 from aiokvcache import LLMClusterInfo
-from aiokvcache.integrations.sglang.engine import Buffers, Peer, RankEngine
+from aiokvcache.integrations.sglang.engine import Buffers
+from support import sglang_rank as support
 
 LAYERS, PAGES, PAGE = 2, 16, 256
 AUX_ROWS, AUX_ITEMS = 8, (64, 64, 512)
 
 
-class Rank:
-    """A rank's buffers (filled from ``seed``) and its engine."""
-
-    def __init__(self, seed: int, transport: str, timeout: float = 10.0) -> None:
-        rng = np.random.default_rng(seed)
-        self.kv = [rng.integers(0, 256, (PAGES, PAGE), np.uint8) for _ in range(2 * LAYERS)]
-        self.aux = [rng.integers(0, 256, (AUX_ROWS, n), np.uint8) for n in AUX_ITEMS]
-        self.engine = RankEngine(
-            Buffers.of([a.ctypes.data for a in self.kv], [a.nbytes for a in self.kv],
-                       [PAGE] * len(self.kv)),
-            Buffers.of([a.ctypes.data for a in self.aux], [a.nbytes for a in self.aux],
-                       list(AUX_ITEMS)),
-            transport=transport,
-            timeout=timeout,
-        )  # fmt: skip
-        self.engine.start()
-
-    @property
-    def peer(self) -> Peer:
-        host, port = self.engine.address.rsplit(":", 1)
-        return Peer(host, int(port), self.engine.cluster_id)
-
-    def run(self, coro: Any, timeout: float = 10) -> Any:
-        """``coro`` on the engine's loop."""
-        assert self.engine._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self.engine._loop).result(timeout)
-
-    def state(self) -> list[np.ndarray]:
-        return [a.copy() for a in (*self.kv, *self.aux)]
-
-    def assert_unchanged(self, before: list[np.ndarray]) -> None:
-        for a, b in zip((*self.kv, *self.aux), before, strict=True):
-            np.testing.assert_array_equal(a, b)
+def rank(seed: int, transport: str, timeout: float = 10.0) -> support.Rank:
+    return support.Rank(seed, transport, layers=LAYERS, pages=PAGES, page=PAGE,
+                        aux_rows=AUX_ROWS, aux_items=AUX_ITEMS, timeout=timeout)  # fmt: skip
 
 
 @pytest.fixture
-def pair(transport: str) -> Iterator[tuple[Rank, Rank]]:
-    p, d = Rank(1, transport), Rank(2, transport)
+def pair(transport: str) -> Iterator[tuple[support.Rank, support.Rank]]:
+    p, d = rank(1, transport), rank(2, transport)
     try:
         yield p, d
     finally:
@@ -105,7 +75,7 @@ def test_a_request_lands_page_for_page_then_its_aux_row(pair: Any) -> None:
 
 
 def test_a_push_to_a_gone_decode_fails_within_its_deadline(transport: str) -> None:
-    p, d = Rank(1, transport, timeout=3.0), Rank(2, transport)
+    p, d = rank(1, transport, timeout=3.0), rank(2, transport)
     try:
         peer = d.peer
         d.engine.close()
@@ -205,7 +175,7 @@ def test_a_decode_whose_link_broke_is_linked_again(pair: Any) -> None:
 def test_a_push_to_a_closed_engine_is_refused(transport: str) -> None:
     """After ``close``, ``push`` raises ``RuntimeError`` (the manager counts
     a push only once it was posted) instead of posting one that never reports."""
-    p, d = Rank(1, transport), Rank(2, transport)
+    p, d = rank(1, transport), rank(2, transport)
     try:
         p.engine.close()
         with pytest.raises(RuntimeError):

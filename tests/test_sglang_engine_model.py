@@ -42,7 +42,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from aiokvcache.integrations.sglang.engine import Buffers, Peer, RankEngine
+from support.sglang_rank import Rank
 
 EXAMPLES = int(os.environ.get("AIOKVCACHE_SGLANG_MODEL_EXAMPLES", "60"))
 TRANSPORT = os.environ.get("AIOKVCACHE_SGLANG_MODEL_TRANSPORT", "tcp")
@@ -53,43 +53,18 @@ AUX_ROWS, AUX_ITEMS = 48, (32, 96)
 ROOMS = 3
 
 
-class Side:
-    """A rank's buffers and its engine."""
-
-    def __init__(self, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        self.kv = [rng.integers(0, 256, (PAGES, PAGE), np.uint8) for _ in range(2 * LAYERS)]
-        self.aux = [rng.integers(0, 256, (AUX_ROWS, n), np.uint8) for n in AUX_ITEMS]
-        self.engine = RankEngine(
-            Buffers.of([a.ctypes.data for a in self.kv], [a.nbytes for a in self.kv],
-                       [PAGE] * len(self.kv)),
-            Buffers.of([a.ctypes.data for a in self.aux], [a.nbytes for a in self.aux],
-                       list(AUX_ITEMS)),
-            transport=TRANSPORT,
-            timeout=10.0,
-        )  # fmt: skip
-        self.engine.start()
-
-    @property
-    def peer(self) -> Peer:
-        host, port = self.engine.address.rsplit(":", 1)
-        return Peer(host, int(port), self.engine.cluster_id)
-
-    def zero(self) -> None:
-        for a in (*self.kv, *self.aux):
-            a[:] = 0
-
-    def snapshot(self) -> list[np.ndarray]:
-        return [a.copy() for a in (*self.kv, *self.aux)]
+def side(seed: int) -> Rank:
+    return Rank(seed, TRANSPORT, layers=LAYERS, pages=PAGES, page=PAGE, aux_rows=AUX_ROWS,
+                aux_items=AUX_ITEMS)  # fmt: skip
 
 
-_SIDES: list[Side] = []
+_SIDES: list[Rank] = []
 
 
 @pytest.fixture(scope="module", autouse=True)
 def sides() -> Iterator[None]:
     """One prefill and one decode engine for every example."""
-    _SIDES[:] = [Side(1), Side(2)]
+    _SIDES[:] = [side(1), side(2)]
     try:
         yield
     finally:
@@ -241,10 +216,9 @@ class RoomLifecycle(RuleBasedStateMachine):
         self._wait_all()
         self._check_landed()
         self._check_requests()
-        before = self.d.snapshot()
+        before = self.d.state()
         time.sleep(0.05)
-        for a, b in zip(self.d.snapshot(), before, strict=True):
-            np.testing.assert_array_equal(a, b, "written after every push reported")
+        self.d.assert_unchanged(before, "written after every push reported")
         assert not self.p.engine._rooms, "a room's pushes outlived their reports"
         kinds = sorted({"ok" if p.result and p.result[0] else "failed" for p in self.pushes})
         event(f"pushes {len(self.pushes)}, results {kinds}")

@@ -33,29 +33,16 @@ with warnings.catch_warnings():  # SGLang's imports warn (torch's deprecations)
     from sglang.srt.disaggregation.common.conn import ABORT_ACK_TAG
 
     from aiokvcache.integrations.sglang import conn
-from aiokvcache.integrations.sglang.engine import Buffers, RankEngine
+from aiokvcache.integrations.sglang.engine import RankEngine
+from support.sglang_rank import Rank
 
 PAGES, PAGE, LAYERS, AUX_ROWS = 32, 256, 2, 8
 ROOM = 4242
 
 
-class Side:
-    """A rank's buffers and its engine."""
-
-    def __init__(self, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        self.kv = [rng.integers(0, 256, (PAGES, PAGE), np.uint8) for _ in range(2 * LAYERS)]
-        self.aux = [rng.integers(1, 256, (AUX_ROWS, 64), np.uint8) for _ in range(2)]
-        self.engine = RankEngine(
-            Buffers.of([a.ctypes.data for a in self.kv], [a.nbytes for a in self.kv],
-                       [PAGE] * len(self.kv)),
-            Buffers.of([a.ctypes.data for a in self.aux], [a.nbytes for a in self.aux], [64, 64]),
-            transport="tcp", timeout=10.0,
-        )  # fmt: skip
-        self.engine.start()
-
-    def state(self) -> list[np.ndarray]:
-        return [a.copy() for a in (*self.kv, *self.aux)]
+def side(seed: int) -> Rank:
+    return Rank(seed, "tcp", layers=LAYERS, pages=PAGES, page=PAGE, aux_rows=AUX_ROWS,
+                aux_items=(64, 64), aux_low=1)  # fmt: skip
 
 
 class Prefill(conn.AioKVManager):
@@ -99,8 +86,8 @@ class Prefill(conn.AioKVManager):
 
 
 @pytest.fixture
-def sides() -> Iterator[tuple[Prefill, Side, Side]]:
-    p, d = Side(1), Side(2)
+def sides() -> Iterator[tuple[Prefill, Rank, Rank]]:
+    p, d = side(1), side(2)
     mgr = Prefill(p.engine)
     try:
         yield mgr, p, d
@@ -110,7 +97,7 @@ def sides() -> Iterator[tuple[Prefill, Side, Side]]:
         d.engine.close()
 
 
-def registration(d: Side, session: bytes = b"127.0.0.1:5000", shape: Any = None) -> list[bytes]:
+def registration(d: Rank, session: bytes = b"127.0.0.1:5000", shape: Any = None) -> list[bytes]:
     host, port = d.engine.address.rsplit(":", 1)
     body = shape if shape is not None else json.dumps(
         {"kv": [PAGE] * 2 * LAYERS, "aux": [64, 64], "rows": [PAGES, AUX_ROWS]}
@@ -158,7 +145,7 @@ def wait_status(mgr: Prefill, room: int, status: int, timeout: float = 20) -> No
     assert (room, int(status)) in mgr.statuses(), mgr.statuses()
 
 
-def open_room(mgr: Prefill, d: Side, pages: list[int], aux: int = 3) -> None:
+def open_room(mgr: Prefill, d: Rank, pages: list[int], aux: int = 3) -> None:
     mgr.update_status(ROOM, KVPoll.Bootstrapping)
     run_loop(mgr, [registration(d), metadata(ROOM, pages, aux)])
     assert mgr.request_status[ROOM] == KVPoll.WaitingForInput
@@ -345,7 +332,7 @@ def test_a_decode_rank_registered_again_under_a_new_engine_drops_the_old_link(
     wait_status(mgr, ROOM, KVPoll.Success)
     old = d.engine.cluster_id
     assert p.engine.links.alive(old)
-    d2 = Side(3)
+    d2 = side(3)
     try:
         room = ROOM + 1
         mgr.update_status(room, KVPoll.Bootstrapping)
@@ -464,7 +451,7 @@ def _wait_tasks(engine: RankEngine, n: int) -> None:
     assert len(engine._tasks) <= n
 
 
-def _take_room_again(mgr: Prefill, p: Side, d: Side, pages: list[int], aux: int) -> None:
+def _take_room_again(mgr: Prefill, p: Rank, d: Rank, pages: list[int], aux: int) -> None:
     """The earlier request's sender is cleared (AioKVSender.clear: cancel, as
     it did not succeed; SGLang's clear pops the room), then a new request's
     sender takes the room (AioKVSender.__init__: reopen; CommonKVSender:
@@ -477,6 +464,19 @@ def _take_room_again(mgr: Prefill, p: Side, d: Side, pages: list[int], aux: int)
     open_room(mgr, d, pages, aux)
 
 
+def _room_taken_again_with_a_push_in_flight(
+    mgr: Prefill, p: Rank, d: Rank, gated: int
+) -> SlowQuiesce:
+    """ROOM's first request has a chunk pushing (held at the gate), then a
+    new request takes the room; the first ``gated`` pushes wait at gates."""
+    open_room(mgr, d, [1, 2], aux=3)
+    gate = SlowQuiesce(p.engine, gated)
+    mgr.add_transfer_request(ROOM, np.array([4, 5]), slice(0, 2), False)
+    gate.wait_calls(1)
+    _take_room_again(mgr, p, d, [10, 11], aux=4)
+    return gate
+
+
 def test_the_earlier_requests_cancelled_push_does_not_fail_the_new_request(
     sides: Any,
 ) -> None:
@@ -485,11 +485,7 @@ def test_the_earlier_requests_cancelled_push_does_not_fail_the_new_request(
     concludes the new request Failed nor tells its decode (``_on_result``
     was keyed by the room alone)."""
     mgr, p, d = sides
-    open_room(mgr, d, [1, 2], aux=3)
-    gate = SlowQuiesce(p.engine, 1)
-    mgr.add_transfer_request(ROOM, np.array([4, 5]), slice(0, 2), False)
-    gate.wait_calls(1)
-    _take_room_again(mgr, p, d, [10, 11], aux=4)
+    gate = _room_taken_again_with_a_push_in_flight(mgr, p, d, gated=1)
     mgr.settle()
     mgr.sent.clear()
     gate.gates[0].set()  # the earlier request's push is quiescent now: it reports
@@ -506,11 +502,7 @@ def test_no_abort_ack_while_the_new_requests_push_can_still_write(sides: Any) ->
     with the new request's push in flight, and the decode's ABORT was ACKed
     at once, freeing pages a push could still write)."""
     mgr, p, d = sides
-    open_room(mgr, d, [1, 2], aux=3)
-    gate = SlowQuiesce(p.engine, 2)
-    mgr.add_transfer_request(ROOM, np.array([4, 5]), slice(0, 2), False)
-    gate.wait_calls(1)
-    _take_room_again(mgr, p, d, [10, 11], aux=4)
+    gate = _room_taken_again_with_a_push_in_flight(mgr, p, d, gated=2)
     mgr.add_transfer_request(ROOM, np.array([6, 7]), slice(0, 2), False)  # the new one's
     gate.wait_calls(2)
     gate.gates[0].set()  # the earlier request's push reports
