@@ -168,7 +168,7 @@ class WorkerBinding:
 
     def _peer_or_none(self, rid: str, ref: Any) -> Peer | None:
         try:
-            return self.peer(ref.peers, getattr(ref, "tp_size", 0))
+            return self.peer(ref.peers, ref.tp_size)
         except ValueError as exc:
             log.warning("aiokvcache: request %s: %s", rid, exc)
             return None
