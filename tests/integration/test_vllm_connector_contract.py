@@ -49,7 +49,12 @@ with warnings.catch_warnings():  # vLLM's, torch's and transformers' import-time
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine.parallel_sampling import ParentRequest
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
@@ -89,6 +94,7 @@ HEAD = 8  # head size: a slot is K and V of one KV head, 2 * HEAD floats
 MAX_LEN = 512
 TIMEOUT = 8.0  # each side's transfer deadline, seconds
 SAMPLED = 7  # the token every "forward pass" samples
+WINDOW = 2 * BS  # hybrid engines: layer 0's sliding window, in tokens
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +143,7 @@ class Engine:
         batch_tokens: int = 64,
         worker: bool = True,
         extra: dict[str, Any] | None = None,
+        hybrid: bool = False,
     ) -> None:
         extra = {
             "mode": mode,
@@ -167,10 +174,23 @@ class Engine:
         )
         self.config.cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=HEAD, dtype=torch.float32)
+        groups = [KVCacheGroupSpec(list(LAYERS), spec)]
+        #: Layer index -> its KV cache group. Hybrid (vLLM's hybrid allocator
+        #: for a model whose layers alternate): layer 0 slides over WINDOW
+        #: tokens, layer 1 is full attention, both laid over one tensor.
+        self.group_of = [0] * len(LAYERS)
+        if hybrid:
+            sw = SlidingWindowSpec(
+                block_size=BS,
+                num_kv_heads=1,
+                head_size=HEAD,
+                dtype=torch.float32,
+                sliding_window=WINDOW,
+            )
+            groups = [KVCacheGroupSpec([LAYERS[0]], sw), KVCacheGroupSpec([LAYERS[1]], spec)]
+            self.group_of = [0, 1]
         self.kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups
         )
         self.scheduler = Scheduler(
             vllm_config=self.config,
@@ -182,6 +202,8 @@ class Engine:
         self.connector: AioKVConnector = self.scheduler.connector
         # vLLM's CPU layout: [num_blocks, kv_heads, block_size, 2 * head_size] per layer.
         self.kv = {n: torch.zeros(num_blocks, 1, BS, 2 * HEAD) for n in LAYERS}
+        if hybrid:
+            self.kv[LAYERS[1]] = self.kv[LAYERS[0]]
         self.worker: AioKVConnector | None = None
         if worker:
             w = KVConnectorFactory.create_connector(
@@ -201,7 +223,7 @@ class Engine:
         self.metas: list[Any] = []
         #: Request ids vLLM's scheduler preempted, with that step's metadata.
         self.preempted: list[tuple[set[str], Any]] = []
-        #: Request id -> its block ids, as of the last step that scheduled it.
+        #: Request id -> its block ids (group 0's), as of the last step that scheduled it.
         self.blocks: dict[str, list[int]] = {}
         #: D: request id -> (load ok, its blocks held the prefill's bytes then),
         #: when the worker reported the load ended.
@@ -265,11 +287,16 @@ class Engine:
         return ids
 
     def holds(self, rid: str, tokens: list[int]) -> bool:
-        """Whether request ``rid``'s blocks hold the KV of all of ``tokens``."""
-        ids = self.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()[0]
+        """Whether request ``rid``'s blocks hold the KV of all of ``tokens``
+        (a sliding-window layer's: of those in the window of the next token)."""
+        groups = self.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()
         for li, name in enumerate(LAYERS):
             t = self.kv[name]
-            for b, s0, s1 in block_spans(0, len(tokens)):
+            ids = groups[self.group_of[li]]
+            spec = self.kv_cache_config.kv_cache_groups[self.group_of[li]].kv_cache_spec
+            window = getattr(spec, "sliding_window", None)
+            p0 = max(0, len(tokens) + 1 - window) if window else 0
+            for b, s0, s1 in block_spans(p0, len(tokens)):
                 want = slot_values(tokens[0], li, b * BS + s0, b * BS + s1).view(1, -1, 1)
                 if not torch.equal(t[ids[b], :, s0:s1, :], want.expand(1, s1 - s0, 2 * HEAD)):
                     return False
@@ -284,13 +311,13 @@ class Engine:
         if so.preempted_req_ids:
             self.preempted.append((set(so.preempted_req_ids), meta))
         w = self.worker
-        spans: list[tuple[Request, list[int], int, int]] = []
+        spans: list[tuple[Request, tuple[list[int], ...], int, int]] = []
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
-            ids = list(self.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()[0])
-            self.blocks[rid] = ids
+            ids = self.scheduler.kv_cache_manager.get_blocks(rid).get_block_ids()
+            self.blocks[rid] = list(ids[0])
             end = req.num_computed_tokens  # advanced by schedule()
-            spans.append((req, ids, end - n, end))
+            spans.append((req, tuple(map(list, ids)), end - n, end))
         if w is not None:
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
@@ -300,7 +327,7 @@ class Engine:
             for req, ids, p0, p1 in spans:
                 for b, s0, s1 in block_spans(p0, p1):
                     vals = slot_values(req.prompt_token_ids[0], li, b * BS + s0, b * BS + s1)
-                    t[ids[b], :, s0:s1, :] = vals.view(1, -1, 1)
+                    t[ids[self.group_of[li]][b], :, s0:s1, :] = vals.view(1, -1, 1)
             if w is not None:
                 w.save_kv_layer(name, t, None)
         out = KVConnectorOutput()
@@ -874,3 +901,81 @@ def test_renewals_stop_once_the_load_starts_or_the_request_ends(
     receiver = d.agent.receiver
     assert not receiver.renewing
     wait(lambda: receiver._renewer is None or receiver._renewer.done(), 2.0)
+
+
+# ---------------------------------------------------------------- hybrid models (KV cache groups)
+
+
+def sliding_tail(ids: list[int]) -> list[int]:
+    """NixlConnector's sliding-window clip (``get_exchange_clipped_blocks``):
+    the last ``cdiv(WINDOW, BS) + 1`` blocks, vLLM's freed (null) ones left out."""
+    n = -(-WINDOW // BS) + 1
+    return [b for b in ids if b != 0][-n:]
+
+
+@pytest.mark.parametrize("asked", ["pull", "push"])
+def test_a_hybrid_model_moves_each_group_and_only_the_window(
+    engines: Callable[..., Engine], asked: str
+) -> None:
+    """A model whose layer 0 slides over a window and layer 1 attends to
+    everything gets two KV cache groups from vLLM's hybrid allocator, laid
+    over one tensor. The prefill hands over one block list per group: every
+    full-attention block, and of the sliding window only the blocks that can
+    still be in it (vLLM freed the earlier ones); the decode loads each into
+    its own group's blocks, and each layer then holds the prefill's bytes
+    (the sliding layer: every position of the next token's window). A
+    request that asks for push is moved by pull: push needs one
+    full-attention group."""
+    p = engines("kv_producer", "pull", hybrid=True)
+    d = engines("kv_consumer", "pull", hybrid=True)
+    assert p.worker is not None and p.agent.layout.num_layers == 1  # one tensor: moved once
+    tokens = prompt(23, 5 * BS + 9)  # six blocks; the window reaches into the last three
+    p.add("pre", tokens, 1, {"do_remote_decode": True, "transfer_mode": asked})
+    run([p], lambda: "pre" in p.finished)
+    params = p.finished["pre"].kv_transfer_params
+    assert params is not None and params["transfer_mode"] == "pull"
+    kvm = p.scheduler.kv_cache_manager
+    groups = kvm.get_block_ids_for_computed_tokens(
+        request_id="pre", num_computed_tokens=p.scheduler.requests["pre"].num_computed_tokens
+    )
+    assert len(groups[1]) == 6 and 0 in groups[0]  # out-of-window blocks already freed
+    rb = params["remote_block_ids"]
+    assert rb == (sliding_tail(groups[0]), groups[1]), (rb, groups)
+    assert len(rb[0]) == 3
+
+    d.add("dec", tokens, 2, json.loads(json.dumps(params)))  # through a proxy's JSON
+    run([p, d], lambda: "dec" in d.loads and "pre" in p.sent)
+    assert d.loads["dec"] == (True, True)
+    # Both groups' blocks, each read once: 3 in the window and 6 of full attention.
+    assert (d.agent.stats["pulls"], d.agent.stats["blocks_loaded"]) == (1, 9)
+    # The decode's own step after the load wrote its sampled token into both groups.
+    run([d], lambda: "dec" in d.finished)
+
+
+def test_a_hybrid_model_refuses_push_and_a_peer_grouped_otherwise(
+    engines: Callable[..., Engine],
+) -> None:
+    """Push mode cannot move a sliding-window group: configuring it is an
+    error naming the groups. A decode request whose params come from a
+    prefill grouped otherwise (one group) or ask for a push (a client's
+    decode-first params) fails its load at once, its blocks reported
+    invalid; the next request loads."""
+    with pytest.raises(ValueError, match=r"push mode needs one full-attention KV cache group"):
+        engines("kv_consumer", "push", hybrid=True)
+    plain = engines("kv_producer", "pull")
+    p = engines("kv_producer", "pull", hybrid=True)
+    d = engines("kv_consumer", "pull", hybrid=True)
+    tokens = prompt(29, 3 * BS + 1)
+    plain.add("pre", tokens, 1, {"do_remote_decode": True})
+    run([plain], lambda: "pre" in plain.finished)
+    d.add("from-plain", tokens, 2, plain.finished["pre"].kv_transfer_params)
+    host, port, cid = p.address
+    d.add("decode-first", tokens, 2, decode_first_params(host, port, cid, "x1", "k" * 32))
+    run([plain, d], lambda: {"from-plain", "decode-first"} <= set(d.loads))
+    assert d.loads["from-plain"] == (False, False)
+    assert d.loads["decode-first"] == (False, False)
+    p.add("pre", tokens, 1, {"do_remote_decode": True})
+    run([p], lambda: "pre" in p.finished)
+    d.add("dec", tokens, 2, p.finished["pre"].kv_transfer_params)
+    run([p, d], lambda: "dec" in d.loads)
+    assert d.loads["dec"] == (True, True)

@@ -428,14 +428,26 @@ def test_kv_layouts_and_config_errors() -> None:
 
     nb = 8
     cpu = {f"model.layers.{i}.self_attn.attn": torch.zeros(nb, 2, 32, 128) for i in (10, 2)}
-    layout, names, parts = conn.kv_layout(cpu, nb, 32)
-    assert names == ["model.layers.2.self_attn.attn", "model.layers.10.self_attn.attn"]
+    layout, units, parts = conn.kv_layout(cpu, nb, 32)
+    assert units == [["model.layers.2.self_attn.attn"], ["model.layers.10.self_attn.attn"]]
     assert (layout.num_layers, layout.tensors_per_layer) == (2, 1)
     assert layout.block_bytes == 2 * 32 * 128 * 4 and len(parts) == 2
     flash = {"layers.0.attn": torch.zeros(2, nb, 16, 4, 64, dtype=torch.bfloat16)}
     layout, _, parts = conn.kv_layout(flash, nb, 16)
     assert layout.tensors_per_layer == 2 and layout.block_bytes == 16 * 4 * 64 * 2
     assert parts[1].data_ptr() - parts[0].data_ptr() == nb * layout.block_bytes
+    # vLLM's hybrid allocator lays one layer of each KV cache group over one
+    # tensor: a unit moved once; the groups are part of the digest.
+    a, b = torch.zeros(nb, 2, 32, 128), torch.zeros(nb, 2, 32, 128)
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    hybrid = dict(zip(names, [a, a, b, b], strict=True))
+    layout, units, parts = conn.kv_layout(hybrid, nb, 32, "sw64,full")
+    assert units == [names[:2], names[2:]] and layout.num_layers == 2 and len(parts) == 2
+    plain, _, _ = conn.kv_layout({names[0]: a, names[2]: b}, nb, 32)
+    assert plain.addrs == layout.addrs and plain.digest() != layout.digest()
+    big = torch.zeros(2 * nb, 2, 32, 128)
+    with pytest.raises(ValueError, match=r"overlaps .* without being the same memory"):
+        conn.kv_layout({names[0]: big[:nb], names[1]: big[nb // 2 : nb // 2 + nb]}, nb, 32)
     with pytest.raises(ValueError, match=r"kv_caches\['x'\]: unsupported KV layout"):
         conn.kv_layout({"x": torch.zeros(4, nb, 16)}, nb, 16)
     with pytest.raises(ValueError, match="differs in layout"):

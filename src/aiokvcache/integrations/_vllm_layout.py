@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import torch
@@ -36,8 +37,8 @@ def _block_tensors(name: str, t: torch.Tensor, num_blocks: int) -> list[torch.Te
 
 
 def kv_layout(
-    kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int
-) -> tuple[KVLayout, list[str], list[torch.Tensor]]:
+    kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, groups: str = ""
+) -> tuple[KVLayout, list[list[str]], list[torch.Tensor]]:
     """How vLLM's per-layer KV tensors map onto one aiokvcache blocks cache.
 
     Accepted per-layer layouts (all layers alike), block ``b`` contiguous in
@@ -50,35 +51,58 @@ def kv_layout(
       ``[2, num_blocks, block_size, kv_heads, head_size]``): two tensors
       per layer, K then V.
 
-    Returns the layout, the layer names in layer order and the tensors
-    (kept alive by the caller while registered). Raises ``ValueError``
-    naming the layer for anything else, and for device memory: aiokvcache
-    moves host memory.
+    Layers whose tensors are the same memory (vLLM's hybrid allocator lays
+    one layer of each KV cache group over one allocation: a block id belongs
+    to one group at a time) are one *unit* of the layout, moved once.
+    ``groups`` describes the KV cache groups (it goes into the layout's
+    digest: both sides must group alike).
+
+    Returns the layout (a "layer" of it is a unit), each unit's layer names
+    (units in layer order) and the tensors (kept alive by the caller while
+    registered). Raises ``ValueError`` naming the layer for anything else,
+    for tensors that overlap without being the same, and for device memory:
+    aiokvcache moves host memory.
     """
     if not kv_caches:
         raise ValueError("kv_caches is empty")
     names = sorted(kv_caches, key=_layer_key)
     parts: list[torch.Tensor] = []
-    per_layer: int | None = None
-    block_bytes: int | None = None
-    dtype = None
+    units: list[list[str]] = []
+    unit_of: dict[tuple[int, ...], int] = {}
+    shape: tuple[int, int, torch.dtype] | None = None  # tensors a layer, block bytes, dtype
     for name in names:
         t = kv_caches[name]
         mine = _block_tensors(name, t, num_blocks)
-        bb = mine[0].numel() // num_blocks * mine[0].element_size()
-        if per_layer is None:
-            per_layer, block_bytes, dtype = len(mine), bb, t.dtype
-        elif (len(mine), bb, t.dtype) != (per_layer, block_bytes, dtype):
+        mine_shape = (len(mine), mine[0].numel() // num_blocks * mine[0].element_size(), t.dtype)
+        if shape is None:
+            shape = mine_shape
+        elif mine_shape != shape:
             raise ValueError(f"kv_caches[{name!r}] differs in layout from {names[0]!r}")
+        key = tuple(m.data_ptr() for m in mine)
+        if key in unit_of:
+            units[unit_of[key]].append(name)
+            continue
+        unit_of[key] = len(units)
+        units.append([name])
         parts.extend(mine)
-    assert per_layer is not None and block_bytes is not None
+    assert shape is not None
+    per_layer, block_bytes, dtype = shape
+    _check_disjoint(parts, num_blocks * block_bytes, units, per_layer)
+    addrs = tuple(p.data_ptr() for p in parts)
     layout = KVLayout(
-        len(names),
-        per_layer,
-        num_blocks,
-        block_bytes,
-        block_size,
-        tuple(p.data_ptr() for p in parts),
-        str(dtype),
+        len(units), per_layer, num_blocks, block_bytes, block_size, addrs, str(dtype), groups
     )
-    return layout, names, parts
+    return layout, units, parts
+
+
+def _check_disjoint(
+    parts: list[torch.Tensor], size: int, units: list[list[str]], per_layer: int
+) -> None:
+    """Distinct units must not share bytes (a write to one would land in another)."""
+    spans = sorted((p.data_ptr(), i // per_layer) for i, p in enumerate(parts))
+    for (a, ua), (b, ub) in itertools.pairwise(spans):
+        if b < a + size:
+            raise ValueError(
+                f"kv_caches[{units[ub][0]!r}] overlaps kv_caches[{units[ua][0]!r}] "
+                "without being the same memory"
+            )

@@ -86,6 +86,7 @@ class WorkerBinding:
                     key=self.grant_key(r.grant_keys),
                     until_ms=r.grant_until,
                     first=r.first,
+                    picks=r.picks,
                 )
 
     def _renewals(self, agent: TransferAgent, meta: Any) -> None:

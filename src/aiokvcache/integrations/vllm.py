@@ -18,10 +18,12 @@ and aiokvcache's own ``remote_cluster_id``, ``aiokv_peers``,
 ``aiokv_layout``, ``aiokv_transfer_id``, ``aiokv_grant_keys`` or
 ``aiokv_push_keys``), so vLLM's disaggregated proxy and clients written for
 NixlConnector work unchanged (``remote_block_ids`` is one list per KV cache
-group, as theirs). ``aiokv_grant_keys`` (pull, one per prefill worker) are
-MACs of the request id and its block list by a secret each prefill worker
-shares with its own scheduler only: only a decode instance handed the params
-can claim (or free) the request's blocks, and only those blocks.
+group, as theirs: a hybrid model's sliding-window groups give only their
+blocks still in the window, see :mod:`._vllm_groups`). ``aiokv_grant_keys``
+(pull, one per prefill worker) are MACs of the request id and its block
+list by a secret each prefill worker shares with its own scheduler only:
+only a decode instance handed the params can claim (or free) the request's
+blocks, and only those blocks.
 ``aiokv_push_keys`` (push) are MACs of the transfer id by the same secrets:
 only a decode handed the params can register for the pushes; decode first,
 the client gives both requests an ``aiokv_transfer_key`` of its choosing.
@@ -35,6 +37,8 @@ the client gives both requests an ``aiokv_transfer_key`` of its choosing.
   first (``do_remote_prefill`` with the prefill's address, an
   ``aiokv_transfer_id`` and an ``aiokv_transfer_key`` it also gives the
   prefill request), pushes overlap the prefill's computation layer by layer.
+  Push needs one full-attention KV cache group: for any other model (vLLM's
+  hybrid allocator: sliding-window groups) every transfer is a pull.
 
 The scheduler-side connector starts nothing; each worker-side connector owns
 one aiokvcache engine on its own thread (:mod:`.kvlink`). No method blocks
@@ -71,12 +75,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
 
+from ._vllm_groups import KVGroups, block_groups, flat_blocks
 from ._vllm_layout import kv_layout
 from ._vllm_metrics import AioKVPromMetrics, AioKVStats
 from ._vllm_worker import WorkerBinding
@@ -167,17 +173,6 @@ class AioKVHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc,unused-
     grant_secret: str = ""
 
 
-def _flat(block_ids: Any) -> list[int]:
-    """vLLM's block ids: a list, or one list per KV cache group (only one here)."""
-    if not isinstance(block_ids, (list, tuple)):
-        raise TypeError(f"block ids: expected a list, got {type(block_ids).__name__}")
-    if block_ids and isinstance(block_ids[0], (list, tuple)):
-        if len(block_ids) != 1:
-            raise ValueError("AioKVConnector supports one KV cache group")
-        block_ids = block_ids[0]
-    return [int(b) for b in block_ids]
-
-
 def _remote_peers(params: dict[str, Any]) -> list[list[Any]]:
     """A request's prefill workers, ``[host, port, cluster_id]`` each, from its params."""
     return params.get("aiokv_peers") or [
@@ -192,8 +187,8 @@ class _Recv:
     mode: str
     peers: list[list[Any]]  # [[host, port, cluster_id], ...] per tensor-parallel rank
     remote_request_id: str
-    remote_block_ids: list[int]  # pull: all the prefill request's blocks
-    first: int  # pull: the index in remote_block_ids local_block_ids[0] reads
+    remote_block_ids: list[int]  # pull: all the prefill request's blocks, group after group
+    first: int  # push: the request's block local_block_ids[0] is for
     local_block_ids: list[int]
     transfer_id: str
     layout: str | None
@@ -203,6 +198,7 @@ class _Recv:
     transfer_key: str = ""  # push, decode first: the key the client gave both requests
     tp_size: int = 0  # the prefill's tensor-parallel size, as its params say (0: not said)
     error: str = ""  # why its params cannot be loaded from ("": they can)
+    picks: list[int] | None = None  # pull: the indexes in remote_block_ids read, in order
 
 
 @dataclass
@@ -232,7 +228,7 @@ class _Drop:
                 mode=str(params.get("transfer_mode") or mode),
                 peers=_remote_peers(params),
                 remote_request_id=str(params.get("remote_request_id", "")),
-                remote_block_ids=_flat(params.get("remote_block_ids") or []),
+                remote_block_ids=flat_blocks(params.get("remote_block_ids") or []),
                 transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
                 grant_keys=_strs(params.get("aiokv_grant_keys")),
                 grant_until=int(params.get("aiokv_grant_until") or 0),
@@ -269,6 +265,48 @@ def _seconds(v: Any) -> float:
     return float(v) if isinstance(v, (int, float)) and 0 < v < 1e9 else 0.0
 
 
+def _recv_of(
+    params: dict[str, Any],
+    mode: str,
+    groups: KVGroups,
+    first: int,
+    last: int,
+    local: list[list[int]],
+) -> _Recv:
+    """D: the load of the request whose params are ``params`` (``mode``: the
+    connector's, unless they name one) into its blocks ``local`` (one list per
+    transfer group), positions ``[first, last)``: blocks before ``first`` are
+    in the local prefix cache (they may be shared with running requests),
+    neither read nor pushed. Raises ``TypeError``/``ValueError`` for params it
+    cannot load from."""
+    mode = str(params.get("transfer_mode") or mode)
+    recv = _Recv(
+        mode=mode,
+        peers=_remote_peers(params),
+        remote_request_id=str(params.get("remote_request_id", "")),
+        remote_block_ids=[],
+        first=first,
+        local_block_ids=[b for g in local for b in g[first:last]],
+        transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
+        layout=params.get("aiokv_layout"),
+        grant_keys=_strs(params.get("aiokv_grant_keys")),
+        grant_until=int(params.get("aiokv_grant_until") or 0),
+        push_keys=_strs(params.get("aiokv_push_keys")),
+        transfer_key=str(params.get("aiokv_transfer_key") or ""),
+        tp_size=_tp_size(params),
+    )
+    if mode == "push" and not groups.plain:
+        raise ValueError(
+            f"push needs one full-attention KV cache group; this model's are {groups.described}"
+        )
+    if mode == "pull":
+        remote = block_groups(params.get("remote_block_ids") or [])
+        recv.remote_block_ids, recv.picks, recv.local_block_ids = groups.pair(
+            local, first, last, remote
+        )
+    return recv
+
+
 @dataclass
 class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     """What the scheduler tells its workers each step."""
@@ -292,7 +330,7 @@ class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     push_release: dict[str, tuple[str, bool]] = field(default_factory=dict)
 
 
-class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
+class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unused-ignore]
     """vLLM's KV connector interface on aiokvcache (see the module docstring)."""
 
     def __init__(
@@ -305,6 +343,12 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         self._mode: str = self._cfg["mode"]
         self._engine_id: str = str(ktc.engine_id)
         self._block_size: int = int(vllm_config.cache_config.block_size)
+        self._groups = KVGroups.of(kv_cache_config, self._block_size)
+        if self._mode == "push" and not self._groups.plain:
+            raise ValueError(
+                "AioKVConnector: push mode needs one full-attention KV cache group; this "
+                f"model's are {self._groups.described}: use mode 'pull' (docs/vllm.md)"
+            )
         pc = vllm_config.parallel_config
         self._tp_size = int(pc.tensor_parallel_size)
         if int(pc.pipeline_parallel_size) != 1:
@@ -320,7 +364,9 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         # worker side
         self._agent: TransferAgent | None = None
         self._binding: WorkerBinding | None = None
-        self._layer_index: dict[str, int] = {}
+        self._layer_index: dict[str, int] = {}  # layer name -> its memory unit
+        self._unit_layers: list[int] = []  # memory unit -> how many layers share it
+        self._step_saved: dict[int, int] = {}  # memory unit -> its layers saved this step
         self._tensors: list[torch.Tensor] = []
         self._step_pushes: list[str] = []
         self._bad_blocks: set[int] = set()
@@ -332,8 +378,11 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         num_blocks = int(self._kv_cache_config.num_blocks)
-        layout, names, self._tensors = kv_layout(kv_caches, num_blocks, self._block_size)
-        self._layer_index = {n: i for i, n in enumerate(names)}
+        layout, units, self._tensors = kv_layout(
+            kv_caches, num_blocks, self._block_size, self._groups.described
+        )
+        self._layer_index = {n: i for i, names in enumerate(units) for n in names}
+        self._unit_layers = [len(names) for names in units]
         try:
             self._rank = int(get_tensor_model_parallel_rank())
         except Exception:  # no parallel state (tests): rank 0
@@ -388,6 +437,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
         if self._agent is None or self._binding is None or not isinstance(meta, AioKVMetadata):
             return
         self._step_pushes = self._binding.bind(self._agent, meta)
+        self._step_saved = {}
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """P push: vLLM preempted these requests and frees their blocks for
@@ -411,10 +461,13 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
     ) -> None:
         if not self._step_pushes or self._agent is None:
             return
-        layer = self._layer_index.get(layer_name)
-        if layer is None:
+        unit = self._layer_index.get(layer_name)
+        if unit is None:
             return
-        self._agent.layer_saved(self._step_pushes, layer)
+        # A memory unit shared by several layers is pushed once all are in.
+        n = self._step_saved[unit] = self._step_saved.get(unit, 0) + 1
+        if n == self._unit_layers[unit]:
+            self._agent.layer_saved(self._step_pushes, unit)
 
     def wait_for_save(self) -> None:
         """Pushes run on the connector's thread; their source blocks stay
@@ -466,6 +519,11 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         bad, self._bad_blocks = self._bad_blocks, set()
+        kcc = self._kv_cache_config
+        if kcc is not None and len(kcc.kv_cache_groups) > 1:
+            # A block id names a block of one group only: vLLM takes a failed
+            # load of a hybrid model from failed_recving alone.
+            return set()
         return bad
 
     def shutdown(self) -> None:
@@ -523,27 +581,18 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 return count, True
         return 0, False
 
-    @staticmethod
-    def _recv(params: dict[str, Any], mode: str, first: int, local: list[int]) -> _Recv:
-        """D: the load of the request whose params are ``params`` into
-        ``local`` (its blocks from index ``first`` of the prefill's)."""
-        return _Recv(
-            mode=mode,
-            peers=_remote_peers(params),
-            remote_request_id=str(params.get("remote_request_id", "")),
-            remote_block_ids=_flat(params.get("remote_block_ids") or []) if mode == "pull" else [],
-            # Blocks before `first` are in the local prefix cache (they may
-            # be shared with running requests): neither read nor pushed.
-            first=first,
-            local_block_ids=local,
-            transfer_id=str(params.get("aiokv_transfer_id") or params.get("remote_request_id")),
-            layout=params.get("aiokv_layout"),
-            grant_keys=_strs(params.get("aiokv_grant_keys")),
-            grant_until=int(params.get("aiokv_grant_until") or 0),
-            push_keys=_strs(params.get("aiokv_push_keys")),
-            transfer_key=str(params.get("aiokv_transfer_key") or ""),
-            tp_size=_tp_size(params),
-        )
+    def _transfer_groups(self, block_ids: Any) -> list[list[int]]:
+        """vLLM's block ids of every KV cache group: those of the groups moved."""
+        kcc = self._kv_cache_config
+        if kcc is not None and len(block_ids) == len(kcc.kv_cache_groups):
+            block_ids = kcc.select_transfer_block_ids(block_ids)
+        return [list(g) for g in block_ids]
+
+    def _mode_of(self, params: dict[str, Any]) -> str:
+        """P: a request's transfer mode: its params', else the connector's; a
+        pull where push cannot move this model's groups."""
+        mode = str(params.get("transfer_mode") or self._mode)
+        return "pull" if mode == "push" and not self._groups.plain else mode
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         return tuple(self._kv_cache_config.transfer_group_ids)
@@ -563,24 +612,21 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
                 self._staged.drops.append(_Drop.from_params(params, self._mode))
                 return
             bs = self._block_size
-            ids = _flat(blocks.get_block_ids())
+            local = self._transfer_groups(blocks.get_block_ids())
             first = request.num_computed_tokens // bs
             last = -(-(request.num_computed_tokens + num_external_tokens) // bs)
-            mode = str(params.get("transfer_mode") or self._mode)
             try:
-                recv = self._recv(params, mode, first, ids[first:last])
+                recv = _recv_of(params, self._mode, self._groups, first, last, local)
             except (TypeError, ValueError, OverflowError) as exc:
                 # A peer's params: the load fails (its blocks reported
                 # invalid), the scheduler goes on.
                 why = f"the request's kv_transfer_params cannot be read: {exc}"
-                recv = _Recv(mode, [], "", [], first, ids[first:last], "", None, error=why)
+                mine = [b for g in local for b in g[first:last]]
+                recv = _Recv("pull", [], "", [], first, mine, "", None, error=why)
             self._staged.recv[rid] = recv
             self._loading.add(rid)
         elif params.get("do_remote_decode"):
-            if (
-                str(params.get("transfer_mode") or self._mode) == "push"
-                and rid not in self._push_reqs
-            ):
+            if self._mode_of(params) == "push" and rid not in self._push_reqs:
                 # The transfer's identity: the client's (decode first), else one
                 # of this hand-over's own, never the request id alone (an id
                 # handed over again is another transfer).
@@ -602,11 +648,17 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             prompt = int(request.num_prompt_tokens)
             kvm = self._kv_cache_manager
             assert kvm is not None  # bound by the scheduler before it schedules
-            blocks = _flat(kvm.get_blocks(rid).get_block_ids())
+            blocks = self._transfer_groups(kvm.get_blocks(rid).get_block_ids())[0]
             meta.push_steps[rid] = (xid, blocks, min(end, prompt), end >= prompt, key)
         return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """One KV cache group's blocks (vLLM calls :meth:`request_finished_all_groups`)."""
+        return self.request_finished_all_groups(request, (list(block_ids),))
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -633,16 +685,16 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         )
-        mode = str(params.get("transfer_mode") or self._mode)
-        ids = _flat(block_ids)
+        mode = self._mode_of(params)
+        groups = self._groups.clip(self._transfer_groups(block_ids))
         if mode == "push":
-            return self._finish_push(request, ids, ok)
-        if not ok or not ids:
+            return self._finish_push(request, groups, ok)
+        if not ok or not any(groups):
             return False, None
-        return True, self._hand_over_pull(request, ids)
+        return True, self._hand_over_pull(request, groups)
 
     def _finish_push(
-        self, request: Any, ids: list[int], ok: bool
+        self, request: Any, groups: list[list[int]], ok: bool
     ) -> tuple[bool, dict[str, Any] | None]:
         """P push: the request finished: its blocks are held until its pushes
         ended (quiescent), whether it finished or not."""
@@ -660,13 +712,14 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             push_key(bytes.fromhex(self._peers[r].grant_secret), f"{xid}/{r}")
             for r in sorted(self._peers)
         ]
-        out = self._params(request, ids, xid, "push")
+        out = self._params(request, groups, xid, "push")
         out["aiokv_push_keys"] = keys
         return True, out
 
-    def _hand_over_pull(self, request: Any, ids: list[int]) -> dict[str, Any]:
-        """P pull: hold ``ids`` for the decode's claims; the params with their
-        grant keys."""
+    def _hand_over_pull(self, request: Any, groups: list[list[int]]) -> dict[str, Any]:
+        """P pull: hold the blocks ``groups`` (one list per transfer group) for
+        the decode's claims; the params with their grant keys."""
+        ids = [b for g in groups for b in g]
         rid = request.request_id
         lease = float(self._cfg["kv_lease_duration"])
         # The keys expire with the longest hold (renewed leases) and a grace
@@ -680,14 +733,14 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             grant_key(bytes.fromhex(self._peers[r].grant_secret), rid, len(ids), digest, until)
             for r in sorted(self._peers)
         ]
-        out = self._params(request, ids, rid, "pull", keys, until)
+        out = self._params(request, groups, rid, "pull", keys, until)
         out["aiokv_lease"] = lease  # a decode renews the hold every sixth of it
         return out
 
     def _params(
         self,
         request: Any,
-        ids: list[int],
+        groups: list[list[int]],
         xid: str,
         mode: str,
         keys: list[str] | None = None,
@@ -698,7 +751,7 @@ class AioKVConnector(KVConnectorBase_V1):  # type: ignore[misc,unused-ignore]
             "do_remote_prefill": True,
             "do_remote_decode": False,
             # One list per KV cache group, as vLLM's own connectors give it.
-            "remote_block_ids": (ids,),
+            "remote_block_ids": tuple(groups),
             "remote_engine_id": self._engine_id,
             "remote_request_id": request.request_id,
             "remote_host": first.host if first else None,

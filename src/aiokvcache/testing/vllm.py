@@ -17,7 +17,8 @@ connector or NixlConnector, for tests and benchmarks of serving code.
 * :func:`disaggregated`: prompts through a prefill then a decode instance
   (pull, push, or push decode-first), with the ``kv_transfer_params`` each
   request carries (:func:`decode_first_params` for decode-first push).
-* :data:`TINY_LLAMA`, :func:`tiny_model`, :func:`model_dir`: Llamas with
+* :data:`TINY_LLAMA`, :data:`TINY_HYBRID_LLAMA` (sliding-window and
+  full-attention layers), :func:`tiny_model`, :func:`model_dir`: Llamas with
   random weights (a ``config.json`` only: nothing is downloaded);
   :func:`prompts`, :func:`free_port`, :data:`BLOCK_SIZE`.
 
@@ -45,6 +46,7 @@ from typing import Any
 
 __all__ = [
     "BLOCK_SIZE",
+    "TINY_HYBRID_LLAMA",
     "TINY_LLAMA",
     "Instance",
     "Params",
@@ -76,6 +78,13 @@ TINY_LLAMA: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 BLOCK_SIZE = 32  # vLLM's CPU attention needs a multiple of 32
+#: The tiny Llama with its layers alternating a 64-token sliding window and
+#: full attention: two KV cache groups under vLLM's hybrid allocator.
+TINY_HYBRID_LLAMA: dict[str, Any] = {
+    **TINY_LLAMA,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 64,
+}
 
 
 def tiny_model(directory: str | None = None) -> str:
@@ -473,7 +482,11 @@ def _connector_stats() -> dict[str, Any]:
         return {"error": repr(exc)}
     if agent is None:
         return {}
-    return {**agent.stats, "load_seconds": list(agent.load_seconds)}
+    return {
+        **agent.stats,
+        "load_seconds": list(agent.load_seconds),
+        "kv_units": agent.layout.num_layers,  # memory units: layers of several groups share one
+    }
 
 
 def _digests(block_lists: list[list[int]] | None) -> dict[str, Any]:

@@ -30,6 +30,10 @@ log = logging.getLogger("aiokvcache.vllm")
 _LINK_CHECK_S = 0.25
 
 
+def _span(picks: list[int]) -> str:
+    return f"[{min(picks)}, {max(picks)}]" if picks else "[]"
+
+
 class DecodeLoads:
     """D: the engine's loads, each a task on the agent's loop thread (which
     alone calls this class), and the peers' answers they wait for, each bound
@@ -145,20 +149,22 @@ class DecodeLoads:
         peer: Peer,
         rid: str,
         remote_all: list[int],
-        first: int,
+        picks: list[int],
         local_ids: list[int],
         digest: str | None,
         grant: tuple[str, int],
     ) -> None:
-        """Claim, read, tell P done."""
+        """Claim, read ``remote_all[i] for i in picks`` into ``local_ids``, tell P done."""
         if digest is not None and digest != self.layout.digest():
             raise TransferFailed("the prefill instance's KV layout differs from ours", "layout")
-        last = first + len(local_ids)
-        if not local_ids or not 0 <= first < last <= len(remote_all):
+        n = len(remote_all)
+        if not local_ids or len(picks) != len(local_ids) or not 0 <= min(picks) <= max(picks) < n:
             raise TransferFailed(
-                f"blocks [{first}, {last}) of a request of {len(remote_all)} remote blocks",
+                f"{len(local_ids)} blocks to read at indexes {_span(picks)} of a request of "
+                f"{n} remote blocks",
                 "layout",
             )
+        first, last = min(picks), max(picks) + 1
         assert self._links.cm is not None
         deadline = time.monotonic() + self.timeout
         nonce = secrets.token_hex(8)
@@ -175,7 +181,8 @@ class DecodeLoads:
                 claim = Claim(rid, nonce, key, ttl, first, last, n, digest_all, until)
                 claimed = True
                 await self._links.send_to(peer, claim, deadline - time.monotonic())
-                await self._read(peer, rid, await fut, remote_all[first:last], local_ids, deadline)
+                remote = [remote_all[i] for i in picks]
+                await self._read(peer, rid, await fut, remote, local_ids, deadline)
             self._stats["pulls"] += 1
         except TimeoutError:
             raise TransferFailed(f"not loaded within {self.timeout} s", "timeout") from None

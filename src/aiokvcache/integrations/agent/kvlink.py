@@ -380,17 +380,21 @@ class TransferAgent(LoopThread):
         key: str = "",
         until_ms: int = 0,
         first: int = 0,
+        picks: Sequence[int] | None = None,
     ) -> None:
         """D: read blocks ``remote_ids[first:first + len(local_ids)]`` of ``peer``'s
         request ``remote_req_id`` (``remote_ids``: all its block ids; ``key`` and
         ``until_ms``: its grant key and the key's expiry, from its params) into
-        ``local_ids``; ``req_id`` is then reported received, or failed (with
+        ``local_ids``, or, given ``picks``, blocks ``remote_ids[i] for i in
+        picks``; ``req_id`` is then reported received, or failed (with
         ``local_ids`` as invalid blocks), within ``timeout``."""
+        if picks is None:
+            picks = range(int(first), int(first) + len(local_ids))
         pull = self.receiver.pull(
             peer,
             remote_req_id,
             list(remote_ids),
-            int(first),
+            [int(i) for i in picks],
             list(local_ids),
             digest,
             (key, int(until_ms)),

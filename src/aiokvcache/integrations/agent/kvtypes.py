@@ -29,7 +29,8 @@ class KVLayout:
     """A paged KV cache as aiokvcache sees it.
 
     ``addrs`` holds ``num_layers * tensors_per_layer`` host addresses, layer
-    by layer; in each tensor block ``b`` is bytes ``[b*block_bytes,
+    by layer (a "layer" is one memory unit: layers of several KV cache groups
+    laid over the same memory are one); in each tensor block ``b`` is bytes ``[b*block_bytes,
     (b+1)*block_bytes)``. ``block_size`` is in tokens.
     """
 
@@ -40,6 +41,8 @@ class KVLayout:
     block_size: int
     addrs: tuple[int, ...]
     dtype: str = "?"
+    #: The KV cache groups (vLLM's hybrid allocator), "" for one: part of the digest.
+    groups: str = ""
 
     def __post_init__(self) -> None:
         if len(self.addrs) != self.num_layers * self.tensors_per_layer:
@@ -58,6 +61,8 @@ class KVLayout:
             map(str, (self.num_layers, self.tensors_per_layer, self.block_bytes, self.block_size))
         )
         key += f"/{self.dtype}"
+        if self.groups:
+            key += f"/groups={self.groups}"
         return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
 

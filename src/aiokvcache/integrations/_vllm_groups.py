@@ -1,0 +1,161 @@
+"""vLLM's KV cache groups (its hybrid memory allocator) as the connector moves
+them: which groups, which of a group's blocks, and how a decode request's
+blocks pair with the prefill's. No vLLM import: the specs are read by name.
+
+A model with sliding-window layers beside full-attention ones (Gemma 2/3,
+gpt-oss, Llamas with ``layer_types``) has one group per kind. vLLM lays one
+layer of each group over the same memory (a block id belongs to one group at
+a time), so a transfer is one list of (prefill block, decode block) pairs,
+all groups' together, applied to every memory unit of the layout.
+
+- Full attention: every block of the request; a decode block at position
+  ``p`` reads the prefill's block at ``p`` (positions before the decode's
+  prefix-cache hit are not read).
+- Sliding window of ``w`` tokens: only the last ``ceil(w / block_size) + 1``
+  blocks (vLLM's NixlConnector keeps as many): the ones that can still be in
+  the window. vLLM has freed the earlier ones (null blocks, id 0) by the time
+  the request finishes. The two sides' lists pair from their ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["NULL_BLOCK", "KVGroups", "block_groups", "flat_blocks"]
+
+#: vLLM's null block: a placeholder for a freed (out-of-window) block.
+NULL_BLOCK = 0
+
+
+def block_groups(block_ids: Any) -> list[list[int]]:
+    """vLLM's block ids as one list per KV cache group: a tuple or list of
+    lists (``BlockIds``, or a proxy's JSON of it), or a flat list (one group).
+    ``TypeError``/``ValueError`` for anything else (a peer's params)."""
+    if not isinstance(block_ids, (list, tuple)):
+        raise TypeError(f"block ids: expected a list, got {type(block_ids).__name__}")
+    if not block_ids or not isinstance(block_ids[0], (list, tuple)):
+        return [_ints(block_ids)]
+    return [_ints(g) for g in block_ids]
+
+
+def _ints(ids: Any) -> list[int]:
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"block ids: expected a list, got {type(ids).__name__}")
+    out = []
+    for b in ids:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < 1 << 62:
+            raise ValueError(f"block ids: {b!r} is not a block id")
+        out.append(b)
+    return out
+
+
+def flat_blocks(block_ids: Any) -> list[int]:
+    """All groups' block ids, group after group (what a prefill holds and
+    its grant keys cover)."""
+    return [b for g in block_groups(block_ids) for b in g]
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """The KV cache groups a connector moves: ``windows[g]`` is how many of
+    group ``g``'s last blocks move (0: all, full attention)."""
+
+    windows: tuple[int, ...]
+    described: str
+
+    @classmethod
+    def of(cls, kv_cache_config: Any, block_size: int) -> KVGroups:
+        """From vLLM's ``KVCacheConfig`` (its transfer groups); ``ValueError``
+        for a group this connector cannot move (Mamba state, chunked local
+        attention, a block size other than ``block_size``)."""
+        if kv_cache_config is None:
+            return cls((0,), "")
+        windows: list[int] = []
+        kinds: list[str] = []
+        for g in kv_cache_config.transfer_groups:
+            spec = g.kv_cache_spec
+            kind = type(spec).__name__
+            bs = int(getattr(spec, "block_size", block_size))
+            if bs != block_size:
+                raise ValueError(
+                    f"AioKVConnector: KV cache group {kind} has block size {bs}, the "
+                    f"cache {block_size}: groups of different block sizes are not supported"
+                )
+            if kind == "SlidingWindowSpec":
+                w = int(spec.sliding_window)
+                windows.append(-(-w // bs) + 1)
+                kinds.append(f"sw{w}")
+            elif kind in ("FullAttentionSpec", "MLAAttentionSpec"):
+                windows.append(0)
+                kinds.append("full")
+            else:
+                raise ValueError(
+                    f"AioKVConnector moves full-attention and sliding-window KV cache "
+                    f"groups; this model has a {kind} group (docs/vllm.md)"
+                )
+        if not windows:
+            raise ValueError("AioKVConnector: the model has no KV cache group to transfer")
+        plain = windows == [0]
+        return cls(tuple(windows), "" if plain else ",".join(kinds))
+
+    @property
+    def plain(self) -> bool:
+        """One full-attention group: every block moves, by position (push works)."""
+        return self.windows == (0,)
+
+    def clip(self, block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
+        """A finished prefill request's transfer groups' blocks (vLLM's
+        ``select_transfer_block_ids`` already applied): what moves of each."""
+        if len(block_ids) != len(self.windows):
+            raise ValueError(
+                f"{len(block_ids)} block lists for {len(self.windows)} KV cache groups"
+            )
+        return [self._clip(g, list(ids)) for g, ids in enumerate(block_ids)]
+
+    def _clip(self, g: int, ids: list[int]) -> list[int]:
+        w = self.windows[g]
+        if not w:
+            return ids
+        return [b for b in ids if b != NULL_BLOCK][-w:]
+
+    def pair(
+        self,
+        local: Sequence[Sequence[int]],
+        first: int,
+        last: int,
+        remote: Sequence[Sequence[int]],
+    ) -> tuple[list[int], list[int], list[int]]:
+        """A decode request's load: its blocks ``local`` (one full list per
+        group, positions ``[first, last)`` to load) against the prefill's
+        ``remote`` (as its params give them). Returns the prefill's blocks
+        flat (what its grant key covers), the indexes in it that are read,
+        and the local blocks they are read into. ``ValueError`` when the
+        prefill's lists cannot hold them."""
+        if len(remote) != len(self.windows) or len(local) != len(self.windows):
+            raise ValueError(
+                f"the prefill's block ids are {len(remote)} KV cache groups, this "
+                f"instance's {len(self.windows)}"
+            )
+        flat: list[int] = []
+        picks: list[int] = []
+        into: list[int] = []
+        for g, w in enumerate(self.windows):
+            off, rem, mine = len(flat), list(remote[g]), list(local[g])[first:last]
+            flat += rem
+            if not w:
+                if last > len(rem):
+                    raise ValueError(
+                        f"blocks [{first}, {last}) of a request of {len(rem)} remote blocks"
+                    )
+                picks += range(off + first, off + last)
+                into += mine
+                continue
+            mine = [b for b in mine if b != NULL_BLOCK][-w:]
+            k = min(len(mine), len(rem))
+            # The decode's older window blocks beyond the prefill's are out
+            # of the window: the prefill freed them, nothing reads them.
+            picks += range(off + len(rem) - k, off + len(rem))
+            into += mine[len(mine) - k :]
+        return flat, picks, into
