@@ -120,6 +120,10 @@ def test_a_record_claimed_but_never_handed_over_is_dropped_later() -> None:
         {"first": 0.0},
         {"n": "4"},
         {"key": None},
+        {"readers": 0},
+        {"readers": 65},
+        {"readers": "2"},
+        {"readers": True},
     ],
 )
 def test_bad_claims_are_refused(bad: dict[str, Any]) -> None:
@@ -129,6 +133,25 @@ def test_bad_claims_are_refused(bad: dict[str, Any]) -> None:
     assert h.claims("r") == set()
     g = holds()  # and before the hand-over
     assert claim(g, 1, "r", "n", now=0, **bad).kind == "refused"
+
+
+def test_blocks_read_by_several_decode_workers_are_held_until_each_is_done() -> None:
+    """A decode of a larger tensor-parallel size reads a prefill worker's
+    blocks from each of its workers (each its heads): held until as many
+    clusters as the claims said are done, whatever order they come in; a
+    worker that never comes leaves the blocks to the lease."""
+    h = holds()
+    hold(h, "r", 10, 0)
+    assert claim(h, 1, "r", "a", now=0, readers=2).kind == "grant"
+    assert not h.done(1, "r", "a")  # the other worker has not read yet
+    assert claim(h, 2, "r", "b", now=1, readers=2).kind == "grant"
+    assert h.done(2, "r", "b")
+    g = holds()
+    hold(g, "r", 10, 0)
+    assert claim(g, 1, "r", "a", now=0, readers=2).kind == "grant"
+    assert claim(g, 1, "r", "c", now=0, readers=2).kind == "grant"  # the same worker again
+    assert not g.done(1, "r", "a") and not g.done(1, "r", "c")
+    assert tick(g, 5.1) == [] and tick(g, 10.1) == ["r"]  # the lease, then
 
 
 def test_done_and_free_are_bound_to_the_claimer_and_the_key() -> None:
@@ -274,6 +297,7 @@ ops = st.lists(
             st.sampled_from("ab"),
             st.booleans(),
             st.floats(0.1, 20),
+            st.sampled_from([1, 1, 2]),
         ),
         st.tuples(
             st.just("done"), st.sampled_from([1, 2]), st.sampled_from("rs"), st.sampled_from("ab")
@@ -290,13 +314,22 @@ ops = st.lists(
 def test_invariants_under_any_interleaving(seq: list[tuple]) -> None:  # type: ignore[type-arg]
     """Whatever arrives in whatever order: a request is reported released at
     most once, only after its hand-over, never while a granted claim's deadline
-    has not passed and its done has not come; nothing is granted without the
-    request's key, nor after its release."""
+    has not passed and its done has not come, and (but for its lease running
+    out) never before as many clusters as a claim said read it were done or
+    freed it; nothing is granted without the request's key, nor after its
+    release."""
     h = holds(pending_ttl=15)
     now = 0.0
     released: set[str] = set()
     handed: set[str] = set()
     live: dict[tuple[int, str, str], float] = {}  # granted claims -> their deadline
+    readers: dict[str, int] = {}  # the most readers a granted claim said
+    ended: dict[str, set[int]] = {}  # clusters done with (or freeing) a request
+
+    def on_early_release(rid: str) -> None:
+        got = ended.get(rid, set())
+        assert len(got) >= readers.get(rid, 1), f"{rid} released after {got} of {readers}"
+        on_release(rid)
 
     def on_release(rid: str) -> None:
         assert rid not in released, f"{rid} released twice"
@@ -312,23 +345,30 @@ def test_invariants_under_any_interleaving(seq: list[tuple]) -> None:  # type: i
             if rid not in released:
                 handed.add(rid)
             if hold(h, rid, 5, now):
-                on_release(rid)
+                on_early_release(rid)
         elif kind == "claim":
-            _, src, rid, nonce, good, ttl = op
-            a = claim(h, src, rid, nonce, now, ttl=ttl, key=key(rid) if good else "x")
+            _, src, rid, nonce, good, ttl, n = op
+            a = claim(
+                h, src, rid, nonce, now, ttl=ttl, key=key(rid) if good else "x", readers=n
+            )
             if a.kind == "grant":
                 assert good and rid not in released
                 k = (src, rid, nonce)
                 live[k] = max(live.get(k, 0.0), now + ttl)
+                if rid in handed:  # (a record never handed over may be dropped: pending_ttl)
+                    readers[rid] = max(readers.get(rid, 1), n)
         elif kind == "done":
             _, src, rid, nonce = op
-            live.pop((src, rid, nonce), None)
+            if live.pop((src, rid, nonce), None) is not None and rid not in released:
+                ended.setdefault(rid, set()).add(src)
             if h.done(src, rid, nonce):
-                on_release(rid)
+                on_early_release(rid)
         elif kind == "free":
             _, src, rid, good = op
+            if good and rid not in released:
+                ended.setdefault(rid, set()).add(src)
             if free(h, src, rid, key(rid) if good else "x", now):
-                on_release(rid)
+                on_early_release(rid)
         else:
             now += op[1]
             for rid in tick(h, now):

@@ -109,7 +109,7 @@ def reg_args(
         *fields,
         nonce,
         agent.push_key(xid) if key is None else key,
-        agent.layout.digest() if layout is None else layout,
+        agent.layout.digest(per_rank=True) if layout is None else layout,
     ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 
@@ -9,7 +10,7 @@ import torch
 
 from .agent.kvtypes import KVLayout
 
-__all__ = ["kv_layout"]
+__all__ = ["by_heads", "kv_layout"]
 
 
 def _layer_key(name: str) -> tuple[int, ...]:
@@ -93,6 +94,20 @@ def kv_layout(
         len(units), per_layer, num_blocks, block_bytes, block_size, addrs, str(dtype), groups
     )
     return layout, units, parts
+
+
+def by_heads(layout: KVLayout, kv_caches: dict[str, torch.Tensor], heads: int, tp: int) -> KVLayout:
+    """``layout`` in KV-head units when every tensor is ``[num_blocks, heads,
+    ...]`` (vLLM's CPU layout: a head's part of a block is contiguous) and no
+    head is replicated across the ``tp`` ranks; else as it is (instances must
+    then be of one tensor-parallel size)."""
+    if layout.tensors_per_layer != 1 or heads < 1:
+        return layout
+    if any(t.dim() < 3 or t.shape[1] != heads for t in kv_caches.values()):
+        return layout
+    if layout.block_bytes % heads:
+        return layout
+    return dataclasses.replace(layout, heads=heads, total_heads=heads * tp)
 
 
 def _check_disjoint(

@@ -83,7 +83,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from ._vllm_groups import KVGroups, block_groups, flat_blocks
-from ._vllm_layout import kv_layout
+from ._vllm_layout import by_heads, kv_layout
 from ._vllm_metrics import AioKVPromMetrics, AioKVStats
 from ._vllm_worker import WorkerBinding
 from .agent.handoff import blocks_digest, grant_key, push_key
@@ -381,6 +381,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
         layout, units, self._tensors = kv_layout(
             kv_caches, num_blocks, self._block_size, self._groups.described
         )
+        layout = by_heads(layout, kv_caches, *self._kv_heads())
         self._layer_index = {n: i for i, names in enumerate(units) for n in names}
         self._unit_layers = [len(names) for names in units]
         try:
@@ -420,6 +421,15 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
             address,
             cid,
         )
+
+    def _kv_heads(self) -> tuple[int, int]:
+        """KV heads of this rank and the tensor-parallel size; (0, tp) when
+        heads are replicated across ranks (more ranks than heads)."""
+        mc = self._vllm_config.model_config
+        total = int(mc.get_total_num_kv_heads())
+        if total % self._tp_size:
+            return 0, self._tp_size
+        return total // self._tp_size, self._tp_size
 
     def get_handshake_metadata(self) -> AioKVHandshake | None:
         agent = self._agent

@@ -16,7 +16,16 @@ from typing import Any
 from ... import BlocksCacheKey, LLMException
 from .calls import Tally, counting, current
 from .handoff import blocks_digest
-from .kvtypes import RUNS_PER_PART, KVLayout, Peer, TransferFailed, block_digest, block_runs
+from .kvtypes import (
+    RUNS_PER_PART,
+    HeadSpan,
+    KVLayout,
+    Peer,
+    TransferFailed,
+    block_digest,
+    block_runs,
+    head_units,
+)
 from .links import PeerLinks
 from .results import Results
 from .wire import Cancel, Claim, Done, Free, Grant, Pushed, PushFail, Refused, Reg, Renew
@@ -153,8 +162,13 @@ class DecodeLoads:
         local_ids: list[int],
         digest: str | None,
         grant: tuple[str, int],
+        span: HeadSpan | None = None,
+        readers: int = 1,
     ) -> None:
-        """Claim, read ``remote_all[i] for i in picks`` into ``local_ids``, tell P done."""
+        """Claim, read ``remote_all[i] for i in picks`` into ``local_ids`` (the
+        heads ``span`` says, else whole blocks of as many heads as ours), tell
+        P done. ``readers``: how many decode workers read these blocks from P
+        (P holds them until each is done)."""
         if digest is not None and digest != self.layout.digest():
             raise TransferFailed("the prefill instance's KV layout differs from ours", "layout")
         n = len(remote_all)
@@ -178,11 +192,11 @@ class DecodeLoads:
                 fut = self._expect(("grant", nonce), peer.cluster_id)
                 ttl = deadline - time.monotonic()
                 n, digest_all = len(remote_all), blocks_digest(remote_all)
-                claim = Claim(rid, nonce, key, ttl, first, last, n, digest_all, until)
+                claim = Claim(rid, nonce, key, ttl, first, last, n, digest_all, until, readers)
                 claimed = True
                 await self._links.send_to(peer, claim, deadline - time.monotonic())
                 remote = [remote_all[i] for i in picks]
-                await self._read(peer, rid, await fut, remote, local_ids, deadline)
+                await self._read(peer, rid, await fut, remote, local_ids, deadline, span)
             self._stats["pulls"] += 1
         except TimeoutError:
             raise TransferFailed(f"not loaded within {self.timeout} s", "timeout") from None
@@ -201,17 +215,21 @@ class DecodeLoads:
         remote: list[int],
         local_ids: list[int],
         deadline: float,
+        span: HeadSpan | None,
     ) -> None:
         """P answered the claim with ``answer``: read ``remote`` into ``local_ids``."""
         assert self._links.cm is not None
         log.debug("pull %s: %s", rid, answer)
         if answer != "grant":
             raise TransferFailed(f"the prefill instance refused: {answer}", "refused")
+        lay = self.layout
+        if span is None:
+            span = HeadSpan(lay.heads, 0, 0, lay.heads)
         await self._links.cm.pull_blocks(
             BlocksCacheKey(peer.cluster_id),
             self._links.cache,
-            remote,
-            local_ids,
+            head_units(remote, span.remote_heads, span.remote_head, span.count),
+            lay.units(local_ids, span.local_head, span.count),
             tensor_num_per_layer=self.layout.tensors_per_layer,
             timeout=max(0.001, deadline - time.monotonic()),
         )
@@ -326,7 +344,7 @@ class DecodeLoads:
         runs = block_runs(local_ids)
         step = RUNS_PER_PART
         parts = [runs[i : i + step] for i in range(0, len(runs), step)] or [[]]
-        digest = self.layout.digest()
+        digest = self.layout.digest(per_rank=True)
         for i, part in enumerate(parts):
             left = deadline - time.monotonic() - margin
             if left <= 0:
@@ -380,7 +398,8 @@ class DecodeLoads:
         """Tell ``peer`` this side will not take transfer ``xid``'s pushes."""
         # An empty registration, with the request's push key: nothing to
         # push to this load; P reports the request sent once it takes no more.
-        msg = Reg(xid, 0, 1, [], 0, 1.0, secrets.token_hex(8), key, self.layout.digest())
+        digest = self.layout.digest(per_rank=True)
+        msg = Reg(xid, 0, 1, [], 0, 1.0, secrets.token_hex(8), key, digest)
         self._spawn(self._notice(peer, msg))
 
     async def _notice(self, peer: Peer, msg: Free | Reg | Renew) -> None:

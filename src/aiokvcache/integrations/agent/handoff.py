@@ -56,6 +56,10 @@ __all__ = [
 ]
 
 
+#: The most decode workers one prefill worker's request may have reading it.
+MAX_READERS = 64
+
+
 class BadMessage(ValueError):
     """A peer's message that does not hold (dropped, and logged)."""
 
@@ -123,6 +127,8 @@ class _Hold:
     known: bool = False  # the engine handed it over (hold())
     read: bool = False  # every claim ended (or a free came): release once known
     claims: dict[tuple[int, str], float] = field(default_factory=dict)  # (src, nonce) -> end
+    readers: int = 1  # decode workers that read it (the most a claim said)
+    finished: set[int] = field(default_factory=set)  # clusters whose read ended (or freed)
 
 
 class PullHolds:
@@ -230,11 +236,14 @@ class PullHolds:
         until_ms: Any,
         now: float,
         wall_ms: int,
+        readers: Any = 1,
     ) -> Answer:
         """``src`` asks to read blocks ``[first, last)`` of ``rid``'s ``n`` blocks
         (their list hashing to ``digest``) until ``now + ttl``, with the key
         valid until ``until_ms``; ``nonce`` names this claim (its grant and its
-        ``done``). ``wall_ms``: this host's wall clock."""
+        ``done``). ``wall_ms``: this host's wall clock. ``readers``: how many
+        decode workers read ``rid`` from here (each its heads); it is held
+        until that many clusters are done, or its lease runs out."""
         if not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and 0 < ttl <= self.max_ttl):
             return self._refuse(
                 src, rid, nonce, f"a claim's deadline must be in (0, {self.max_ttl}] s"
@@ -247,6 +256,8 @@ class PullHolds:
             )
         if not (type(first) is int and type(last) is int and 0 <= first < last <= n):
             return self._refuse(src, rid, nonce, f"blocks [{first}, {last}) not in [0, {n})")
+        if not (type(readers) is int and 1 <= readers <= MAX_READERS):
+            return self._refuse(src, rid, nonce, f"readers {readers!r} not in [1, {MAX_READERS}]")
         h = self._holds.get(rid)
         if h is None:
             if self._pending >= self.max_pending:
@@ -256,6 +267,7 @@ class PullHolds:
             return self._refuse(src, rid, nonce, "the claimed blocks are not the request's")
         end = now + ttl
         h.claims[src, nonce] = max(end, h.claims.get((src, nonce), end))
+        h.readers = max(h.readers, readers)
         h.read = False
         self._schedule(rid, end)
         return Answer(src, rid, nonce, "grant")
@@ -268,6 +280,7 @@ class PullHolds:
         if h is None or (src, nonce) not in h.claims:
             return False
         del h.claims[src, nonce]
+        h.finished.add(src)
         return self._maybe_read(rid, h)
 
     def free(
@@ -294,6 +307,7 @@ class PullHolds:
             h = self._new_pending(rid, n, digest, key, until_ms, now)
         elif (h.n, h.digest, h.until_ms) != (n, digest, until_ms):
             return False
+        h.finished.add(src)
         if h.claims:
             return False
         return self._maybe_read(rid, h)
@@ -397,7 +411,7 @@ class PullHolds:
         heapq.heappush(self._heap, (when, self._seq, rid))
 
     def _maybe_read(self, rid: str, h: _Hold) -> bool:
-        if h.claims:
+        if h.claims or len(h.finished) < h.readers:
             return False
         h.read = True
         if h.known:

@@ -258,7 +258,7 @@ class TransferAgent(LoopThread):
         lay = self.layout
         desc = CacheDesc(
             lay.num_layers * lay.tensors_per_layer,
-            [lay.num_blocks, lay.block_bytes],
+            [lay.num_blocks * lay.heads, lay.unit_bytes],
             DataType.DT_UINT8,
             Placement.HOST,
         )

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 __all__ = [
     "GRACE_S",
     "RUNS_PER_PART",
+    "HeadSpan",
     "KVLayout",
     "Peer",
     "TransferFailed",
     "block_digest",
     "block_runs",
+    "head_units",
 ]
 
 #: Extra time a grant (pull) or D's wait (push) lasts beyond ``timeout``.
@@ -30,8 +32,15 @@ class KVLayout:
 
     ``addrs`` holds ``num_layers * tensors_per_layer`` host addresses, layer
     by layer (a "layer" is one memory unit: layers of several KV cache groups
-    laid over the same memory are one); in each tensor block ``b`` is bytes ``[b*block_bytes,
-    (b+1)*block_bytes)``. ``block_size`` is in tokens.
+    laid over the same memory are one); in each tensor block ``b`` is bytes
+    ``[b*block_bytes, (b+1)*block_bytes)``. ``block_size`` is in tokens.
+
+    ``heads``: the KV heads a block holds one after another (``[num_blocks,
+    heads, ...]``, vLLM's CPU layout), each ``unit_bytes`` long. The engine
+    registers the cache in those units, so that an instance of another
+    tensor-parallel size can read or write a head range of a block.
+    ``total_heads``: the model's KV heads over all ranks (0: not head-major,
+    tensor-parallel sizes must then be equal).
     """
 
     num_layers: int
@@ -43,6 +52,8 @@ class KVLayout:
     dtype: str = "?"
     #: The KV cache groups (vLLM's hybrid allocator), "" for one: part of the digest.
     groups: str = ""
+    heads: int = 1
+    total_heads: int = 0
 
     def __post_init__(self) -> None:
         if len(self.addrs) != self.num_layers * self.tensors_per_layer:
@@ -54,16 +65,59 @@ class KVLayout:
             raise ValueError("a KV layout needs at least one layer, tensor and block")
         if self.block_bytes < 1 or self.block_size < 1:
             raise ValueError("block_bytes and block_size must be positive")
+        if self.heads < 1 or self.block_bytes % self.heads:
+            raise ValueError(f"{self.block_bytes} bytes a block is not {self.heads} heads")
+        if self.total_heads and self.total_heads % self.heads:
+            raise ValueError(f"{self.total_heads} KV heads in all is not {self.heads} a rank")
 
-    def digest(self) -> str:
-        """What both sides must agree on (not the block count nor addresses)."""
-        key = "/".join(
-            map(str, (self.num_layers, self.tensors_per_layer, self.block_bytes, self.block_size))
-        )
+    @property
+    def unit_bytes(self) -> int:
+        """The bytes of one KV head of one block: the unit the engine registers."""
+        return self.block_bytes // self.heads
+
+    def units(self, block_ids: Sequence[int], head: int = 0, count: int = 0) -> list[int]:
+        """The registered units of heads ``[head, head + count)`` (all: 0) of
+        each of ``block_ids``, in order."""
+        return head_units(block_ids, self.heads, head, count or self.heads - head)
+
+    def digest(self, per_rank: bool = False) -> str:
+        """What both sides must agree on (not the block count nor addresses);
+        ``per_rank``: also the heads a block holds (a push writes whole
+        blocks: both sides of one tensor-parallel size)."""
+        # Head-major: the bytes of one head and the model's heads, so that
+        # instances of different tensor-parallel sizes agree.
+        unit = self.unit_bytes if self.total_heads else self.block_bytes
+        key = "/".join(map(str, (self.num_layers, self.tensors_per_layer, unit, self.block_size)))
         key += f"/{self.dtype}"
+        if self.total_heads:
+            key += f"/kvheads={self.total_heads}"
         if self.groups:
             key += f"/groups={self.groups}"
+        if per_rank:
+            key += f"/heads={self.heads}"
         return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
+def head_units(block_ids: Sequence[int], heads: int, head: int, count: int) -> list[int]:
+    """The units (one KV head of one block, a cache of ``heads`` a block) of
+    heads ``[head, head + count)`` of each of ``block_ids``, in order."""
+    if not 0 <= head < head + count <= heads:
+        raise ValueError(f"heads [{head}, {head + count}) of a block of {heads}")
+    if heads == 1:
+        return [int(b) for b in block_ids]
+    return [int(b) * heads + head + k for b in block_ids for k in range(count)]
+
+
+@dataclass(frozen=True)
+class HeadSpan:
+    """What a pull reads of each block: ``count`` KV heads from the prefill's
+    head ``remote_head`` (its blocks hold ``remote_heads``) into this side's
+    heads from ``local_head`` (tensor-parallel sizes that differ)."""
+
+    remote_heads: int
+    remote_head: int
+    local_head: int
+    count: int
 
 
 @dataclass(frozen=True)

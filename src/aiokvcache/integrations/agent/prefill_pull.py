@@ -85,6 +85,7 @@ class PullServer:
             m.until_ms,
             now,
             _wall_ms(),
+            m.readers,
         )
         self._answer(answer)
         self._tick()

@@ -365,7 +365,7 @@ class PushSender:
             return
         ld.first, ld.ttl, ld.reg_ids = m.first, float(m.ttl), ids
         ld.arrived = time.monotonic()
-        if m.layout != self.layout.digest():
+        if m.layout != self.layout.digest(per_rank=True):
             self._refuse(st, ld, "the decode instance's KV layout differs from the prefill's")
             return
         ld.key, ld.waiting_key = m.key, True
@@ -518,8 +518,8 @@ class PushSender:
                 await cm.push_blocks(
                     BlocksCacheKey(ld.src),
                     self._links.cache,
-                    st.blocks[j0:i1],
-                    dst,
+                    self.layout.units(st.blocks[j0:i1]),
+                    self.layout.units(dst),
                     src_layer_range=layers,
                     dst_layer_range=layers,
                     tensor_num_per_layer=self.layout.tensors_per_layer,

@@ -84,7 +84,10 @@ class _Message:
 class Claim(_Message):
     """D asks to read blocks ``[first, last)`` of request ``rid``'s ``n``
     blocks (whose list hashes to ``digest``) for ``ttl`` seconds, with the
-    request's grant ``key``, valid until ``until_ms``; ``nonce`` names the claim."""
+    request's grant ``key``, valid until ``until_ms``; ``nonce`` names the claim.
+    ``readers``: how many decode workers read the request from this prefill
+    worker (a decode of a larger tensor-parallel size: each reads its heads);
+    the prefill holds the blocks until that many are done."""
 
     OP = Op.CLAIM
     ARITY = 9
@@ -97,10 +100,11 @@ class Claim(_Message):
     n: Any
     digest: Any
     until_ms: Any
+    readers: Any = 1
 
     @classmethod
     def from_args(cls, a: list[Any]) -> Claim:
-        return cls(str(a[0]), str(a[1]), *a[2:9])
+        return cls(str(a[0]), str(a[1]), *a[2:9], *a[9:10])
 
 
 @dataclass(frozen=True)
