@@ -50,6 +50,14 @@ instances (and the reference) to vLLM's default. NixlConnector is pinned
 either way unless ``--nixl-binding default``. The instances are in-process
 engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where vLLM binds no OpenMP
 thread: unpinned, each instance's OpenMP team spans every core.
+``--hybrid`` makes the model's layers alternate a 128-token sliding window
+and full attention (two KV cache groups under vLLM's hybrid allocator; push
+scenarios then move by pull). ``--tp P,D`` runs the prefill at tensor-parallel
+size P and the decode at D (both instances and NixlConnector's; vLLM's
+``mp`` executor, one core per rank, ``VLLM_CPU_OMP_THREADS_BIND=0|1``): the
+model then gets real random weights from one seed (``model.safetensors``),
+in float32, the same model at every size, and the reference is a TP-1 instance; push
+scenarios across sizes are refused by aiokvcache (not run).
 ``--multiprocess`` runs vLLM's default engine processes instead (an
 EngineCore and a Worker process per instance; vLLM binds the Worker's
 OpenMP threads, ``VLLM_CPU_OMP_THREADS_BIND=auto``); the decode connector's
@@ -120,7 +128,8 @@ LABELS = {
 
 def kv_bytes_per_token(cfg: dict[str, Any]) -> int:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return int(cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2)
+    size = 4 if cfg.get("torch_dtype") == "float32" else 2
+    return int(cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * size)
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -315,10 +324,12 @@ class Bench:
         self.reference: list[list[int]] = []
         self.records: list[dict[str, Any]] = []
         self.summary: list[dict[str, Any]] = []
-        self.llm_kw = {
+        self.llm_kw: dict[str, Any] = {
             "num_gpu_blocks_override": args.blocks,
             "max_model_len": max(1024, args.tokens + args.max_tokens + 64),
         }
+        if args.tp != (1, 1):
+            self.llm_kw["load_format"] = "safetensors"  # one model at every TP size
         env = {
             "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space),
             "VLLM_LOGGING_LEVEL": args.vllm_log_level,
@@ -335,7 +346,9 @@ class Bench:
     def log(self, *a: Any) -> None:
         print(*a, file=sys.stderr, flush=True)
 
-    def instance(self, role: str, connector: str, cpus: list[int] | None, **kw: Any) -> Any:
+    def instance(
+        self, role: str, connector: str, cpus: list[int] | None, tp: int = 1, **kw: Any
+    ) -> Any:
         t0 = time.monotonic()
         inst = driver.Instance(
             self.model,
@@ -344,7 +357,8 @@ class Bench:
             cpus=cpus,
             env=dict(self.env),
             llm_kw=self.llm_kw,
-            multiprocess=self.args.multiprocess,
+            multiprocess=self.args.multiprocess or tp > 1,
+            tensor_parallel_size=tp,
             **kw,
         )
         self.log(
@@ -398,20 +412,23 @@ class Bench:
         binding = "P core 0, D core 1" if pinned else "default"
         self.log(f"{connector}: {', '.join(names)} ({binding})")
         port, cid = driver.free_port(), 5000 + driver.free_port() % 1000
+        ptp, dtp = a.tp
         if connector == "aiokv":
             base: dict[str, Any] = {"transport": a.transport, "timeout": a.timeout}
             pe = {**base, "port": port, "cluster_id": cid}
-            p = self.instance("kv_producer", "aiokv", [0] if pinned else None, extra=pe)
+            p = self.instance("kv_producer", "aiokv", [0] if pinned else None, ptp, extra=pe)
             try:
-                d = self.instance("kv_consumer", "aiokv", [1] if pinned else None, extra=base)
+                d = self.instance(
+                    "kv_consumer", "aiokv", [1] if pinned else None, dtp, extra=base
+                )
             except BaseException:
                 p.kill()
                 raise
         else:
             ne = dict(a.nixl_extra)
-            p = self.instance("kv_both", "nixl", [0] if pinned else None, extra=ne)
+            p = self.instance("kv_both", "nixl", [0] if pinned else None, ptp, extra=ne)
             try:
-                d = self.instance("kv_both", "nixl", [1] if pinned else None, extra=ne)
+                d = self.instance("kv_both", "nixl", [1] if pinned else None, dtp, extra=ne)
             except BaseException:
                 p.kill()
                 raise
@@ -707,6 +724,10 @@ def main(argv: list[str] | None = None) -> int:
         "engines; the decode connector's counters are then out of reach",
     )
     ap.add_argument("--tiny", action="store_true", help="the examples' 4-layer tiny Llama")
+    ap.add_argument(
+        "--hybrid", action="store_true", help="layers alternate a sliding window and full attention"
+    )
+    ap.add_argument("--tp", default="1,1", help="tensor-parallel sizes of prefill and decode, P,D")
     ap.add_argument("--layers", type=int, help="override the model's layer count")
     ap.add_argument("--transport", choices=["auto", "shm", "tcp"], default="auto")
     ap.add_argument("--timeout", type=float, default=30.0, help="aiokvcache's per-request timeout")
@@ -730,14 +751,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    args.tp = tuple(int(x) for x in args.tp.split(","))
+    if len(args.tp) != 2 or min(args.tp) < 1:
+        ap.error("--tp takes two sizes, P,D")
     names = [x for x in args.scenarios.split(",") if x]
     for x in names:
         if x not in SCENARIOS:
             ap.error(f"unknown scenario {x!r}")
+    if args.tp != (1, 1):
+        if args.pinned:
+            ap.error("--tp other than 1,1 takes --default-binding (one core a rank)")
+        if args.tp[0] != args.tp[1]:
+            names = [x for x in names if SCENARIOS[x][1] == "pull"]
     cfg = dict(driver.TINY_LLAMA if args.tiny else BIG_LLAMA)
     if args.layers:
         cfg["num_hidden_layers"] = args.layers
-    model = driver.model_dir(cfg)
+    if args.hybrid:
+        n = cfg["num_hidden_layers"]
+        cfg["layer_types"] = ["sliding_attention", "full_attention"] * (n // 2) + [
+            "full_attention"
+        ] * (n % 2)
+        cfg["sliding_window"] = 128
+    seed = None
+    if args.tp != (1, 1):
+        # Real weights from one seed (dummy ones are another model at each
+        # size), float32: every size computes the same tokens.
+        seed, cfg["torch_dtype"] = 0, "float32"
+    model = driver.model_dir(cfg, weights_seed=seed)
     prompts = driver.prompts([args.tokens] * (args.requests + 1))
     per_token = kv_bytes_per_token(cfg)
     head = (
@@ -745,7 +785,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg['num_key_value_heads']} KV heads), KV {per_token // 1024} KiB/token, "
         f"{per_token * blocks(args.tokens) * driver.BLOCK_SIZE / 2**20:.1f} MiB per "
         f"{args.tokens}-token prompt; {args.requests} requests per scenario, "
-        f"{args.max_tokens} tokens each; aiokvcache "
+        f"{args.max_tokens} tokens each; "
+        f"{'hybrid (sliding window 128 / full), ' if args.hybrid else ''}"
+        f"TP prefill {args.tp[0]}, decode {args.tp[1]}; aiokvcache "
         f"{'pinned (P core 0, D core 1)' if args.pinned else 'default binding'}, "
         f"NixlConnector {args.nixl_binding}"
         f"{' ' + json.dumps(args.nixl_extra) if args.nixl_extra else ''}; "

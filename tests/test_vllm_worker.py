@@ -178,3 +178,68 @@ def test_a_drop_or_renewal_whose_params_name_no_worker_is_skipped(
     else:
         meta.renew_start = {"d-req": ref}
     binding(0, 1).bind(_NoAgent(), meta)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- other tensor-parallel sizes
+
+PEERS4 = [[f"10.0.0.{i}", 7000 + i, 50 + i] for i in range(4)]
+
+
+def heads_binding(rank: int, tp: int, total: int = 4) -> WorkerBinding:
+    return WorkerBinding(rank, 16, 30.0, tp, heads=total // tp, total_heads=total)
+
+
+Span = tuple[int, tuple[int, ...], int]
+
+
+def spans(rank: int, tp: int, remote_tp: int, total: int = 4) -> list[Span]:
+    """(prefill rank, (its heads a block, first head read, first head written, heads), readers)."""
+    got = heads_binding(rank, tp, total).sources(PEERS4[:remote_tp], remote_tp, list("abcd"))
+    out = []
+    for s in got:
+        assert s.span is not None
+        i = PEERS4.index([s.peer.host, s.peer.port, s.peer.cluster_id])
+        assert s.key == "abcd"[i]  # each prefill worker's own grant key
+        sp = s.span
+        out.append((i, (sp.remote_heads, sp.remote_head, sp.local_head, sp.count), s.readers))
+    return out
+
+
+def test_a_smaller_decode_reads_each_prefill_workers_heads_into_its_part_of_the_block() -> None:
+    """Prefill TP 2, decode TP 1, 4 KV heads: the decode's worker reads both
+    prefill workers, each whole block (2 heads) into its half of its own."""
+    assert spans(0, 1, 2) == [(0, (2, 0, 0, 2), 1), (1, (2, 0, 2, 2), 1)]
+    assert spans(1, 2, 4) == [(2, (1, 0, 0, 1), 1), (3, (1, 0, 1, 1), 1)]
+
+
+def test_a_larger_decode_reads_its_heads_of_one_prefill_worker() -> None:
+    """Prefill TP 1, decode TP 2: decode rank r reads heads [2r, 2r + 2) of
+    the prefill's blocks; the prefill holds them until both are done."""
+    assert spans(0, 2, 1) == [(0, (4, 0, 0, 2), 2)]
+    assert spans(1, 2, 1) == [(0, (4, 2, 0, 2), 2)]
+    assert spans(3, 4, 2) == [(1, (2, 1, 0, 1), 2)]
+    # One size: the rank of its own number, whole blocks.
+    same = heads_binding(1, 2).sources(PEERS4[:2], 2, ["a", "b"])
+    assert [(s.peer.cluster_id, s.key, s.span, s.readers) for s in same] == [(51, "b", None, 1)]
+
+
+@pytest.mark.parametrize(
+    "tp, remote_tp, total, peers, says",
+    [
+        (1, 4, 2, PEERS4, "replicates the model's KV heads"),  # prefill TP over its heads
+        (4, 1, 2, PEERS4[:1], "replicates the model's KV heads"),  # decode TP over them
+        (2, 3, 6, PEERS4[:3], "one divides the other"),
+        (1, 2, 0, PEERS4[:2], r"KV heads \(unknown"),  # not head-major
+        (1, 2, 4, PEERS4[:1], "1 prefill workers for tensor parallel size 2"),
+        (1, 2, 4, {"0": 1}, "dict prefill workers"),
+        (1, 2, 4, [PEERS4[0], ["h", "x", 1]], "address in the params is bad"),
+    ],
+)
+def test_sizes_it_cannot_read_across_are_refused_naming_both(
+    tp: int, remote_tp: int, total: int, peers: Any, says: str
+) -> None:
+    b = WorkerBinding(0, 16, 30.0, tp, heads=max(1, total // tp), total_heads=total)
+    if total and total % tp:  # this decode replicates heads: its layout says total 0
+        b = WorkerBinding(0, 16, 30.0, tp)
+    with pytest.raises(ValueError, match=says):
+        b.sources(peers, remote_tp, [])

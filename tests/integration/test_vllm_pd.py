@@ -445,6 +445,20 @@ def test_kv_layouts_and_config_errors() -> None:
     assert units == [names[:2], names[2:]] and layout.num_layers == 2 and len(parts) == 2
     plain, _, _ = conn.kv_layout({names[0]: a, names[2]: b}, nb, 32)
     assert plain.addrs == layout.addrs and plain.digest() != layout.digest()
+    # Head-major (the CPU backend's [num_blocks, kv_heads, block_size, 2 * head]):
+    # registered in units of a head, whatever the tensor-parallel size.
+    two = conn.by_heads(layout, hybrid, 2, 1)
+    assert (two.heads, two.total_heads, two.unit_bytes) == (2, 2, layout.block_bytes // 2)
+    c, e = torch.zeros(nb, 1, 32, 128), torch.zeros(nb, 1, 32, 128)
+    half = dict(zip(names, [c, c, e, e], strict=True))  # the same model at TP 2
+    one, _, _ = conn.kv_layout(half, nb, 32, "sw64,full")
+    one = conn.by_heads(one, half, 1, 2)
+    assert (one.heads, one.total_heads) == (1, 2) and one.digest() == two.digest()
+    assert conn.by_heads(layout, hybrid, 4, 1) == layout  # not this rank's heads
+    assert conn.by_heads(layout, hybrid, 2, 1).digest(per_rank=True) != one.digest(per_rank=True)
+    five = {"a": torch.zeros(nb, 2, 32, 4, 64)}  # FlashInfer-like: not head-major
+    fl, _, _ = conn.kv_layout(five, nb, 32)
+    assert conn.by_heads(fl, five, 2, 1) == fl
     big = torch.zeros(2 * nb, 2, 32, 128)
     with pytest.raises(ValueError, match=r"overlaps .* without being the same memory"):
         conn.kv_layout({names[0]: big[:nb], names[1]: big[nb // 2 : nb // 2 + nb]}, nb, 32)

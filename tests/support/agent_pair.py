@@ -29,11 +29,15 @@ class Side:
         *,
         blocks: int = BLOCKS,
         block_bytes: int = BLOCK_BYTES,
+        heads: int = 1,
+        total_heads: int = 0,
         **kw: float,
     ) -> None:
+        """``heads``/``total_heads``: a head-major layout (see ``KVLayout``)."""
         self.kv = [np.zeros((blocks, block_bytes), np.uint8) for _ in range(LAYERS)]
+        addrs = tuple(a.ctypes.data for a in self.kv)
         layout = KVLayout(
-            LAYERS, 1, blocks, block_bytes, BS, tuple(a.ctypes.data for a in self.kv), "u8"
+            LAYERS, 1, blocks, block_bytes, BS, addrs, "u8", heads=heads, total_heads=total_heads
         )
         self.agent = TransferAgent(cluster_id_for(name, 0), layout, transport=transport, **kw)
         host, port = self.agent.start().rsplit(":", 1)

@@ -98,12 +98,14 @@ def kv_layout(
 
 def by_heads(layout: KVLayout, kv_caches: dict[str, torch.Tensor], heads: int, tp: int) -> KVLayout:
     """``layout`` in KV-head units when every tensor is ``[num_blocks, heads,
-    ...]`` (vLLM's CPU layout: a head's part of a block is contiguous) and no
-    head is replicated across the ``tp`` ranks; else as it is (instances must
-    then be of one tensor-parallel size)."""
+    block_size, ...]`` (vLLM's CPU layout, ``[num_blocks, kv_heads,
+    block_size, 2 * head_size]``: a head's part of a block is contiguous) and
+    no head is replicated across the ``tp`` ranks; else as it is (instances
+    must then be of one tensor-parallel size)."""
     if layout.tensors_per_layer != 1 or heads < 1:
         return layout
-    if any(t.dim() < 3 or t.shape[1] != heads for t in kv_caches.values()):
+    bs = layout.block_size
+    if any(t.dim() != 4 or tuple(t.shape[1:3]) != (heads, bs) for t in kv_caches.values()):
         return layout
     if layout.block_bytes % heads:
         return layout

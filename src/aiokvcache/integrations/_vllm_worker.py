@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 from .agent.kvlink import TransferAgent
-from .agent.kvtypes import Peer
+from .agent.kvtypes import HeadSpan, Peer, Source
 
 __all__ = ["WorkerBinding"]
 
@@ -21,11 +21,23 @@ class WorkerBinding:
     key and transfer id of a request are its own. ``lease``: this
     instance's ``kv_lease_duration`` (renewals go at a sixth of the prefill's,
     which its params carry; this one when they do not); ``tp_size``: this
-    instance's tensor-parallel size."""
+    instance's tensor-parallel size; ``heads``: the KV heads a block of this
+    rank holds, ``total_heads`` the model's (0: the layout is not head-major,
+    or heads are replicated: only a prefill of this tensor-parallel size)."""
 
-    def __init__(self, rank: int, block_size: int, lease: float, tp_size: int = 1) -> None:
+    def __init__(
+        self,
+        rank: int,
+        block_size: int,
+        lease: float,
+        tp_size: int = 1,
+        heads: int = 1,
+        total_heads: int = 0,
+    ) -> None:
         self.rank = rank
         self.tp_size = tp_size
+        self.heads = heads
+        self.total_heads = total_heads
         self.block_size = block_size
         self.lease = lease
         # Transfer ids are per tensor-parallel rank: rank r pushes to rank r.
@@ -60,7 +72,10 @@ class WorkerBinding:
             try:
                 if r.error:
                     raise ValueError(r.error)
-                peer = self.peer(r.peers, r.tp_size)
+                if r.mode == "push":
+                    peer = self.peer(r.peers, r.tp_size)
+                else:
+                    sources = self.sources(r.peers, r.tp_size, r.grant_keys)
             except ValueError as exc:  # the params name no prefill worker for this rank
                 log.error("aiokvcache: request %s: %s", rid, exc)
                 agent.refuse_load(rid, r.local_block_ids, str(exc))
@@ -78,49 +93,47 @@ class WorkerBinding:
             else:
                 agent.pull(
                     rid,
-                    peer,
+                    None,
                     r.remote_request_id,
                     r.remote_block_ids,
                     r.local_block_ids,
                     r.layout,
-                    key=self.grant_key(r.grant_keys),
                     until_ms=r.grant_until,
                     first=r.first,
                     picks=r.picks,
+                    sources=sources,
                 )
 
     def _renewals(self, agent: TransferAgent, meta: Any) -> None:
         for rid, ref in meta.renew_start.items():
             # A sixth of the prefill's lease (its params say it; else ours).
             every = max(0.1, min(self.lease, ref.lease or self.lease) / 6)
-            peer = self._peer_or_none(rid, ref)
-            if peer is None:
-                continue
-            agent.renew_start(
-                rid,
-                peer,
-                ref.remote_request_id,
-                self.grant_key(ref.grant_keys),
-                ref.grant_until,
-                ref.remote_block_ids,
-                every,
-            )
+            for s in self._sources_or_none(rid, ref):
+                agent.renew_start(
+                    rid,
+                    s.peer,
+                    ref.remote_request_id,
+                    s.key,
+                    ref.grant_until,
+                    ref.remote_block_ids,
+                    every,
+                )
         for rid in meta.renew_stop:
             agent.renew_stop(rid)
 
     def _drops(self, agent: TransferAgent, meta: Any) -> None:
         for drop in meta.drops:
-            peer = self._peer_or_none(drop.remote_request_id, drop)
-            if peer is None:
-                continue
             if drop.mode == "push":
-                key = self.push_key(drop.push_keys, drop.transfer_key)
-                agent.drop_push(peer, drop.transfer_id + self.suffix, key)
-            else:
+                peer = self._peer_or_none(drop.remote_request_id, drop)
+                if peer is not None:
+                    key = self.push_key(drop.push_keys, drop.transfer_key)
+                    agent.drop_push(peer, drop.transfer_id + self.suffix, key)
+                continue
+            for s in self._sources_or_none(drop.remote_request_id, drop):
                 agent.free_remote(
-                    peer,
+                    s.peer,
                     drop.remote_request_id,
-                    self.grant_key(drop.grant_keys),
+                    s.key,
                     drop.grant_until,
                     drop.remote_block_ids,
                 )
@@ -145,8 +158,8 @@ class WorkerBinding:
         if remote_tp and remote_tp != self.tp_size:
             raise ValueError(
                 f"the prefill instance runs tensor parallel size {remote_tp} and this decode "
-                f"instance {self.tp_size}: aiokvcache moves KV between instances of one "
-                f"tensor-parallel size only (docs/vllm.md)"
+                f"instance {self.tp_size}: push moves KV between instances of one "
+                f"tensor-parallel size only; pull reads across sizes (docs/vllm.md)"
             )
         if not isinstance(peers, (list, tuple)):
             raise ValueError(f"the params' prefill workers: a {type(peers).__name__}, not a list")
@@ -166,6 +179,50 @@ class WorkerBinding:
             f"the params list {len(peers)} prefill workers for this decode instance's "
             f"tensor parallel size {self.tp_size}"
         )
+
+    def sources(self, peers: list[list[Any]], remote_tp: int, keys: list[str]) -> list[Source]:
+        """The prefill workers this rank reads a request from, and which heads
+        of each block (``peers``, ``remote_tp`` and ``keys`` as the params
+        give them). One of the same rank when both sizes are equal; else the
+        workers that hold this rank's KV heads. ``ValueError`` for a pair of
+        sizes it cannot read across: checked, never guessed."""
+        if not remote_tp or remote_tp == self.tp_size:
+            return [Source(self.peer(peers, remote_tp), self.grant_key(keys))]
+        total, mine = self.total_heads, self.heads
+        small, big = sorted((max(remote_tp, 0), self.tp_size))
+        if remote_tp < 1 or not total or total % remote_tp or big % small:
+            raise ValueError(
+                f"the prefill instance runs tensor parallel size {remote_tp} and this decode "
+                f"instance {self.tp_size}: KV is read across sizes only when one divides the "
+                f"other and neither replicates the model's KV heads ({total or 'unknown'}; "
+                f"docs/vllm.md)"
+            )
+        if not isinstance(peers, (list, tuple)) or len(peers) != remote_tp:
+            n = len(peers) if isinstance(peers, (list, tuple)) else type(peers).__name__
+            raise ValueError(
+                f"the params list {n} prefill workers for tensor parallel size {remote_tp}"
+            )
+        theirs = total // remote_tp
+        lo, hi = self.rank * mine, (self.rank + 1) * mine  # this rank's heads, of the model's
+        out = []
+        for i in range(lo // theirs, (hi - 1) // theirs + 1):
+            a, b = max(lo, i * theirs), min(hi, (i + 1) * theirs)
+            try:
+                p = peers[i]
+                peer = Peer(str(p[0]), int(p[1]), int(p[2]))
+            except (TypeError, LookupError, OverflowError, ValueError) as exc:
+                raise ValueError(f"a prefill worker's address in the params is bad: {exc}") from exc
+            key = str(keys[i]) if len(keys) > i else ""
+            span = HeadSpan(theirs, a - i * theirs, a - lo, b - a)
+            out.append(Source(peer, key, span, max(1, theirs // mine)))
+        return out
+
+    def _sources_or_none(self, rid: str, ref: Any) -> list[Source]:
+        try:
+            return self.sources(ref.peers, ref.tp_size, ref.grant_keys)
+        except ValueError as exc:
+            log.warning("aiokvcache: request %s: %s", rid, exc)
+            return []
 
     def _peer_or_none(self, rid: str, ref: Any) -> Peer | None:
         try:

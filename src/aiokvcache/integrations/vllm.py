@@ -307,6 +307,13 @@ def _recv_of(
     return recv
 
 
+def _kv_heads(vllm_config: Any, tp: int) -> tuple[int, int]:
+    """KV heads of a rank and the tensor-parallel size ``tp``; (0, tp) when
+    heads are replicated across ranks (more ranks than heads)."""
+    total = int(vllm_config.model_config.get_total_num_kv_heads())
+    return (0 if total % tp else total // tp), tp
+
+
 @dataclass
 class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     """What the scheduler tells its workers each step."""
@@ -381,7 +388,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
         layout, units, self._tensors = kv_layout(
             kv_caches, num_blocks, self._block_size, self._groups.described
         )
-        layout = by_heads(layout, kv_caches, *self._kv_heads())
+        layout = by_heads(layout, kv_caches, *_kv_heads(self._vllm_config, self._tp_size))
         self._layer_index = {n: i for i, names in enumerate(units) for n in names}
         self._unit_layers = [len(names) for names in units]
         try:
@@ -408,7 +415,9 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
         )
         address = self._agent.start()
         lease = float(cfg["kv_lease_duration"])
-        self._binding = WorkerBinding(self._rank, self._block_size, lease, self._tp_size)
+        self._binding = WorkerBinding(
+            self._rank, self._block_size, lease, self._tp_size, layout.heads, layout.total_heads
+        )
         si = cfg["switch_interval"]
         if si is not None and sys.getswitchinterval() > si:
             sys.setswitchinterval(float(si))
@@ -421,15 +430,6 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
             address,
             cid,
         )
-
-    def _kv_heads(self) -> tuple[int, int]:
-        """KV heads of this rank and the tensor-parallel size; (0, tp) when
-        heads are replicated across ranks (more ranks than heads)."""
-        mc = self._vllm_config.model_config
-        total = int(mc.get_total_num_kv_heads())
-        if total % self._tp_size:
-            return 0, self._tp_size
-        return total // self._tp_size, self._tp_size
 
     def get_handshake_metadata(self) -> AioKVHandshake | None:
         agent = self._agent

@@ -92,12 +92,52 @@ def tiny_model(directory: str | None = None) -> str:
     return model_dir(TINY_LLAMA, directory)
 
 
-def model_dir(config: dict[str, Any], directory: str | None = None) -> str:
-    """A directory holding ``config`` as a dummy-weight model's config.json."""
+def model_dir(
+    config: dict[str, Any], directory: str | None = None, weights_seed: int | None = None
+) -> str:
+    """A directory holding ``config`` as a dummy-weight model's config.json;
+    with ``weights_seed``, also random Llama weights drawn from it
+    (``model.safetensors``; needs torch and safetensors): one model whatever
+    the tensor-parallel size loading it, which vLLM's dummy weights are not.
+    Load it with ``llm_kw={"load_format": "safetensors"}``."""
     d = directory or tempfile.mkdtemp(prefix="llama-")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(config, f)
+    if weights_seed is not None:
+        _write_llama_weights(config, os.path.join(d, "model.safetensors"), weights_seed)
     return d
+
+
+def _write_llama_weights(config: dict[str, Any], path: str, seed: int) -> None:
+    import torch
+    from safetensors.torch import save_file  # type: ignore[import-not-found,unused-ignore]
+
+    g = torch.Generator().manual_seed(seed)
+    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * head
+    dtype = getattr(torch, str(config.get("torch_dtype", "bfloat16")))
+
+    def w(*shape: int) -> Any:
+        # Large enough that attention (and so the KV cache) shapes the tokens.
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(dtype)
+
+    tensors = {"model.embed_tokens.weight": w(vocab, h), "lm_head.weight": w(vocab, h)}
+    tensors["model.norm.weight"] = torch.ones(h, dtype=dtype)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": w(h, h),
+            p + "self_attn.k_proj.weight": w(kv, h),
+            p + "self_attn.v_proj.weight": w(kv, h),
+            p + "self_attn.o_proj.weight": w(h, h),
+            p + "mlp.gate_proj.weight": w(inter, h),
+            p + "mlp.up_proj.weight": w(inter, h),
+            p + "mlp.down_proj.weight": w(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+        }
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
 
 
 def free_port() -> int:
@@ -213,13 +253,13 @@ def _start_llm(
     if connector == "nixl":
         _count_nixl_stats()
     settings: dict[str, Any] = {
+        "load_format": "dummy",
         "num_gpu_blocks_override": 256,
         "max_model_len": 1024,
         **(llm_kw or {}),
     }
     return LLM(
         model=model,
-        load_format="dummy",
         skip_tokenizer_init=True,
         enforce_eager=True,
         block_size=BLOCK_SIZE,

@@ -21,6 +21,7 @@ from .kvtypes import (
     HeadSpan,
     KVLayout,
     Peer,
+    Source,
     TransferFailed,
     block_digest,
     block_runs,
@@ -78,7 +79,8 @@ class DecodeLoads:
         self._closing = False
         #: Pull: request id -> the prefill and the renewal its hold gets while
         #: the engine holds the request and has not started its load.
-        self.renewing: dict[str, tuple[Peer, Renew]] = {}
+        #: Request id -> the prefill workers whose holds are renewed (cluster -> peer, renewal).
+        self.renewing: dict[str, dict[int, tuple[Peer, Renew]]] = {}
         self._renewer: asyncio.Task[None] | None = None
 
     def pending(self) -> int:
@@ -152,6 +154,40 @@ class DecodeLoads:
         self._results.failed(req_id, local_ids, reason)
 
     # ------------------------------------------------------------ pull
+
+    async def pull_all(
+        self,
+        sources: list[Source],
+        rid: str,
+        remote_all: list[int],
+        picks: list[int],
+        local_ids: list[int],
+        digest: str | None,
+        until_ms: int,
+    ) -> None:
+        """One load from each of ``sources`` (a prefill of another
+        tensor-parallel size: each prefill worker its heads), all at once.
+        The first to fail cancels the others, and raises once every one is
+        quiescent."""
+
+        def one(s: Source) -> Coroutine[Any, Any, None]:
+            grant = (s.key, until_ms)
+            return self.pull(
+                s.peer, rid, remote_all, picks, local_ids, digest, grant, s.span, s.readers
+            )
+
+        if len(sources) == 1:
+            await one(sources[0])
+            return
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for s in sources:
+                    tg.create_task(one(s))
+        except BaseExceptionGroup as eg:
+            failed: list[BaseException] = [
+                e for e in eg.exceptions if isinstance(e, TransferFailed)
+            ]
+            raise (failed or list(eg.exceptions))[0] from None
 
     async def pull(
         self,
@@ -238,7 +274,7 @@ class DecodeLoads:
         """The engine holds ``req_id``'s params and will load it: keep the
         prefill's hold alive, one ``msg`` every ``every`` seconds, until
         :meth:`renew_stop` or the key's expiry (the prefill's maximum)."""
-        self.renewing[req_id] = (peer, msg)
+        self.renewing.setdefault(req_id, {})[peer.cluster_id] = (peer, msg)
         if self._renewer is None or self._renewer.done():
             self._renewer = self._spawn(self._renew_all(every))
 
@@ -250,11 +286,14 @@ class DecodeLoads:
         while self.renewing and not self._closing:
             await asyncio.sleep(every)
             wall_ms = time.time() * 1000
-            for rid, (peer, msg) in list(self.renewing.items()):
-                if not isinstance(msg.until_ms, int) or wall_ms >= msg.until_ms:
-                    self.renewing.pop(rid, None)  # past the prefill's maximum
-                    continue
-                self._spawn(self._notice(peer, msg))
+            for rid, targets in list(self.renewing.items()):
+                for cid, (peer, msg) in list(targets.items()):
+                    if not isinstance(msg.until_ms, int) or wall_ms >= msg.until_ms:
+                        del targets[cid]  # past the prefill's maximum
+                        continue
+                    self._spawn(self._notice(peer, msg))
+                if not targets:
+                    self.renewing.pop(rid, None)
 
     def free_remote(self, peer: Peer, msg: Free) -> None:
         """Tell ``peer`` this side will not read its request."""

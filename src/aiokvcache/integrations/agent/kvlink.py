@@ -82,7 +82,7 @@ from ... import BlocksCacheKey, CacheDesc, DataType, LLMConfig, LLMDataDist, LLM
 from . import calls
 from .decode import DecodeLoads
 from .handoff import blocks_digest
-from .kvtypes import GRACE_S, KVLayout, Peer, TransferFailed, block_digest
+from .kvtypes import GRACE_S, KVLayout, Peer, Source, TransferFailed, block_digest
 from .links import PeerLinks
 from .loopthread import LoopThread
 from .prefill_pull import PullServer
@@ -371,7 +371,7 @@ class TransferAgent(LoopThread):
     def pull(
         self,
         req_id: str,
-        peer: Peer,
+        peer: Peer | None,
         remote_req_id: str,
         remote_ids: Sequence[int],
         local_ids: Sequence[int],
@@ -381,23 +381,31 @@ class TransferAgent(LoopThread):
         until_ms: int = 0,
         first: int = 0,
         picks: Sequence[int] | None = None,
+        sources: Sequence[Source] = (),
     ) -> None:
         """D: read blocks ``remote_ids[first:first + len(local_ids)]`` of ``peer``'s
         request ``remote_req_id`` (``remote_ids``: all its block ids; ``key`` and
         ``until_ms``: its grant key and the key's expiry, from its params) into
         ``local_ids``, or, given ``picks``, blocks ``remote_ids[i] for i in
         picks``; ``req_id`` is then reported received, or failed (with
-        ``local_ids`` as invalid blocks), within ``timeout``."""
+        ``local_ids`` as invalid blocks), within ``timeout``. ``sources``
+        (instead of ``peer`` and ``key``): the prefill workers to read from,
+        each its heads of every block (a prefill of another tensor-parallel
+        size)."""
         if picks is None:
             picks = range(int(first), int(first) + len(local_ids))
-        pull = self.receiver.pull(
-            peer,
+        if not sources:
+            if peer is None:
+                raise ValueError("a pull needs a peer or sources")
+            sources = [Source(peer, key)]
+        pull = self.receiver.pull_all(
+            list(sources),
             remote_req_id,
             list(remote_ids),
             [int(i) for i in picks],
             list(local_ids),
             digest,
-            (key, int(until_ms)),
+            int(until_ms),
         )
         self._post(self.receiver.start, req_id, local_ids, pull)
 

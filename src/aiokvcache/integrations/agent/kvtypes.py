@@ -14,6 +14,7 @@ __all__ = [
     "HeadSpan",
     "KVLayout",
     "Peer",
+    "Source",
     "TransferFailed",
     "block_digest",
     "block_runs",
@@ -127,6 +128,19 @@ class Peer:
     host: str
     port: int
     cluster_id: int
+
+
+@dataclass(frozen=True)
+class Source:
+    """A prefill worker a load reads from: ``key`` its grant key for the
+    request, ``span`` what of each block (None: whole blocks, one
+    tensor-parallel size), ``readers`` how many decode workers read the
+    request from it."""
+
+    peer: Peer
+    key: str = ""
+    span: HeadSpan | None = None
+    readers: int = 1
 
 
 class TransferFailed(Exception):

