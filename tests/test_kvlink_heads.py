@@ -114,3 +114,42 @@ def test_one_failed_prefill_worker_fails_the_load_once_the_other_is_quiescent(
 @pytest.fixture(params=["tcp", "shm"])
 def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@pytest.mark.parametrize("said_tp", [0, 1], ids=["tp_size-absent", "tp_size-lies-1"])
+def test_params_that_hide_the_prefills_size_do_not_load_other_blocks_as_this_ones(
+    said_tp: int,
+) -> None:
+    """Prefill TP 2 (one head a block each), decode TP 1 (two heads). The
+    layout digest is the same at every size (by design), so only the params'
+    ``tp_size`` tells the decode how many heads a prefill block holds. Params
+    without it (a proxy that drops unknown fields, a client's) or with a false
+    one, listing one worker, take the same-size path: the decode reads units
+    ``b*2, b*2+1`` of a cache registered one head a block, i.e. prefill blocks
+    ``2b`` and ``2b+1`` (other requests' KV, outside the grant), and reports the
+    load fine. It must fail (or read the right bytes)."""
+    from aiokvcache.integrations._vllm_worker import WorkerBinding
+
+    p0 = side("p0", "tcp", 1)
+    d = side("d", "tcp", 2)
+    try:
+        fill(p0, list(range(16)), 1)
+        key = p0.agent.grant_key("p-req", REMOTE, UNTIL)
+        binding = WorkerBinding(0, 4, 30.0, tp_size=1, heads=2, total_heads=2)
+        peers = [[p0.peer.host, p0.peer.port, p0.peer.cluster_id]]
+        sources = binding.sources(peers, said_tp, [key])
+        digest = p0.agent.layout.digest()  # the params' aiokv_layout
+        d.agent.pull(
+            "d-req", None, "p-req", REMOTE, LOCAL, digest, until_ms=UNTIL, sources=sources
+        )
+        wait_for(lambda: d.poll().finished_recving or d.got.failed_recving)
+        if d.got.failed_recving:
+            return
+        for layer in range(LAYERS):
+            got = d.kv[layer][LOCAL]
+            assert np.array_equal(got[:, :UNIT], p0.kv[layer][REMOTE]), (
+                "loaded fine, but head 0 of each block is another prefill block's"
+            )
+    finally:
+        for s in (d, p0):
+            s.agent.close()

@@ -83,7 +83,13 @@ def test_pair_refuses_blocks_the_prefill_does_not_have() -> None:
     with pytest.raises(ValueError, match="are 1 KV cache groups, this instance's 2"):
         g.pair([[1], [2]], 0, 1, [[5, 6]])
     with pytest.raises(ValueError, match=r"blocks \[0, 3\) of a request of 2 remote blocks"):
-        g.pair([[1, 2, 3], [4, 5, 6]], 0, 3, [[7], [8, 9]])
+        g.pair([[1, 2, 3], [4, 5, 6]], 0, 3, [[7, 8], [8, 9]], remote_blocks=3)
+    with pytest.raises(ValueError, match="3 window blocks of a request of 2"):
+        g.pair([[1, 2], [4, 5]], 0, 2, [[7, 8, 9], [8, 9]])
+    # The prefill ran past the decode (5 blocks to its 3): its window no
+    # longer holds positions 1 and 2, which the decode's window needs.
+    with pytest.raises(ValueError, match=r"window block 1: the prefill holds positions \[3, 5\)"):
+        g.pair([[1, 2, 3], [4, 5, 6]], 0, 3, [[7, 8], [9, 10, 11, 12, 13]])
 
 
 @pytest.mark.parametrize(
@@ -101,44 +107,90 @@ def test_block_ids_flat_or_per_group() -> None:
     assert flat_blocks([[1], [2, 3]]) == [1, 2, 3] == flat_blocks((1, 2, 3))
 
 
-ids = st.lists(st.integers(1, 500), max_size=12, unique=True)
+def pos_id(side: int, g: int, p: int) -> int:
+    """A block id that names its side (1: prefill, 2: decode), group and position."""
+    return side * 100_000 + g * 1000 + p + 1
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     windows=st.lists(st.sampled_from([0, 0, 2, 3, 5]), min_size=1, max_size=3),
     data=st.data(),
 )
-def test_pair_reads_each_local_block_once_from_the_prefills_own_list(
+def test_pair_reads_each_position_from_the_prefills_block_of_that_position(
     windows: list[int], data: st.DataObject
 ) -> None:
-    """Whatever the lists, each picked index is in the prefill's flat list and
-    within its own group, and the picks and their destinations line up: a
-    full-attention group reads position for position, a window group the
-    prefill's last blocks into the decode's last ones, never more than the
-    window's."""
+    """Whatever the lists' lengths (the prefill's ending at its own last
+    position, which may be past the decode's; a window kept whole or cut
+    short, a decode with freed blocks), every block read lands in the decode's
+    block of the same group and position; a full-attention group reads every
+    position of ``[first, last)``, a window group at most its window. A load
+    that does not fail reads every window position the decode's first window
+    needs; one that fails had such a position the prefill no longer holds."""
     specs = [SlidingWindowSpec((w - 1) * BS) if w else FullAttentionSpec() for w in windows]
     g = KVGroups.of(config(*specs), BS)
-    n = data.draw(st.integers(1, 10))
-    first = data.draw(st.integers(0, n - 1))
-    local = [data.draw(st.lists(st.integers(1, 500), min_size=n, max_size=n)) for _ in windows]
-    remote = [data.draw(ids) for _ in windows]
-    try:
-        flat, picks, into = g.pair(local, first, n, remote)
-    except ValueError:
-        assert any(not w and len(r) < n for w, r in zip(windows, remote, strict=True))
-        return
-    assert flat == [b for r in remote for b in r]
-    assert len(picks) == len(into)
-    off = 0
-    got = 0
-    for w, r, mine in zip(windows, remote, local, strict=True):
-        sel = [i - off for i in picks[got:] if off <= i < off + len(r)]
-        if not w:
-            assert sel == list(range(first, n)) and into[got : got + len(sel)] == mine[first:n]
+    last = data.draw(st.integers(1, 10))
+    first = data.draw(st.integers(0, last - 1))
+    rblocks = last + data.draw(st.sampled_from([0, 0, 0, 1, 2]))  # the prefill's positions
+    end = data.draw(st.integers((last - 1) * BS + 1, last * BS))  # the decode's tokens
+    remote, local = [], []
+    for gi, w in enumerate(windows):
+        if w:
+            held = data.draw(st.integers(0, min(w, rblocks)))
+            remote.append([pos_id(1, gi, p) for p in range(rblocks - held, rblocks)])
+            freed = data.draw(st.integers(0, last))  # the decode's own null blocks at the front
+            local.append([0 if p < freed else pos_id(2, gi, p) for p in range(last)])
         else:
-            assert sel == list(range(len(r) - len(sel), len(r)))
-            assert len(sel) <= w and into[got : got + len(sel)] == mine[first:n][-len(sel) or n :]
-        got += len(sel)
-        off += len(r)
-    assert got == len(picks)
+            remote.append([pos_id(1, gi, p) for p in range(rblocks)])
+            local.append([pos_id(2, gi, p) for p in range(last)])
+    try:
+        flat, picks, into = g.pair(local, first, last, remote, rblocks, end)
+    except ValueError:
+        failed = True
+    else:
+        failed = False
+        assert flat == [b for r in remote for b in r] and len(picks) == len(into)
+        for i, dst in zip(picks, into, strict=True):
+            assert flat[i] - 100_000 == dst - 200_000, (flat[i], dst)  # group and position
+    for gi, w in enumerate(windows):
+        got = into if not failed else []
+        mine = [(b - 200_000) % 1000 - 1 for b in got if b // 1000 % 100 == gi]
+        if not w:
+            assert failed or mine == list(range(first, last))
+            continue
+        kept = [p for p in range(first, last) if local[gi][p]][-w:]
+        held = {(b - 100_000) % 1000 - 1 for b in remote[gi]}
+        need = max(0, end - (w - 1) * BS) // BS
+        missing = [p for p in kept if p >= need and p not in held]
+        if failed:
+            continue
+        assert not missing and mine == [p for p in kept if p in held]
+    if failed:
+        assert any(
+            p >= max(0, end - (w - 1) * BS) // BS and p not in {(b - 100_000) % 1000 - 1 for b in r}
+            for w, r, loc in zip(windows, remote, local, strict=True)
+            if w
+            for p in [q for q in range(first, last) if loc[q]][-w:]
+        )
+
+
+def test_pair_a_window_by_position_when_the_prefill_holds_blocks_past_the_decodes_last() -> None:
+    """A prefill request that finished with more blocks than the decode loads
+    (it generated past a block boundary: max_tokens > 1 with a prompt of whole
+    blocks, or a lookahead/speculative slot; or params whose
+    ``remote_num_tokens`` is below the prefill's block count) hands over a
+    window group clipped from *its* end. Pairing that from the decode's end
+    shifts every window block by the difference: decode position p gets the
+    prefill's position p + 1, and the load is reported fine.
+
+    Block ids below encode their position: full ``10 + p``, window ``20 + p``
+    (prefill), ``100 + p`` / ``200 + p`` (decode)."""
+    g = KVGroups.of(config(FullAttentionSpec(), SlidingWindowSpec(BS)), BS)  # window: 2 blocks
+    remote = [[10, 11, 12, 13, 14], [23, 24]]  # 5 blocks; the window kept positions 3, 4
+    local = [[100, 101, 102, 103], [0, 0, 202, 203]]  # the decode loads positions [0, 4)
+    flat, picks, into = g.pair(local, 0, 4, remote)
+    for i, dst in zip(picks, into, strict=True):
+        src = flat[i]
+        src_pos = src - 10 if src < 20 else src - 20
+        dst_pos = dst - 100 if dst < 200 else dst - 200
+        assert src_pos == dst_pos, f"decode position {dst_pos} reads prefill position {src_pos}"

@@ -14,7 +14,11 @@ all groups' together, applied to every memory unit of the layout.
 - Sliding window of ``w`` tokens: only the last ``ceil(w / block_size) + 1``
   blocks (vLLM's NixlConnector keeps as many): the ones that can still be in
   the window. vLLM has freed the earlier ones (null blocks, id 0) by the time
-  the request finishes. The two sides' lists pair from their ends.
+  the request finishes. The prefill's list ends at its last block position
+  (its params' ``remote_num_tokens``); a decode block reads the prefill's
+  block of its own position. A position the decode's window needs that the
+  prefill no longer holds (the prefill ran past the decode's tokens) fails
+  the load.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ class KVGroups:
 
     windows: tuple[int, ...]
     described: str
+    #: Each group's sliding window in tokens (0: full attention), and the block size.
+    window_tokens: tuple[int, ...] = (0,)
+    block_size: int = 1
 
     @classmethod
     def of(cls, kv_cache_config: Any, block_size: int) -> KVGroups:
@@ -71,8 +78,9 @@ class KVGroups:
         for a group this connector cannot move (Mamba state, chunked local
         attention, a block size other than ``block_size``)."""
         if kv_cache_config is None:
-            return cls((0,), "")
+            return cls((0,), "", (0,), block_size)
         windows: list[int] = []
+        tokens: list[int] = []
         kinds: list[str] = []
         for g in kv_cache_config.transfer_groups:
             spec = g.kv_cache_spec
@@ -86,9 +94,11 @@ class KVGroups:
             if kind == "SlidingWindowSpec":
                 w = int(spec.sliding_window)
                 windows.append(-(-w // bs) + 1)
+                tokens.append(w)
                 kinds.append(f"sw{w}")
             elif kind in ("FullAttentionSpec", "MLAAttentionSpec"):
                 windows.append(0)
+                tokens.append(0)
                 kinds.append("full")
             else:
                 raise ValueError(
@@ -98,7 +108,8 @@ class KVGroups:
         if not windows:
             raise ValueError("AioKVConnector: the model has no KV cache group to transfer")
         plain = windows == [0]
-        return cls(tuple(windows), "" if plain else ",".join(kinds))
+        described = "" if plain else ",".join(kinds)
+        return cls(tuple(windows), described, tuple(tokens), block_size)
 
     @property
     def plain(self) -> bool:
@@ -126,23 +137,32 @@ class KVGroups:
         first: int,
         last: int,
         remote: Sequence[Sequence[int]],
+        remote_blocks: int | None = None,
+        end_tokens: int | None = None,
     ) -> tuple[list[int], list[int], list[int]]:
         """A decode request's load: its blocks ``local`` (one full list per
-        group, positions ``[first, last)`` to load) against the prefill's
-        ``remote`` (as its params give them). Returns the prefill's blocks
-        flat (what its grant key covers), the indexes in it that are read,
-        and the local blocks they are read into. ``ValueError`` when the
-        prefill's lists cannot hold them."""
+        group, positions ``[first, last)`` to load, its tokens ending at
+        ``end_tokens``, default ``last`` whole blocks) against the prefill's
+        ``remote`` (as its params give them; its lists end at position
+        ``remote_blocks``, default a full-attention group's length, else
+        ``last``). Returns the prefill's blocks flat (what its grant key
+        covers), the indexes in it that are read, and the local blocks they
+        are read into, each pair of one position. ``ValueError`` when the
+        prefill's lists cannot hold what the decode needs."""
         if len(remote) != len(self.windows) or len(local) != len(self.windows):
             raise ValueError(
                 f"the prefill's block ids are {len(remote)} KV cache groups, this "
                 f"instance's {len(self.windows)}"
             )
+        if remote_blocks is None:
+            full = [len(r) for w, r in zip(self.windows, remote, strict=True) if not w]
+            remote_blocks = full[0] if full else last
+        end = last * self.block_size if end_tokens is None else end_tokens
         flat: list[int] = []
         picks: list[int] = []
         into: list[int] = []
         for g, w in enumerate(self.windows):
-            off, rem, mine = len(flat), list(remote[g]), list(local[g])[first:last]
+            off, rem, mine = len(flat), list(remote[g]), list(local[g])
             flat += rem
             if not w:
                 if last > len(rem):
@@ -150,12 +170,21 @@ class KVGroups:
                         f"blocks [{first}, {last}) of a request of {len(rem)} remote blocks"
                     )
                 picks += range(off + first, off + last)
-                into += mine
+                into += mine[first:last]
                 continue
-            mine = [b for b in mine if b != NULL_BLOCK][-w:]
-            k = min(len(mine), len(rem))
-            # The decode's older window blocks beyond the prefill's are out
-            # of the window: the prefill freed them, nothing reads them.
-            picks += range(off + len(rem) - k, off + len(rem))
-            into += mine[len(mine) - k :]
+            start = remote_blocks - len(rem)  # the position of the prefill's rem[0]
+            if start < 0:
+                raise ValueError(f"{len(rem)} window blocks of a request of {remote_blocks}")
+            # Tokens before this are out of the decode's first window: not needed.
+            need = max(0, end - self.window_tokens[g]) // self.block_size
+            kept = [p for p in range(first, last) if mine[p] != NULL_BLOCK][-w:]
+            for p in kept:
+                if start <= p < remote_blocks:
+                    picks.append(off + p - start)
+                    into.append(mine[p])
+                elif p >= need:
+                    raise ValueError(
+                        f"window block {p}: the prefill holds positions "
+                        f"[{start}, {remote_blocks}) of its window"
+                    )
         return flat, picks, into

@@ -272,13 +272,14 @@ def _recv_of(
     first: int,
     last: int,
     local: list[list[int]],
+    end: int,
 ) -> _Recv:
     """D: the load of the request whose params are ``params`` (``mode``: the
     connector's, unless they name one) into its blocks ``local`` (one list per
-    transfer group), positions ``[first, last)``: blocks before ``first`` are
-    in the local prefix cache (they may be shared with running requests),
-    neither read nor pushed. Raises ``TypeError``/``ValueError`` for params it
-    cannot load from."""
+    transfer group), positions ``[first, last)``, its tokens ending at
+    ``end``: blocks before ``first`` are in the local prefix cache (they may
+    be shared with running requests), neither read nor pushed. Raises
+    ``TypeError``/``ValueError`` for params it cannot load from."""
     mode = str(params.get("transfer_mode") or mode)
     recv = _Recv(
         mode=mode,
@@ -301,8 +302,12 @@ def _recv_of(
         )
     if mode == "pull":
         remote = block_groups(params.get("remote_block_ids") or [])
+        said = params.get("remote_num_tokens")  # the prefill's tokens: where its lists end
+        blocks = None
+        if isinstance(said, int) and not isinstance(said, bool) and 0 < said < 1 << 40:
+            blocks = -(-said // groups.block_size)
         recv.remote_block_ids, recv.picks, recv.local_block_ids = groups.pair(
-            local, first, last, remote
+            local, first, last, remote, blocks, end
         )
     return recv
 
@@ -623,10 +628,10 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
                 return
             bs = self._block_size
             local = self._transfer_groups(blocks.get_block_ids())
-            first = request.num_computed_tokens // bs
-            last = -(-(request.num_computed_tokens + num_external_tokens) // bs)
+            end = request.num_computed_tokens + num_external_tokens
+            first, last = request.num_computed_tokens // bs, -(-end // bs)
             try:
-                recv = _recv_of(params, self._mode, self._groups, first, last, local)
+                recv = _recv_of(params, self._mode, self._groups, first, last, local, end)
             except (TypeError, ValueError, OverflowError) as exc:
                 # A peer's params: the load fails (its blocks reported
                 # invalid), the scheduler goes on.

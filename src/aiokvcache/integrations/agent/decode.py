@@ -119,10 +119,11 @@ class DecodeLoads:
         if self._recvs.get(req_id) is task:
             del self._recvs[req_id]
         coro.close()  # one cancelled before it ever ran was never awaited
-        if task.cancelled() and req_id in self.aborted:
+        aborted = req_id in self.aborted
+        self.aborted.discard(req_id)  # (a load that failed as it was aborted: reported failed)
+        if task.cancelled() and aborted:
             # The engine aborted it and nothing writes into its blocks any
             # more (see cancel): they may go back.
-            self.aborted.discard(req_id)
             self._stats["loads_aborted"] += 1
             self._fail(req_id, local_ids, "aborted", "the engine aborted the request")
 
@@ -228,7 +229,10 @@ class DecodeLoads:
                 fut = self._expect(("grant", nonce), peer.cluster_id)
                 ttl = deadline - time.monotonic()
                 n, digest_all = len(remote_all), blocks_digest(remote_all)
-                claim = Claim(rid, nonce, key, ttl, first, last, n, digest_all, until, readers)
+                heads = span.remote_heads if span is not None else self.layout.heads
+                claim = Claim(
+                    rid, nonce, key, ttl, first, last, n, digest_all, until, readers, heads
+                )
                 claimed = True
                 await self._links.send_to(peer, claim, deadline - time.monotonic())
                 remote = [remote_all[i] for i in picks]

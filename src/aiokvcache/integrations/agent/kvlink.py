@@ -206,7 +206,9 @@ class TransferAgent(LoopThread):
         self.grant_secret = secrets.token_bytes(32)
         sides: dict[str, Any] = dict(links=self.links, results=self._results, stats=self.stats)
         sides["spawn"] = self._spawn
-        self.pull_server = PullServer(self.grant_secret, max_pending=MAX_UNKNOWN, **sides)
+        self.pull_server = PullServer(
+            self.grant_secret, max_pending=MAX_UNKNOWN, heads=layout.heads, **sides
+        )
         self.push_sender = PushSender(
             layout,
             timeout=self.timeout,

@@ -32,7 +32,9 @@ class PullServer:
     agent's loop thread only.
 
     ``secret``: this worker's grant-key secret. ``max_pending``: requests
-    claimed before the engine handed them over, at once.
+    claimed before the engine handed them over, at once. ``heads``: the KV
+    heads each of this worker's blocks holds (a claim that reads them as
+    another number would read other blocks' bytes: refused).
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class PullServer:
         secret: bytes,
         *,
         max_pending: int,
+        heads: int = 1,
         links: PeerLinks,
         results: Results,
         stats: dict[str, int],
@@ -47,6 +50,7 @@ class PullServer:
     ) -> None:
         #: The state machine: which requests are held, for whom.
         self.holds = PullHolds(secret, max_pending=max_pending)
+        self.heads = heads
         self._links = links
         self._results = results
         self._stats = stats
@@ -72,6 +76,12 @@ class PullServer:
     def on_claim(self, src: int, m: Claim) -> None:
         log.debug("claim %s/%s from cluster %d", m.rid, m.nonce, src)
         now = asyncio.get_running_loop().time()
+        if m.heads != self.heads:
+            # The decode took this worker for one of another tensor-parallel
+            # size (its params said so, or nothing): its units are not ours.
+            why = f"the claim reads blocks of {m.heads!r} KV heads; this worker's hold {self.heads}"
+            self._answer(Answer(src, m.rid, m.nonce, "refused", why))
+            return
         answer = self.holds.claim(
             src,
             m.rid,

@@ -87,7 +87,9 @@ class Claim(_Message):
     request's grant ``key``, valid until ``until_ms``; ``nonce`` names the claim.
     ``readers``: how many decode workers read the request from this prefill
     worker (a decode of a larger tensor-parallel size: each reads its heads);
-    the prefill holds the blocks until that many are done."""
+    the prefill holds the blocks until that many are done. ``heads``: the KV
+    heads the decode takes each of this worker's blocks to hold (the prefill
+    refuses another number)."""
 
     OP = Op.CLAIM
     ARITY = 9
@@ -101,10 +103,11 @@ class Claim(_Message):
     digest: Any
     until_ms: Any
     readers: Any = 1
+    heads: Any = 1
 
     @classmethod
     def from_args(cls, a: list[Any]) -> Claim:
-        return cls(str(a[0]), str(a[1]), *a[2:9], *a[9:10])
+        return cls(str(a[0]), str(a[1]), *a[2:9], *a[9:11])
 
 
 @dataclass(frozen=True)
