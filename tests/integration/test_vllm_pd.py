@@ -25,6 +25,7 @@ if importlib.util.find_spec("vllm") is None:
     )
 
 from aiokvcache.testing import vllm as driver
+from support.vllm_pd import run_failing, tokens
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -85,10 +86,6 @@ def reference(pair: Pair, prompts: list[list[int]]) -> list[list[int]]:
     return [r["tokens"] for r in pair.p.generate(prompts, MAX_TOKENS)["rows"]]
 
 
-def tokens(out: dict[str, Any]) -> list[list[int]]:
-    return [r["tokens"] for r in out["rows"]]
-
-
 @pytest.mark.parametrize(
     ("mode", "order"),
     [("pull", "prefill-first"), ("push", "prefill-first"), ("push", "decode-first")],
@@ -130,18 +127,6 @@ def test_decode_loaded_the_prefill_bytes(
     assert pair.p.digests([[0] * len(b) for b in blocks]) != sent  # block 0: never written
 
 
-def _failed(d: driver.Instance, ps: list[list[int]], params: list[dict[str, Any]]) -> float:
-    """Run requests that must fail on ``d``; returns how long that took."""
-    t0 = time.monotonic()
-    try:
-        out = d.generate(ps, MAX_TOKENS, params)
-    except RuntimeError:
-        pass  # vLLM raised the load error
-    else:
-        assert all(r["finish"] not in ("length", "stop") for r in out["rows"]), out["rows"]
-    return time.monotonic() - t0
-
-
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_prefill_killed_fails_the_request_in_time_and_decode_goes_on(
     model: str, pair: Pair, prompts: list[list[int]], reference: list[list[int]], mode: str
@@ -173,7 +158,7 @@ def test_prefill_killed_fails_the_request_in_time_and_decode_goes_on(
                 }
                 for i in range(len(ps))
             ]
-        took = _failed(pair.d, ps, params)
+        took = run_failing(pair.d, ps, MAX_TOKENS, params)
         # timeout + grace (5 s) + vLLM's own step time on a loaded 2-core machine
         assert took < TIMEOUT + 5 + 15, took
     finally:
@@ -452,9 +437,10 @@ def test_kv_layouts_and_config_errors() -> None:
     c, e = torch.zeros(nb, 1, 32, 128), torch.zeros(nb, 1, 32, 128)
     half = dict(zip(names, [c, c, e, e], strict=True))  # the same model at TP 2
     one, _, _ = conn.kv_layout(half, nb, 32, "sw64,full")
-    one = conn.by_heads(one, half, 1, 2)
+    one = conn.by_heads(one, half, 2, 2)
     assert (one.heads, one.total_heads) == (1, 2) and one.digest() == two.digest()
     assert conn.by_heads(layout, hybrid, 4, 1) == layout  # not this rank's heads
+    assert conn.by_heads(one, half, 1, 2) == one  # a head replicated across the ranks
     assert conn.by_heads(layout, hybrid, 2, 1).digest(per_rank=True) != one.digest(per_rank=True)
     five = {"a": torch.zeros(nb, 2, 32, 4, 64)}  # FlashInfer-like: not head-major
     fl, _, _ = conn.kv_layout(five, nb, 32)

@@ -96,20 +96,24 @@ def kv_layout(
     return layout, units, parts
 
 
-def by_heads(layout: KVLayout, kv_caches: dict[str, torch.Tensor], heads: int, tp: int) -> KVLayout:
-    """``layout`` in KV-head units when every tensor is ``[num_blocks, heads,
-    block_size, ...]`` (vLLM's CPU layout, ``[num_blocks, kv_heads,
-    block_size, 2 * head_size]``: a head's part of a block is contiguous) and
-    no head is replicated across the ``tp`` ranks; else as it is (instances
-    must then be of one tensor-parallel size)."""
-    if layout.tensors_per_layer != 1 or heads < 1:
+def by_heads(
+    layout: KVLayout, kv_caches: dict[str, torch.Tensor], total_heads: int, tp: int
+) -> KVLayout:
+    """``layout`` in KV-head units when no head of the model's ``total_heads``
+    is replicated across the ``tp`` ranks and every tensor is ``[num_blocks,
+    heads, block_size, ...]``, ``heads`` a rank's (vLLM's CPU layout,
+    ``[num_blocks, kv_heads, block_size, 2 * head_size]``: a head's part of a
+    block is contiguous); else as it is (instances must then be of one
+    tensor-parallel size)."""
+    heads = total_heads // tp
+    if layout.tensors_per_layer != 1 or heads < 1 or total_heads % tp:
         return layout
     bs = layout.block_size
     if any(t.dim() != 4 or tuple(t.shape[1:3]) != (heads, bs) for t in kv_caches.values()):
         return layout
     if layout.block_bytes % heads:
         return layout
-    return dataclasses.replace(layout, heads=heads, total_heads=heads * tp)
+    return dataclasses.replace(layout, heads=heads, total_heads=total_heads)
 
 
 def _check_disjoint(

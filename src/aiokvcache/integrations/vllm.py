@@ -312,11 +312,11 @@ def _recv_of(
     return recv
 
 
-def _kv_heads(vllm_config: Any, tp: int) -> tuple[int, int]:
-    """KV heads of a rank and the tensor-parallel size ``tp``; (0, tp) when
-    heads are replicated across ranks (more ranks than heads)."""
-    total = int(vllm_config.model_config.get_total_num_kv_heads())
-    return (0 if total % tp else total // tp), tp
+def _transfer_groups(kv_cache_config: Any, block_ids: Any) -> list[list[int]]:
+    """vLLM's block ids of every KV cache group: those of the groups moved."""
+    if kv_cache_config is not None and len(block_ids) == len(kv_cache_config.kv_cache_groups):
+        block_ids = kv_cache_config.select_transfer_block_ids(block_ids)
+    return [list(g) for g in block_ids]
 
 
 @dataclass
@@ -393,7 +393,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
         layout, units, self._tensors = kv_layout(
             kv_caches, num_blocks, self._block_size, self._groups.described
         )
-        layout = by_heads(layout, kv_caches, *_kv_heads(self._vllm_config, self._tp_size))
+        total = int(self._vllm_config.model_config.get_total_num_kv_heads())
+        layout = by_heads(layout, kv_caches, total, self._tp_size)
         self._layer_index = {n: i for i, names in enumerate(units) for n in names}
         self._unit_layers = [len(names) for names in units]
         try:
@@ -596,13 +597,6 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
                 return count, True
         return 0, False
 
-    def _transfer_groups(self, block_ids: Any) -> list[list[int]]:
-        """vLLM's block ids of every KV cache group: those of the groups moved."""
-        kcc = self._kv_cache_config
-        if kcc is not None and len(block_ids) == len(kcc.kv_cache_groups):
-            block_ids = kcc.select_transfer_block_ids(block_ids)
-        return [list(g) for g in block_ids]
-
     def _mode_of(self, params: dict[str, Any]) -> str:
         """P: a request's transfer mode: its params', else the connector's; a
         pull where push cannot move this model's groups."""
@@ -627,7 +621,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
                 self._staged.drops.append(_Drop.from_params(params, self._mode))
                 return
             bs = self._block_size
-            local = self._transfer_groups(blocks.get_block_ids())
+            local = _transfer_groups(self._kv_cache_config, blocks.get_block_ids())
             end = request.num_computed_tokens + num_external_tokens
             first, last = request.num_computed_tokens // bs, -(-end // bs)
             try:
@@ -663,7 +657,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
             prompt = int(request.num_prompt_tokens)
             kvm = self._kv_cache_manager
             assert kvm is not None  # bound by the scheduler before it schedules
-            blocks = self._transfer_groups(kvm.get_blocks(rid).get_block_ids())[0]
+            blocks = _transfer_groups(self._kv_cache_config, kvm.get_blocks(rid).get_block_ids())[0]
             meta.push_steps[rid] = (xid, blocks, min(end, prompt), end >= prompt, key)
         return meta
 
@@ -701,7 +695,7 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
             RequestStatus.FINISHED_STOPPED,
         )
         mode = self._mode_of(params)
-        groups = self._groups.clip(self._transfer_groups(block_ids))
+        groups = self._groups.clip(_transfer_groups(self._kv_cache_config, block_ids))
         if mode == "push":
             return self._finish_push(request, groups, ok)
         if not ok or not any(groups):
