@@ -222,8 +222,12 @@ class PushHandoff(RuleBasedStateMachine):
     # ------------------------------------------------------------ the decode side
 
     @precondition(lambda self: len(self.loads) < 3)
-    @rule(cluster=st.sampled_from([D1, D2]), good=st.booleans())
-    def d_load(self, cluster: int, good: bool) -> None:
+    @rule(cluster=st.sampled_from([D1, D2]), good=st.booleans(), readers=st.sampled_from([1, 2]))
+    def d_load(self, cluster: int, good: bool, readers: int = 1) -> None:
+        """A decode load of the transfer; ``readers`` 2: it says two decode
+        workers register with this prefill worker (a decode of a larger
+        tensor-parallel size), so the prefill keeps taking loads until loads
+        of two clusters ended (or its reaper closes the transfer)."""
         rid = f"d{len(self.loads)}"
         start = self.next_block[cluster]
         self.next_block[cluster] += 3
@@ -231,7 +235,7 @@ class PushHandoff(RuleBasedStateMachine):
         self.loads[rid] = (cluster, blocks, good)
         key = self.agents[P].push_key(XID) if good else "wrong" * 6
         agent = self.agents[cluster]
-        coro = agent.receiver.expect_push(Peer("p", 1, P), XID, blocks, 0, key)
+        coro = agent.receiver.expect_push(Peer("p", 1, P), XID, blocks, 0, key, readers=readers)
         self.call(agent.receiver.start, rid, blocks, coro)
         self.run()
 

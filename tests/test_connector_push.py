@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -32,6 +31,7 @@ from support.kvlink_harness import (
     load_nonce,
     make_agent,
     reg_args,
+    step_all,
     until,
 )
 
@@ -41,13 +41,6 @@ PEER = Peer("h", 1, P_ID)
 async def settle() -> None:
     for _ in range(20):
         await asyncio.sleep(0)
-
-
-def step_all(agent: Any, xid: str = "x", end: int = 12, key: str | None = None) -> None:
-    """The engine computes ``xid``'s 12 tokens (3 blocks) in one step, every layer."""
-    agent.push_sender.step(xid, "p-req", [1, 2, 3], BS, end, True, key)
-    for layer in range(LAYERS):
-        agent.push_sender.layer_saved([xid], layer)
 
 
 # ------------------------------------------------------------ loads of one transfer

@@ -8,12 +8,14 @@ agents over tcp and shared memory, NumPy "KV caches" in a head-major layout
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import pytest
 
 from aiokvcache.integrations.agent.kvtypes import HeadSpan, Source
-from support.agent_pair import LAYERS, Side, fill, wait_for
+from support.agent_pair import BS, LAYERS, Side, fill, wait_for
+from support.kvlink_harness import D_ID, close_agent, make_agent, reg_args, step_all, until
 
 UNIT = 128  # bytes of one head of one block
 UNTIL = int((time.time() + 3600) * 1000)
@@ -21,9 +23,7 @@ REMOTE, LOCAL = [1, 2, 7], [5, 6, 3]
 
 
 def side(name: str, transport: str, heads: int) -> Side:
-    return Side(
-        name, transport, block_bytes=heads * UNIT, heads=heads, total_heads=2, timeout=5.0
-    )
+    return Side(name, transport, block_bytes=heads * UNIT, heads=heads, total_heads=2, timeout=5.0)
 
 
 def test_a_decode_of_one_worker_reads_both_prefill_workers_into_its_halves(
@@ -43,9 +43,7 @@ def test_a_decode_of_one_worker_reads_both_prefill_workers_into_its_halves(
         ]
         digest = p0.agent.layout.digest()
         assert digest == d.agent.layout.digest()  # one model, two sizes
-        d.agent.pull(
-            "d-req", None, "p-req", REMOTE, LOCAL, digest, until_ms=UNTIL, sources=sources
-        )
+        d.agent.pull("d-req", None, "p-req", REMOTE, LOCAL, digest, until_ms=UNTIL, sources=sources)
         wait_for(lambda: "d-req" in d.poll().finished_recving)
         assert not d.got.failed_recving
         for layer in range(LAYERS):
@@ -116,40 +114,185 @@ def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.mark.parametrize("said_tp", [0, 1], ids=["tp_size-absent", "tp_size-lies-1"])
-def test_params_that_hide_the_prefills_size_do_not_load_other_blocks_as_this_ones(
-    said_tp: int,
-) -> None:
-    """Prefill TP 2 (one head a block each), decode TP 1 (two heads). The
-    layout digest is the same at every size (by design), so only the params'
-    ``tp_size`` tells the decode how many heads a prefill block holds. Params
-    without it (a proxy that drops unknown fields, a client's) or with a false
-    one, listing one worker, take the same-size path: the decode reads units
-    ``b*2, b*2+1`` of a cache registered one head a block, i.e. prefill blocks
-    ``2b`` and ``2b+1`` (other requests' KV, outside the grant), and reports the
-    load fine. It must fail (or read the right bytes)."""
-    from aiokvcache.integrations._vllm_worker import WorkerBinding
+# ------------------------------------------------------------ push
 
-    p0 = side("p0", "tcp", 1)
-    d = side("d", "tcp", 2)
+
+def computed(p: Side, xid: str, blocks: list[int], release: bool = True) -> None:
+    """Prefill worker ``p`` computes transfer ``xid`` (every layer of 10
+    tokens in ``blocks``) and the engine releases the request."""
+    p.agent.push_step(xid, "p-req", blocks, BS, 10, final=True)
+    for layer in range(LAYERS):
+        p.agent.layer_saved([xid], layer)
+    if release:
+        p.agent.push_release(xid, "p-req")
+
+
+@pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
+def test_a_decode_of_one_worker_takes_both_prefill_workers_pushes_into_its_halves(
+    transport: str, order: str
+) -> None:
+    """Prefill TP 2 pushes to decode TP 1: prefill worker r pushes its head
+    of each block, under its own transfer id ``x/r``, into head r of the
+    decode's block; the load ends received once both landed."""
+    p0, p1 = side("p0", transport, 1), side("p1", transport, 1)
+    d = side("d", transport, 2)
     try:
-        fill(p0, list(range(16)), 1)
-        key = p0.agent.grant_key("p-req", REMOTE, UNTIL)
-        binding = WorkerBinding(0, 4, 30.0, tp_size=1, heads=2, total_heads=2)
-        peers = [[p0.peer.host, p0.peer.port, p0.peer.cluster_id]]
-        sources = binding.sources(peers, said_tp, [key])
-        digest = p0.agent.layout.digest()  # the params' aiokv_layout
-        d.agent.pull(
-            "d-req", None, "p-req", REMOTE, LOCAL, digest, until_ms=UNTIL, sources=sources
-        )
-        wait_for(lambda: d.poll().finished_recving or d.got.failed_recving)
-        if d.got.failed_recving:
-            return
+        fill(p0, REMOTE, 1)
+        fill(p1, REMOTE, 2)
+        sources = [
+            Source(p.peer, p.agent.push_key(f"x/{r}"), HeadSpan(1, 0, r, 1), rank=r)
+            for r, p in enumerate((p0, p1))
+        ]
+        layout = p0.agent.layout.digest()
+        if order == "decode-first":
+            d.agent.expect_push("d-req", None, "x", LOCAL, layout=layout, sources=sources)
+            time.sleep(0.2)
+        for r, p in enumerate((p0, p1)):
+            computed(p, f"x/{r}", REMOTE)
+        if order == "prefill-first":
+            d.agent.expect_push("d-req", None, "x", LOCAL, layout=layout, sources=sources)
+        wait_for(lambda: "d-req" in d.poll().finished_recving)
+        assert not d.got.failed_recving
         for layer in range(LAYERS):
             got = d.kv[layer][LOCAL]
-            assert np.array_equal(got[:, :UNIT], p0.kv[layer][REMOTE]), (
-                "loaded fine, but head 0 of each block is another prefill block's"
-            )
+            assert np.array_equal(got[:, :UNIT], p0.kv[layer][REMOTE])
+            assert np.array_equal(got[:, UNIT:], p1.kv[layer][REMOTE])
+        for p in (p0, p1):
+            wait_for(lambda p=p: "p-req" in p.poll().finished_sending)
+            assert p.agent.pending() == 0
     finally:
-        for s in (d, p0):
+        for s in (d, p0, p1):
             s.agent.close()
+
+
+def test_a_prefill_pushing_to_two_decode_workers_holds_until_both_registered(
+    transport: str,
+) -> None:
+    """Prefill TP 1 pushes to decode TP 2 (prefill first): decode worker r
+    takes head r of each block. The prefill's blocks are not reported sent
+    when the first decode worker's load ended: the second registers later
+    and still gets its heads."""
+    p = side("p", transport, 2)
+    d0, d1 = side("d0", transport, 1), side("d1", transport, 1)
+    try:
+        fill(p, REMOTE, 3)
+        computed(p, "x/0", REMOTE)
+        layout = p.agent.layout.digest()
+        key = p.agent.push_key("x/0")
+        for r, d in enumerate((d0, d1)):
+            src = Source(p.peer, key, HeadSpan(2, r, 0, 1), readers=2, rank=0)
+            d.agent.expect_push("d-req", None, "x", LOCAL, layout=layout, sources=[src])
+            wait_for(lambda d=d: "d-req" in d.poll().finished_recving)
+            assert not d.got.failed_recving
+            for layer in range(LAYERS):
+                want = p.kv[layer][REMOTE][:, r * UNIT : (r + 1) * UNIT]
+                assert np.array_equal(d.kv[layer][LOCAL], want)
+            if r == 0:
+                time.sleep(0.3)
+                assert "p-req" not in p.poll().finished_sending
+        wait_for(lambda: "p-req" in p.poll().finished_sending)
+    finally:
+        for s in (d0, d1, p):
+            s.agent.close()
+
+
+def test_decode_workers_that_drop_a_push_free_the_prefill_once_all_said_so(
+    transport: str,
+) -> None:
+    """Both decode workers of a TP-2 decode drop a TP-1 prefill's push (a
+    prefix hit): the prefill's blocks go back once both dropped, not at the
+    first."""
+    p = side("p", transport, 2)
+    d0, d1 = side("d0", transport, 1), side("d1", transport, 1)
+    try:
+        computed(p, "x/0", REMOTE)
+        key = p.agent.push_key("x/0")
+        for r, d in enumerate((d0, d1)):
+            src = Source(p.peer, key, HeadSpan(2, r, 0, 1), readers=2, rank=0)
+            d.agent.drop_push(p.peer, "x/0", key, src)
+            if r == 0:
+                time.sleep(0.3)
+                assert "p-req" not in p.poll().finished_sending
+        wait_for(lambda: "p-req" in p.poll().finished_sending)
+    finally:
+        for s in (d0, d1, p):
+            s.agent.close()
+
+
+@pytest.mark.parametrize(
+    ("heads", "why"),
+    [
+        ([1, 0, 1, 2, 0], "hold 1 KV heads; they hold 2"),  # lies about the prefill's heads
+        ([2, 1, 2, 2, 0], "heads [1, 3) of a block of 2"),
+        ([2, 0, 1, 1, 1], "heads [1, 2) of a decode block of 1"),
+        ([2, 0, 1, 4, 0], "heads [0, 1) of a decode block of 4"),  # more than the model's
+        ([2, 0, 0, 1, 0], "heads [0, 0) of a block of 2"),
+        ([2, -1, 1, 1, 0], "heads [-1, 0) of a block of 2"),
+        ([2, 0, 1, 1], "a registration's heads"),
+        ("2,0,1,1,0", "a registration's heads"),
+        ([2, 0, True, 1, 0], "a registration's heads"),
+        ({"p": 2}, "a registration's heads"),
+    ],
+)
+async def test_a_push_registration_whose_heads_do_not_fit_is_refused(heads: Any, why: str) -> None:
+    """The heads a decode worker registers for are checked against the
+    prefill worker's blocks and the model's heads: a registration that does
+    not fit is answered ``pushfail`` naming why, and nothing is pushed."""
+    agent, rec = await make_agent(heads=2, total_heads=2)
+    try:
+        args = reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0], layout=agent.layout.digest())
+        agent.deliver(D_ID, "reg", [*args, heads, 1])
+        step_all(agent)
+        await until(lambda: "pushfail" in rec.kinds(D_ID))
+        got = next(m for c, m in rec.sent if m[0] == "pushfail")[3]
+        assert why in got and not rec.pushes
+    finally:
+        await close_agent(agent)
+
+
+@pytest.mark.parametrize(
+    ("digest", "heads", "readers"),
+    [
+        ("per_rank", [2, 0, 1, 1, 0], 2),  # the whole-block digest with heads
+        ("plain", None, 1),  # heads missing: whole blocks need the per-rank digest
+        ("plain", [2, 0, 1, 1, 0], 0),
+        ("plain", [2, 0, 1, 1, 0], 65),
+        ("plain", [2, 0, 1, 1, 0], "2"),
+    ],
+)
+async def test_a_push_registration_with_the_wrong_digest_or_readers_is_refused(
+    digest: str, heads: Any, readers: Any
+) -> None:
+    agent, rec = await make_agent(heads=2, total_heads=2)
+    try:
+        layout = agent.layout.digest(per_rank=digest == "per_rank")
+        args = reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0], layout=layout)
+        agent.deliver(D_ID, "reg", [*args, heads, readers])
+        step_all(agent)
+        await until(lambda: "pushfail" in rec.kinds(D_ID))
+        assert not rec.pushes
+    finally:
+        await close_agent(agent)
+
+
+async def test_a_push_of_a_head_range_writes_those_units_only() -> None:
+    """What the prefill asks of aiokvcache for a decode worker that takes
+    head 1 of each two-head block into its one-head blocks: source units
+    ``2b + 1``, destination units the decode's block ids."""
+    agent, rec = await make_agent(heads=2, total_heads=2)
+    calls: list[tuple[list[int], list[int]]] = []
+    push = rec.push_blocks
+
+    async def record(key: Any, cache: Any, src: Any, dst: Any, **kw: Any) -> None:
+        calls.append((list(src), list(dst)))
+        await push(key, cache, src, dst, **kw)
+
+    rec.push_blocks = record  # type: ignore[method-assign]
+    try:
+        args = reg_args(agent, ["x", 0, 1, [[10, 3]], 0, 5.0], layout=agent.layout.digest())
+        agent.deliver(D_ID, "reg", [*args, [2, 1, 1, 1, 0], 2])
+        step_all(agent)
+        await until(lambda: "pushed" in rec.kinds(D_ID))
+        assert calls and all(c == ([3, 5, 7], [10, 11, 12]) for c in calls)
+    finally:
+        await close_agent(agent)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from aiokvcache.integrations._vllm_worker import WorkerBinding
-from aiokvcache.integrations.agent.kvtypes import Peer
+from aiokvcache.integrations.agent.kvtypes import HeadSpan, Peer
 from support.kvlink_harness import close_agent, make_agent, until
 
 PEERS = [["10.0.0.1", 7000, 50], ["10.0.0.2", 7100, 60]]
@@ -243,3 +243,19 @@ def test_sizes_it_cannot_read_across_are_refused_naming_both(
         b = WorkerBinding(0, 16, 30.0, tp)
     with pytest.raises(ValueError, match=says):
         b.sources(peers, remote_tp, [])
+
+
+def test_a_push_takes_each_prefill_workers_heads_under_its_transfer_id_and_key() -> None:
+    """Push across sizes: the same prefill workers and heads as a pull, each
+    with its own push key (prefill first) or the client's (decode first),
+    and its rank (the transfer id ``xid/rank`` it pushes under)."""
+    b = heads_binding(0, 1)  # decode TP 1, 4 heads; prefill TP 2
+    got = b.push_sources(PEERS4[:2], 2, ["k0", "k1"], "")
+    assert [(s.rank, s.key, s.span) for s in got] == [
+        (0, "k0", HeadSpan(2, 0, 0, 2)),
+        (1, "k1", HeadSpan(2, 0, 2, 2)),
+    ]
+    client = b.push_sources(PEERS4[:2], 2, [], "client-key")
+    assert [(s.rank, s.key) for s in client] == [(0, "client-key"), (1, "client-key")]
+    one = heads_binding(1, 2).push_sources(PEERS4[:2], 2, [], "client-key")
+    assert [(s.rank, s.key, s.span) for s in one] == [(1, "client-key", None)]

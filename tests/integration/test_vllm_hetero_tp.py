@@ -87,29 +87,81 @@ def instances(
             inst.stop()
 
 
+MODES = [("pull", "prefill-first"), ("push", "prefill-first"), ("push", "decode-first")]
+
+
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])
 def test_prefill_and_decode_of_different_tensor_parallel_sizes(
     model: str, prompts: list[list[int]], reference: list[list[int]], p_tp: int, d_tp: int
 ) -> None:
-    """Pull: the decode generates what a single instance does. Push between
-    sizes is refused (each load fails at once, naming both sizes) and the
-    decode goes on. P2-D1 also loses its prefill after the prefill ran: the
-    decode's loads fail within their deadline, and a new prefill serves."""
+    """Pull, push, and push with the decode request first: the decode
+    generates what a single instance does (a load that fails fails its
+    request: tokens equal to the reference are loaded ones). P2-D1 also
+    aborts loads (see :func:`aborts`) and loses its prefill after the
+    prefill ran: the decode's loads fail within their deadline, and a new
+    prefill serves."""
     port, cid = driver.free_port(), 15000 + driver.free_port() % 1000
+    address = ("127.0.0.1", port, cid)
     with instances(model, p_tp, d_tp, port=port, cluster_id=cid) as both:
         p, d = both
+        for mode, order in MODES:
+            before = d.stats() if d_tp == 1 else None
+            out = driver.disaggregated(p, d, prompts, MAX_TOKENS, mode, order, address, p_tp=p_tp)
+            assert tokens(out) == reference, (mode, order)
+            if before is not None:  # an in-process decode: its worker's counters
+                after = d.stats()
+                key = "pulls" if mode == "pull" else "pushes_received"
+                # One read (or push) from each prefill worker.
+                assert after[key] - before[key] == len(prompts) * p_tp
+                want = sum(-(-n // driver.BLOCK_SIZE) for n in LENGTHS)
+                assert after["blocks_loaded"] - before["blocks_loaded"] == want
+        if p_tp == 1:
+            return
+        aborts(p, d, prompts, reference, address)
+        pre = p.generate(prompts[2:], 1, [{"do_remote_decode": True}] * 2)
+        p.kill()
+        took = run_failing(d, prompts[2:], MAX_TOKENS, [r["params"] for r in pre["rows"]])
+        assert took < TIMEOUT + 5 + 30
+        both[0] = p = instance(model, "kv_producer", p_tp, port=port, cluster_id=cid)
         out = driver.disaggregated(p, d, prompts, MAX_TOKENS, "pull")
         assert tokens(out) == reference
-        pushed = driver.disaggregated(p, d, prompts[:2], MAX_TOKENS, "push")
-        assert all(r["finish"] not in ("length", "stop") for r in pushed["rows"])
-        if p_tp == 2:
-            pre = p.generate(prompts[2:], 1, [{"do_remote_decode": True}] * 2)
-            p.kill()
-            took = run_failing(d, prompts[2:], MAX_TOKENS, [r["params"] for r in pre["rows"]])
-            assert took < TIMEOUT + 5 + 30
-            both[0] = p = instance(model, "kv_producer", p_tp, port=port, cluster_id=cid)
-        out = driver.disaggregated(p, d, prompts, MAX_TOKENS, "pull")
-        assert tokens(out) == reference
+
+
+def aborts(
+    p: driver.Instance,
+    d: driver.Instance,
+    prompts: list[list[int]],
+    reference: list[list[int]],
+    address: tuple[str, int, int],
+) -> None:
+    """Prefill TP 2, decode TP 1 (in-process: its counters are read). The
+    client gives up on requests whose KV loads wait: pulls from a frozen
+    prefill, and decode-first pushes whose prefill request never came. Each
+    aborted load ends as an abort (once the engine steps again), the decode
+    goes on with the reference tokens, and the prefill, thawed, serves (the
+    late prefill requests too: their blocks go back when nobody took them)."""
+    two = prompts[:2]
+    pre = p.generate(two, 1, [{"do_remote_decode": True}] * 2)
+    before = d.stats()
+    p.freeze()
+    try:
+        d.submit_aborting(two, MAX_TOKENS, [r["params"] for r in pre["rows"]], abort_after=1.0)
+        assert [r["finish"] for r in d.result()["rows"]] == ["abort"] * 2
+    finally:
+        p.freeze(False)
+    decode_params, prefill_params = driver.decode_first_params(2, address, p_tp=2)
+    d.submit_aborting(two, MAX_TOKENS, decode_params, abort_after=1.0)
+    assert [r["finish"] for r in d.result()["rows"]] == ["abort"] * 2
+    # The in-process decode engine tells its connector of the aborts at its
+    # next step, in this batch.
+    out = driver.disaggregated(p, d, prompts, MAX_TOKENS, "pull")
+    assert tokens(out) == reference
+    p.generate(two, 1, prefill_params)  # computed late: nobody takes its pushes
+    out = driver.disaggregated(p, d, prompts, MAX_TOKENS, "push")
+    assert tokens(out) == reference
+    after = d.stats()
+    counts = {k: after[k] - before[k] for k in ("loads_aborted", "load_failures")}
+    assert counts == {"loads_aborted": 4, "load_failures": 0}, (before, after)
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)], ids=["P2-D1", "P1-D2"])

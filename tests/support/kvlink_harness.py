@@ -60,11 +60,16 @@ class Recorder:
 
 
 async def make_agent(
-    timeout: float = 5.0, grace: float = 1.0, blocks: int = BLOCKS
+    timeout: float = 5.0,
+    grace: float = 1.0,
+    blocks: int = BLOCKS,
+    heads: int = 1,
+    total_heads: int = 0,
 ) -> tuple[TransferAgent, Recorder]:
     """An agent on the running loop, speaking through a Recorder; every peer
-    counts as linked."""
-    layout = KVLayout(LAYERS, 1, blocks, 64, BS, tuple(range(1, LAYERS + 1)), "u8")
+    counts as linked. ``heads``/``total_heads``: a head-major layout."""
+    addrs = tuple(range(1, LAYERS + 1))
+    layout = KVLayout(LAYERS, 1, blocks, 64, BS, addrs, "u8", heads=heads, total_heads=total_heads)
     agent = TransferAgent(1, layout, timeout=timeout, grace=grace)
     rec = Recorder()
     agent.links.cm = rec  # type: ignore[assignment]
@@ -118,3 +123,10 @@ def load_nonce(rec: Recorder, to: int, xid: str) -> str:
     regs = [m for c, m in rec.sent if c == to and m[0] == "reg" and m[1] == xid]
     assert regs, f"no registration of {xid} sent to cluster {to}: {rec.sent}"
     return str(regs[-1][7])
+
+
+def step_all(agent: Any, xid: str = "x", end: int = 12, key: str | None = None) -> None:
+    """The engine computes ``xid``'s 12 tokens (3 blocks) in one step, every layer."""
+    agent.push_sender.step(xid, "p-req", [1, 2, 3], BS, end, True, key)
+    for layer in range(LAYERS):
+        agent.push_sender.layer_saved([xid], layer)

@@ -5,6 +5,7 @@ import here: the metadata's fields are read as the scheduler wrote them."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -73,7 +74,7 @@ class WorkerBinding:
                 if r.error:
                     raise ValueError(r.error)
                 if r.mode == "push":
-                    peer = self.peer(r.peers, r.tp_size)
+                    sources = self.push_sources(r.peers, r.tp_size, r.push_keys, r.transfer_key)
                 else:
                     sources = self.sources(r.peers, r.tp_size, r.grant_keys)
             except ValueError as exc:  # the params name no prefill worker for this rank
@@ -81,14 +82,15 @@ class WorkerBinding:
                 agent.refuse_load(rid, r.local_block_ids, str(exc))
                 continue
             if r.mode == "push":
+                # Transfer ids are per prefill rank: transfer_id/rank.
                 agent.expect_push(
                     rid,
-                    peer,
-                    r.transfer_id + self.suffix,
+                    None,
+                    r.transfer_id,
                     r.local_block_ids,
                     r.first,
-                    key=self.push_key(r.push_keys, r.transfer_key),
                     layout=r.layout,
+                    sources=sources,
                 )
             else:
                 agent.pull(
@@ -124,10 +126,8 @@ class WorkerBinding:
     def _drops(self, agent: TransferAgent, meta: Any) -> None:
         for drop in meta.drops:
             if drop.mode == "push":
-                peer = self._peer_or_none(drop.remote_request_id, drop)
-                if peer is not None:
-                    key = self.push_key(drop.push_keys, drop.transfer_key)
-                    agent.drop_push(peer, drop.transfer_id + self.suffix, key)
+                for s in self._sources_or_none(drop.remote_request_id, drop):
+                    agent.drop_push(s.peer, f"{drop.transfer_id}/{s.rank}", s.key, s)
                 continue
             for s in self._sources_or_none(drop.remote_request_id, drop):
                 agent.free_remote(
@@ -142,10 +142,17 @@ class WorkerBinding:
         """This rank's grant key (rank r claims from the prefill's rank r)."""
         return str(keys[self.rank]) if len(keys) > self.rank else ""
 
-    def push_key(self, keys: list[str], transfer_key: str) -> str:
-        """This rank's push key: the prefill's scheduler's (prefill first), or
-        the one the client gave both requests (decode first)."""
-        return str(keys[self.rank]) if len(keys) > self.rank else transfer_key
+    def push_sources(
+        self, peers: list[list[Any]], remote_tp: int, keys: list[str], transfer_key: str
+    ) -> list[Source]:
+        """The prefill workers that push a request to this rank (see
+        :meth:`sources`), each with its push key: the prefill's scheduler's
+        (prefill first, one per prefill worker), or the one the client gave
+        both requests (decode first)."""
+        return [
+            dataclasses.replace(s, key=s.key or transfer_key)
+            for s in self.sources(peers, remote_tp, keys)
+        ]
 
     def peer(self, peers: list[list[Any]], remote_tp: int = 0) -> Peer:
         """This rank's prefill worker among a request's (``[host, port,
@@ -158,8 +165,7 @@ class WorkerBinding:
         if remote_tp and remote_tp != self.tp_size:
             raise ValueError(
                 f"the prefill instance runs tensor parallel size {remote_tp} and this decode "
-                f"instance {self.tp_size}: push moves KV between instances of one "
-                f"tensor-parallel size only; pull reads across sizes (docs/vllm.md)"
+                f"instance {self.tp_size}: no single prefill worker holds this rank's KV"
             )
         if not isinstance(peers, (list, tuple)):
             raise ValueError(f"the params' prefill workers: a {type(peers).__name__}, not a list")
@@ -187,7 +193,7 @@ class WorkerBinding:
         workers that hold this rank's KV heads. ``ValueError`` for a pair of
         sizes it cannot read across: checked, never guessed."""
         if not remote_tp or remote_tp == self.tp_size:
-            return [Source(self.peer(peers, remote_tp), self.grant_key(keys))]
+            return [Source(self.peer(peers, remote_tp), self.grant_key(keys), rank=self.rank)]
         total, mine = self.total_heads, self.heads
         small, big = sorted((max(remote_tp, 0), self.tp_size))
         if remote_tp < 1 or not total or total % remote_tp or big % small:
@@ -214,19 +220,15 @@ class WorkerBinding:
                 raise ValueError(f"a prefill worker's address in the params is bad: {exc}") from exc
             key = str(keys[i]) if len(keys) > i else ""
             span = HeadSpan(theirs, a - i * theirs, a - lo, b - a)
-            out.append(Source(peer, key, span, max(1, theirs // mine)))
+            out.append(Source(peer, key, span, max(1, theirs // mine), i))
         return out
 
     def _sources_or_none(self, rid: str, ref: Any) -> list[Source]:
+        """A drop's or renewal's prefill workers (``ref``: a ``_Drop``)."""
         try:
+            if ref.mode == "push":
+                return self.push_sources(ref.peers, ref.tp_size, ref.push_keys, ref.transfer_key)
             return self.sources(ref.peers, ref.tp_size, ref.grant_keys)
         except ValueError as exc:
             log.warning("aiokvcache: request %s: %s", rid, exc)
             return []
-
-    def _peer_or_none(self, rid: str, ref: Any) -> Peer | None:
-        try:
-            return self.peer(ref.peers, ref.tp_size)
-        except ValueError as exc:
-            log.warning("aiokvcache: request %s: %s", rid, exc)
-            return None

@@ -9,7 +9,8 @@ connector or NixlConnector, for tests and benchmarks of serving code.
   or tensor parallelism. It answers commands: :meth:`~Instance.generate`
   (or :meth:`~Instance.submit` then :meth:`~Instance.result`),
   :meth:`~Instance.submit_timed` (every token stamped as the engine hands it
-  over), :meth:`~Instance.stats` (the worker connector's counters; NIXL's
+  over), :meth:`~Instance.submit_aborting` (requests aborted part way),
+  :meth:`~Instance.freeze`, :meth:`~Instance.stats` (the worker connector's counters; NIXL's
   summed), :meth:`~Instance.threads`, :meth:`~Instance.digests`,
   :meth:`~Instance.metrics_url`.
 * :func:`kv_transfer_config`: the ``KVTransferConfig`` each instance gets,
@@ -43,6 +44,8 @@ import sys
 import tempfile
 import time
 from typing import Any
+
+from ._vllm_requests import RUNNERS
 
 __all__ = [
     "BLOCK_SIZE",
@@ -310,10 +313,9 @@ def _serve(
 
 def _answer(llm: Any, cmd: str, args: Any) -> tuple[str, Any] | None:
     """The reply to one command of :class:`Instance` (None: no such command)."""
-    if cmd in ("generate", "generate_timed"):
-        run = _generate if cmd == "generate" else _generate_timed
+    if cmd in RUNNERS:
         try:
-            return ("ok", run(llm, *args))
+            return ("ok", RUNNERS[cmd](llm, *args))
         except Exception as exc:  # reported to the driver
             return ("error", repr(exc))
     if cmd == "threads":
@@ -327,47 +329,6 @@ def _answer(llm: Any, cmd: str, args: Any) -> tuple[str, Any] | None:
     return None
 
 
-def _generate(
-    llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict[str, Any] | None]
-) -> dict[str, Any]:
-    """Greedy tokens for ``prompts``, request ``i`` with ``kv_transfer_params``
-    ``params[i]``: per row ``tokens``, ``finish``, the ``params`` the engine
-    returned, ``ttft`` (vLLM's own figure); and the call's ``seconds``."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    sps = [
-        SamplingParams(
-            temperature=0,
-            max_tokens=max_tokens,
-            detokenize=False,
-            ignore_eos=True,
-            extra_args={"kv_transfer_params": dict(p)} if p is not None else None,
-        )
-        for p in params
-    ]
-    t0 = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
-    took = time.perf_counter() - t0
-    rows = []
-    for o in outs:
-        c = o.outputs[0]
-        m = o.metrics
-        first = getattr(m, "first_token_ts", None) if m is not None else None
-        arrival = getattr(m, "arrival_time", None) if m is not None else None
-        ttft = first - arrival if first and arrival else None
-        rows.append(
-            {
-                "tokens": list(c.token_ids),
-                "finish": c.finish_reason,
-                "params": o.kv_transfer_params,
-                "ttft": ttft,
-            }
-        )
-    return {"rows": rows, "seconds": took}
-
-
-_timed_ids = iter(range(1 << 62))
 _metrics: list[int] = []
 
 
@@ -381,80 +342,6 @@ def _metrics_port() -> int:
         server, _ = prometheus_client.start_http_server(0, addr="127.0.0.1")
         _metrics.append(int(server.server_port))
     return _metrics[0]
-
-
-def _generate_timed(
-    llm: Any, prompts: list[list[int]], max_tokens: int, params: list[dict[str, Any] | None]
-) -> dict[str, Any]:
-    """Like ``generate``, stepping the engine here to stamp every token.
-
-    Each row has ``times``: ``time.monotonic()`` (one clock for every process
-    on this host) when the engine handed over each new token, so
-    ``times[0]`` is the first token and ``diff(times)`` the inter-token
-    latencies as a client of the engine sees them; and ``num_cached_tokens``
-    (the prompt tokens this request did not compute: loaded through the
-    connector, prefix caching being off).
-    """
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
-    engine = llm.llm_engine
-    t0 = time.monotonic()
-    order: list[tuple[str, str]] = []
-    rows: dict[str, dict[str, Any]] = {}
-    for prompt, p in zip(prompts, params, strict=True):
-        sp = SamplingParams(
-            temperature=0,
-            max_tokens=max_tokens,
-            detokenize=False,
-            ignore_eos=True,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": _own_cache_count(p)} if p is not None else None,
-        )
-        rid = f"timed-{next(_timed_ids)}"
-        internal = engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
-        order.append((rid, internal))
-        # Outputs carry the id given (vLLM adds a suffix to it inside).
-        rows[rid] = rows[internal] = {
-            "id": internal,
-            "tokens": [],
-            "times": [],
-            "finish": None,
-            "params": None,
-            "num_cached_tokens": None,
-        }
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        now = time.monotonic()
-        for o in outs:
-            got = rows.get(o.request_id)
-            if got is not None:
-                _stamp(got, o, now)
-    return {"rows": [rows[r] for r, _ in order], "start": t0, "seconds": time.monotonic() - t0}
-
-
-def _stamp(row: dict[str, Any], out: Any, now: float) -> None:
-    """Add a step's output (a ``RequestOutput``, its new tokens only) to ``row``."""
-    c = out.outputs[0]
-    new = list(c.token_ids)
-    row["tokens"].extend(new)
-    row["times"].extend([now] * len(new))
-    if out.num_cached_tokens is not None:  # set on the first output only
-        row["num_cached_tokens"] = max(row["num_cached_tokens"] or 0, out.num_cached_tokens)
-    if out.finished:
-        row["finish"] = c.finish_reason
-        row["params"] = out.kv_transfer_params
-
-
-def _own_cache_count(params: dict[str, Any]) -> dict[str, Any]:
-    """A decode request's params without ``remote_prefill_cached_tokens``.
-
-    vLLM reports that (the prefill's own prefix-cache hits) as the decode
-    request's ``num_cached_tokens``; without it the decode reports the
-    tokens it did not compute itself, those it loaded among them. Nothing
-    else reads it."""
-    return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
 
 
 def _threads() -> list[dict[str, Any]]:
@@ -618,8 +505,17 @@ class Instance:
         """Start a generate call that stamps each token (see :func:`_generate_timed`)."""
         self._send("generate_timed", prompts, max_tokens, params)
 
-    def _send(self, cmd: str, prompts: list[list[int]], max_tokens: int, params: Params) -> None:
-        self._conn.send((cmd, (prompts, max_tokens, params or [None] * len(prompts))))
+    def submit_aborting(
+        self, prompts: list[list[int]], max_tokens: int, params: Params, abort_after: float
+    ) -> None:
+        """Start a generate call that aborts every request still unfinished
+        ``abort_after`` seconds in (their rows' ``finish``: ``"abort"``)."""
+        self._send("generate_aborting", prompts, max_tokens, params, abort_after)
+
+    def _send(
+        self, cmd: str, prompts: list[list[int]], max_tokens: int, params: Params, *more: Any
+    ) -> None:
+        self._conn.send((cmd, (prompts, max_tokens, params or [None] * len(prompts), *more)))
         self._pending = True
 
     def result(self, timeout: float = 300) -> dict[str, Any]:
@@ -666,6 +562,12 @@ class Instance:
         self._conn.send(("digests", block_lists))
         return self.result(30)
 
+    def freeze(self, frozen: bool = True) -> None:
+        """SIGSTOP (``frozen``) or SIGCONT the instance and every process it
+        started: a host that stops answering, then comes back."""
+        assert self.proc.pid is not None  # started in __init__
+        os.killpg(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL the instance and every process it started."""
         assert self.proc.pid is not None  # started in __init__
@@ -688,7 +590,7 @@ class Instance:
 
 
 def decode_first_params(
-    n: int, p_address: tuple[str, int, int]
+    n: int, p_address: tuple[str, int, int], p_tp: int = 0
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The ``kv_transfer_params`` of ``n`` decode-first push requests: the
     decode's, then the prefill's.
@@ -697,8 +599,14 @@ def decode_first_params(
     of its choosing (only a decode holding it may register for the pushes)
     and knows where the prefill's worker listens: ``p_address``, its
     ``(host, port, cluster_id)`` (the prefill's fixed ``port`` and
-    ``cluster_id`` options)."""
+    ``cluster_id`` options). ``p_tp``: the prefill's tensor-parallel size,
+    said in the params with each of its workers' addresses (``port + r``,
+    ``cluster_id + r``), as a decode of another size needs; 0: not said
+    (the decode takes the prefill to be of its own size)."""
     host, port, cid = p_address
+    said: dict[str, Any] = {}
+    if p_tp:
+        said = {"tp_size": p_tp, "aiokv_peers": [[host, port + r, cid + r] for r in range(p_tp)]}
     stamp = f"{os.getpid()}-{time.monotonic_ns()}"
     xids = [f"{stamp}-{i}" for i in range(n)]
     keys = {x: secrets.token_hex(16) for x in xids}
@@ -712,6 +620,7 @@ def decode_first_params(
             "aiokv_transfer_id": x,
             "aiokv_transfer_key": keys[x],
             "remote_request_id": x,
+            **said,
         }
         for x in xids
     ]
@@ -736,6 +645,7 @@ def disaggregated(
     order: str = "prefill-first",
     p_address: tuple[str, int, int] | None = None,
     timed: bool = False,
+    p_tp: int = 0,
 ) -> dict[str, Any]:
     """Run ``ps`` through prefill ``p`` then decode ``d``; returns D's result
     (and ``prefill_seconds``; ``sent``, the ``time.monotonic()`` of the first
@@ -748,7 +658,8 @@ def disaggregated(
     ``"decode-first"`` (push, ``AioKVConnector`` only, ``p_address``
     required): the decode registers its blocks first, then the prefill
     computes and pushes each layer as it is done (see
-    :func:`decode_first_params`). For ``NixlConnector`` instances
+    :func:`decode_first_params`; ``p_tp``: the prefill's tensor-parallel
+    size, said in the params). For ``NixlConnector`` instances
     (``connector="nixl"``) ``mode`` is ignored: the prefill request carries
     ``do_remote_decode`` and the decode request the params the prefill
     returned (Nixl's pull)."""
@@ -768,7 +679,7 @@ def disaggregated(
         start(d, ps, max_tokens, [r["params"] for r in pre["rows"]])
     else:
         assert mode == "push" and p_address is not None and p.connector == "aiokv"
-        decode_params, prefill_params = decode_first_params(len(ps), p_address)
+        decode_params, prefill_params = decode_first_params(len(ps), p_address, p_tp)
         start(d, ps, max_tokens, decode_params)
         start(p, ps, 1, prefill_params)
         pre = p.result()

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 from ... import BlocksCacheKey, LLMException
@@ -42,6 +42,49 @@ _LINK_CHECK_S = 0.25
 
 def _span(picks: list[int]) -> str:
     return f"[{min(picks)}, {max(picks)}]" if picks else "[]"
+
+
+async def _all(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run ``coros`` at once (one load's part from each prefill worker); the
+    first to fail cancels the others, and its error is raised once every
+    one ended (each is quiescent when it does)."""
+    todo = list(coros)
+    if len(todo) == 1:
+        await todo[0]
+        return
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for c in todo:
+                tg.create_task(c)
+    except BaseExceptionGroup as eg:
+        failed: list[BaseException] = [e for e in eg.exceptions if isinstance(e, TransferFailed)]
+        raise (failed or list(eg.exceptions))[0] from None
+
+
+def _count_pushed(layout: KVLayout, m: Pushed, local_ids: list[int], span: HeadSpan | None) -> None:
+    """A push load's bytes and segments: what P's push calls' records say
+    they moved (a P that does not send them: this side's blocks, or the
+    heads ``span`` of each, one segment per contiguous run and tensor)."""
+    tally = current()
+    if tally is None:
+        return
+    if m.nbytes >= 0 and m.segments >= 0:
+        tally.nbytes += m.nbytes
+        tally.segments += m.segments
+        return
+    tensors = layout.num_layers * layout.tensors_per_layer
+    per_block = layout.unit_bytes * span.count if span is not None else layout.block_bytes
+    tally.nbytes += len(local_ids) * per_block * tensors
+    tally.segments += len(block_runs(local_ids)) * tensors
+
+
+def _reg_shape(layout: KVLayout, span: HeadSpan | None) -> tuple[str, list[int] | None]:
+    """A registration's layout digest and heads (see :class:`.wire.Reg`):
+    whole blocks of as many heads as ``layout``'s, or ``span``'s heads."""
+    if span is None:
+        return layout.digest(per_rank=True), None
+    heads = [span.remote_heads, span.remote_head, span.count, layout.heads]
+    return layout.digest(), [*heads, span.local_head]
 
 
 class DecodeLoads:
@@ -171,24 +214,20 @@ class DecodeLoads:
         The first to fail cancels the others, and raises once every one is
         quiescent."""
 
-        def one(s: Source) -> Coroutine[Any, Any, None]:
-            grant = (s.key, until_ms)
-            return self.pull(
-                s.peer, rid, remote_all, picks, local_ids, digest, grant, s.span, s.readers
+        await _all(
+            self.pull(
+                s.peer,
+                rid,
+                remote_all,
+                picks,
+                local_ids,
+                digest,
+                (s.key, until_ms),
+                s.span,
+                s.readers,
             )
-
-        if len(sources) == 1:
-            await one(sources[0])
-            return
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for s in sources:
-                    tg.create_task(one(s))
-        except BaseExceptionGroup as eg:
-            failed: list[BaseException] = [
-                e for e in eg.exceptions if isinstance(e, TransferFailed)
-            ]
-            raise (failed or list(eg.exceptions))[0] from None
+            for s in sources
+        )
 
     async def pull(
         self,
@@ -305,6 +344,22 @@ class DecodeLoads:
 
     # ------------------------------------------------------------ push
 
+    async def expect_push_all(
+        self,
+        sources: list[tuple[Source, str]],
+        local_ids: list[int],
+        first: int,
+        layout: str | None,
+    ) -> None:
+        """One push load from each of ``sources`` (each a prefill worker and
+        its transfer id: a prefill of another tensor-parallel size pushes
+        from each worker its heads), all at once. The first to fail cancels
+        the others, and raises once every one is quiescent."""
+        await _all(
+            self.expect_push(s.peer, xid, local_ids, first, s.key, layout, s.span, s.readers)
+            for s, xid in sources
+        )
+
     async def expect_push(
         self,
         peer: Peer,
@@ -313,6 +368,8 @@ class DecodeLoads:
         first: int,
         key: str = "",
         layout: str | None = None,
+        span: HeadSpan | None = None,
+        readers: int = 1,
     ) -> None:
         """Register, wait for ``pushed``.
 
@@ -325,7 +382,10 @@ class DecodeLoads:
         any other way (a timeout, an abort, P's failure) gives its blocks back
         only once P answered that its pushes to it are quiescent, or once the
         link to P was unlinked with P's confirmation (or cut off): never on a
-        clock alone, since P's Python may be starved past any deadline."""
+        clock alone, since P's Python may be starved past any deadline.
+        ``span``: the heads of each block P pushes (a prefill of another
+        tensor-parallel size), ``readers`` the decode workers P pushes
+        them to (see :class:`.wire.Reg`)."""
         if layout is not None and layout != self.layout.digest():
             raise TransferFailed("the prefill instance's KV layout differs from ours", "layout")
         nonce = secrets.token_hex(8)
@@ -338,14 +398,15 @@ class DecodeLoads:
                 # from its send, not from before a link set-up.
                 await self._links.link(peer)
                 registered = True
-                await self._register(peer, xid, nonce, key, local_ids, first, deadline)
+                shape = (span, readers)
+                await self._register(peer, xid, nonce, key, local_ids, first, deadline, shape)
                 # Shielded: an abort must leave it for P's answer to the cancel.
                 answer = await asyncio.shield(fut)
             finished = True
             if not isinstance(answer, Pushed):
                 raise TransferFailed(f"the prefill instance failed: {answer}", "prefill")
             self._stats["pushes_received"] += 1
-            self._count_pushed(answer, local_ids)
+            _count_pushed(self.layout, answer, local_ids, span)
         except TimeoutError:
             raise TransferFailed(f"not pushed within {self.timeout:g} s", "timeout") from None
         finally:
@@ -356,22 +417,6 @@ class DecodeLoads:
             if aborted:
                 raise asyncio.CancelledError
 
-    def _count_pushed(self, m: Pushed, local_ids: list[int]) -> None:
-        """The load's bytes and segments: what P's push calls' records say they
-        moved (a P that does not send them: this side's blocks, one segment per
-        contiguous run and tensor)."""
-        tally = current()
-        if tally is None:
-            return
-        if m.nbytes >= 0 and m.segments >= 0:
-            tally.nbytes += m.nbytes
-            tally.segments += m.segments
-            return
-        lay = self.layout
-        tensors = lay.num_layers * lay.tensors_per_layer
-        tally.nbytes += len(local_ids) * lay.block_bytes * tensors
-        tally.segments += len(block_runs(local_ids)) * tensors
-
     async def _register(
         self,
         peer: Peer,
@@ -381,18 +426,20 @@ class DecodeLoads:
         local_ids: list[int],
         first: int,
         deadline: float,
+        shape: tuple[HeadSpan | None, int] = (None, 1),
     ) -> None:
-        """Send ``local_ids`` to ``peer`` for load ``nonce`` of transfer ``xid``, in parts."""
+        """Send ``local_ids`` to ``peer`` for load ``nonce`` of transfer ``xid``,
+        in parts (``shape``: the heads P pushes, and its readers)."""
         margin = min(self.grace, self.timeout / 4)
         runs = block_runs(local_ids)
         step = RUNS_PER_PART
         parts = [runs[i : i + step] for i in range(0, len(runs), step)] or [[]]
-        digest = self.layout.digest(per_rank=True)
+        digest, heads = _reg_shape(self.layout, shape[0])
         for i, part in enumerate(parts):
             left = deadline - time.monotonic() - margin
             if left <= 0:
                 raise TimeoutError
-            msg = Reg(xid, i, len(parts), part, first, left, nonce, key, digest)
+            msg = Reg(xid, i, len(parts), part, first, left, nonce, key, digest, heads, shape[1])
             await self._links.send_to(peer, msg, deadline - time.monotonic())
 
     async def _stop_pushes(
@@ -437,12 +484,15 @@ class DecodeLoads:
                 continue
         return aborted
 
-    def drop_push(self, peer: Peer, xid: str, key: str = "") -> None:
-        """Tell ``peer`` this side will not take transfer ``xid``'s pushes."""
+    def drop_push(
+        self, peer: Peer, xid: str, key: str = "", span: HeadSpan | None = None, readers: int = 1
+    ) -> None:
+        """Tell ``peer`` this side will not take transfer ``xid``'s pushes
+        (``span``, ``readers``: as the load would have registered)."""
         # An empty registration, with the request's push key: nothing to
         # push to this load; P reports the request sent once it takes no more.
-        digest = self.layout.digest(per_rank=True)
-        msg = Reg(xid, 0, 1, [], 0, 1.0, secrets.token_hex(8), key, digest)
+        digest, heads = _reg_shape(self.layout, span)
+        msg = Reg(xid, 0, 1, [], 0, 1.0, secrets.token_hex(8), key, digest, heads, readers)
         self._spawn(self._notice(peer, msg))
 
     async def _notice(self, peer: Peer, msg: Free | Reg | Renew) -> None:

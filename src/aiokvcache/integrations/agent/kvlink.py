@@ -420,25 +420,30 @@ class TransferAgent(LoopThread):
     def expect_push(
         self,
         req_id: str,
-        peer: Peer,
+        peer: Peer | None,
         xid: str,
         local_ids: Sequence[int],
         first: int = 0,
         *,
         key: str = "",
         layout: str | None = None,
+        sources: Sequence[Source] = (),
     ) -> None:
         """D: register ``local_ids`` with ``peer`` for transfer ``xid`` (for the
         request's blocks ``first``, ``first + 1``... on the prefill side), with
         the transfer's push ``key`` from the request's params, and wait for
         its pushes; ``layout``: the prefill's KV layout digest, where the
-        params carry it."""
-        self._post(
-            self.receiver.start,
-            req_id,
-            local_ids,
-            self.receiver.expect_push(peer, xid, list(local_ids), int(first), key, layout),
-        )
+        params carry it. ``sources`` (instead of ``peer`` and ``key``): the
+        prefill workers that push, each its heads of every block under
+        transfer id ``xid/rank`` (a prefill of another tensor-parallel size)."""
+        if sources:
+            each = [(s, f"{xid}/{s.rank}") for s in sources]
+        elif peer is not None:
+            each = [(Source(peer, key), xid)]
+        else:
+            raise ValueError("a push load needs a peer or sources")
+        load = self.receiver.expect_push_all(each, list(local_ids), int(first), layout)
+        self._post(self.receiver.start, req_id, local_ids, load)
 
     def cancel_recv(self, req_id: str) -> None:
         """D: the engine aborted ``req_id``: stop its load; it is reported
@@ -483,11 +488,14 @@ class TransferAgent(LoopThread):
         """D, pull: ``req_id``'s load started (its claim holds the blocks) or it ended."""
         self._post(self.receiver.renew_stop, req_id)
 
-    def drop_push(self, peer: Peer, xid: str, key: str = "") -> None:
+    def drop_push(self, peer: Peer, xid: str, key: str = "", source: Source | None = None) -> None:
         """D: this side will not take transfer ``xid``'s pushes (a local prefix
         hit, an abort before the load began): ``peer`` frees them once it takes
-        no more loads (``key``: the transfer's push key, from the params)."""
-        self._post(self.receiver.drop_push, peer, xid, key)
+        no more loads (``key``: the transfer's push key, from the params).
+        ``source``: the heads and readers the load would have registered
+        with (a prefill of another tensor-parallel size)."""
+        span, readers = (source.span, source.readers) if source is not None else (None, 1)
+        self._post(self.receiver.drop_push, peer, xid, key, span, readers)
 
     # ------------------------------------------------------------ messages
 

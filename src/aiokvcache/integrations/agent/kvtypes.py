@@ -133,14 +133,16 @@ class Peer:
 @dataclass(frozen=True)
 class Source:
     """A prefill worker a load reads from: ``key`` its grant key for the
-    request, ``span`` what of each block (None: whole blocks, one
-    tensor-parallel size), ``readers`` how many decode workers read the
-    request from it."""
+    request (pull) or push key (push), ``span`` what of each block (None:
+    whole blocks, one tensor-parallel size), ``readers`` how many decode
+    workers read the request from it, ``rank`` its tensor-parallel rank (a
+    push's transfer id names it)."""
 
     peer: Peer
     key: str = ""
     span: HeadSpan | None = None
     readers: int = 1
+    rank: int = 0
 
 
 class TransferFailed(Exception):

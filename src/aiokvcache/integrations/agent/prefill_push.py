@@ -15,8 +15,8 @@ from typing import Any
 
 from ... import BlocksCacheKey
 from .calls import Tally, counting
-from .handoff import BadMessage, Registration, push_key, push_key_ok
-from .kvtypes import RUNS_PER_PART, KVLayout, TransferFailed
+from .handoff import MAX_READERS, BadMessage, Registration, push_key, push_key_ok
+from .kvtypes import RUNS_PER_PART, KVLayout, TransferFailed, head_units
 from .links import PeerLinks
 from .results import Results
 from .wire import Cancel, Layer, Pushed, PushFail, Reg
@@ -64,36 +64,51 @@ class _Load:
     ended: bool = False  # pushed or failed: nothing more will be written
     quiescing: bool = False  # its pushes are being cancelled
     tally: Tally | None = None  # what its push calls moved (their records)
+    # What of each block it takes (another tensor-parallel size): this side's
+    # heads [p_head, p_head + count) into D's heads from d_head of d_heads;
+    # None: whole blocks.
+    heads: tuple[int, int, int, int] | None = None
+    readers: int = 1  # decode workers that register for the transfer here (each its heads)
 
     def running(self) -> bool:
         me = asyncio.current_task()
         return self.quiescing or any(not t.done() and t is not me for t in self.tails.values())
 
-    def add_part(self, m: Reg, num_blocks: int) -> tuple[list[int] | None, int]:
+    def add_part(self, m: Reg, layout: KVLayout) -> tuple[list[int] | None, int]:
         """Check and add one registration part: the whole id list once the
-        last part is in (else None), and how many ids it added. Raises
+        last part is in (else None), and how many ids it added; its KV
+        layout, heads and readers checked against ``layout``, this side's. Raises
         :class:`BadMessage` for one that does not hold."""
         before = self.registration.count
-        first, ttl = m.first, m.ttl
+        first, ttl, num_blocks = m.first, m.ttl, layout.num_blocks
         if not (type(first) is int and 0 <= first < num_blocks):
             raise BadMessage(f"a registration's first block index {first!r}")
         if not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and ttl > 0):
             raise BadMessage(f"a registration's deadline {ttl!r}")
+        self.heads, self.readers = _shape(m, layout)  # every part says them
         ids = self.registration.add(self.src, m.part, m.parts, m.runs)
         return ids, self.registration.count - before
 
-    def destination(self, i0: int, i1: int, request_blocks: int) -> tuple[int, list[int]]:
-        """For the request's blocks ``[i0, i1)``: the first one this load takes
-        (before its first registered one, D has them in its prefix cache) and
-        D's blocks for them. :class:`TransferFailed` when it registered too few."""
+    def moves(
+        self, layout: KVLayout, i0: int, i1: int, blocks: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """For the request's blocks ``[i0, i1)`` (of ``blocks``, this side's):
+        the units of this side's and of D's a push to this load moves, whole
+        blocks or its heads of each; none before its first registered block
+        (D has them in its prefix cache). :class:`TransferFailed` when it
+        registered too few."""
         assert self.reg_ids is not None
-        if i1 - self.first > len(self.reg_ids) or i1 > request_blocks:
+        if i1 - self.first > len(self.reg_ids) or i1 > len(blocks):
             raise TransferFailed(
                 f"{len(self.reg_ids)} destination blocks registered from block "
                 f"{self.first}, {i1 - self.first} needed"
             )
         j0 = max(i0, self.first)
-        return j0, self.reg_ids[j0 - self.first : i1 - self.first]
+        src, dst = blocks[j0:i1], self.reg_ids[j0 - self.first : i1 - self.first]
+        if self.heads is None:
+            return layout.units(src), layout.units(dst)
+        p_head, count, d_heads, d_head = self.heads
+        return layout.units(src, p_head, count), head_units(dst, d_heads, d_head, count)
 
     def miscount(self, n: int) -> str:
         """Why its registered blocks are not exactly the request's ``n`` (from
@@ -128,9 +143,14 @@ class _PushState:
         return sum(ld.registration.count for ld in self.loads.values())
 
     def closable(self) -> bool:
-        """Released, it had a load, and every load it has ended: it takes no more."""
+        """Released, every load it has ended, and loads of as many decode
+        workers as its loads said read it (each its heads) were accepted
+        and ended: it takes no more."""
         loads = self.loads.values()
-        return self.released and any(ld.accepted for ld in loads) and all(ld.ended for ld in loads)
+        if not self.released or not all(ld.ended for ld in loads):
+            return False
+        done = {ld.src for ld in loads if ld.accepted}
+        return bool(done) and len(done) >= max(ld.readers for ld in loads if ld.accepted)
 
     def settled(self) -> bool:
         """Every load ended and none of its pushes runs."""
@@ -151,6 +171,36 @@ class _PushState:
                 ld.landed.clear()
                 ld.tails.clear()
         return tails
+
+
+def _shape(m: Reg, layout: KVLayout) -> tuple[tuple[int, int, int, int] | None, int]:
+    """What of each block a registration's load takes (see ``_Load.heads``)
+    and its readers; :class:`BadMessage` for a registration whose KV layout
+    or heads do not fit this side's."""
+    readers = m.readers
+    if not (type(readers) is int and 1 <= readers <= MAX_READERS):
+        raise BadMessage(f"readers {readers!r} not in [1, {MAX_READERS}]")
+    differs = "the decode instance's KV layout differs from the prefill's"
+    h = m.heads
+    if h is None:  # whole blocks: both sides hold the same heads a block
+        if m.layout != layout.digest(per_rank=True):
+            raise BadMessage(differs)
+        return None, readers
+    if not (isinstance(h, list) and len(h) == 5 and all(type(x) is int for x in h)):
+        raise BadMessage(f"a registration's heads {h!r}")
+    if not layout.total_heads or m.layout != layout.digest():
+        raise BadMessage(differs)
+    p_heads, p_head, count, d_heads, d_head = h
+    if p_heads != layout.heads:
+        raise BadMessage(
+            f"the registration takes this worker's blocks to hold {p_heads} KV heads; "
+            f"they hold {layout.heads}"
+        )
+    if not (0 <= p_head and 1 <= count and p_head + count <= p_heads):
+        raise BadMessage(f"heads [{p_head}, {p_head + count}) of a block of {p_heads}")
+    if not (0 < d_heads <= layout.total_heads and 0 <= d_head and d_head + count <= d_heads):
+        raise BadMessage(f"heads [{d_head}, {d_head + count}) of a decode block of {d_heads}")
+    return (p_head, count, d_heads, d_head), readers
 
 
 class _PeerBudget:
@@ -365,9 +415,6 @@ class PushSender:
             return
         ld.first, ld.ttl, ld.reg_ids = m.first, float(m.ttl), ids
         ld.arrived = time.monotonic()
-        if m.layout != self.layout.digest(per_rank=True):
-            self._refuse(st, ld, "the decode instance's KV layout differs from the prefill's")
-            return
         ld.key, ld.waiting_key = m.key, True
         self._accept(st, ld)
 
@@ -400,7 +447,7 @@ class PushSender:
     def _add_part(self, st: _PushState, ld: _Load, m: Reg) -> list[int] | None:
         """One registration part (see :meth:`_Load.add_part`), counted against
         its peer's budget while the engine does not know the transfer."""
-        ids, added = ld.add_part(m, self.layout.num_blocks)
+        ids, added = ld.add_part(m, self.layout)
         if st.remote:
             self._budget.add_blocks(ld.src, added)
         return ids
@@ -509,17 +556,16 @@ class PushSender:
             # The decode instance that registered is gone (a restart with the
             # same cluster id links anew): never write into its successor.
             raise TransferFailed("the link the load was registered on is gone")
-        j0, dst = ld.destination(i0, i1, len(st.blocks))
-        if j0 < i1:
+        src, dst = ld.moves(self.layout, i0, i1, st.blocks)
+        if src:
             left = None if ld.deadline is None else max(0.001, ld.deadline - time.monotonic())
-            if ld.tally is None:
-                ld.tally = Tally(self._results.called)
+            ld.tally = ld.tally or Tally(self._results.called)
             with counting(ld.tally):
                 await cm.push_blocks(
                     BlocksCacheKey(ld.src),
                     self._links.cache,
-                    self.layout.units(st.blocks[j0:i1]),
-                    self.layout.units(dst),
+                    src,
+                    dst,
                     src_layer_range=layers,
                     dst_layer_range=layers,
                     tensor_num_per_layer=self.layout.tensors_per_layer,

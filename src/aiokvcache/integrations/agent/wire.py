@@ -193,7 +193,15 @@ class Reg(_Message):
     P's pushes end within ``ttl`` seconds. ``nonce`` names this load (one
     transfer may feed several: vLLM's ``n > 1`` children, a proxy's retry),
     ``key`` is the transfer's push key from the request's params (only a
-    decode handed them may register), ``layout`` D's KV layout digest."""
+    decode handed them may register), ``layout`` D's KV layout digest.
+
+    Between instances of different tensor-parallel sizes (a head-major
+    layout): ``heads`` is ``[p_heads, p_head, count, d_heads, d_head]``, P
+    pushes heads ``[p_head, p_head + count)`` of its blocks (which D takes to
+    hold ``p_heads``) into heads ``[d_head, d_head + count)`` of D's blocks
+    (of ``d_heads``); ``None``: whole blocks, one size. ``readers``: how many
+    decode workers register for the transfer with this prefill worker (each
+    its heads); P takes loads until that many decode workers' ended."""
 
     OP = Op.REG
     ARITY = 9
@@ -206,10 +214,12 @@ class Reg(_Message):
     nonce: str
     key: Any
     layout: Any
+    heads: Any = None
+    readers: Any = 1
 
     @classmethod
     def from_args(cls, a: list[Any]) -> Reg:
-        return cls(str(a[0]), a[1], a[2], a[3], a[4], a[5], str(a[6]), a[7], a[8])
+        return cls(str(a[0]), a[1], a[2], a[3], a[4], a[5], str(a[6]), a[7], a[8], *a[9:11])
 
 
 @dataclass(frozen=True)
