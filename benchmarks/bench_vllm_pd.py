@@ -51,13 +51,13 @@ either way unless ``--nixl-binding default``. The instances are in-process
 engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where vLLM binds no OpenMP
 thread: unpinned, each instance's OpenMP team spans every core.
 ``--hybrid`` makes the model's layers alternate a 128-token sliding window
-and full attention (two KV cache groups under vLLM's hybrid allocator; push
-scenarios then move by pull). ``--tp P,D`` runs the prefill at tensor-parallel
+and full attention (two KV cache groups under vLLM's hybrid allocator).
+``--tp P,D`` runs the prefill at tensor-parallel
 size P and the decode at D (both instances and NixlConnector's; vLLM's
 ``mp`` executor, one core per rank, ``VLLM_CPU_OMP_THREADS_BIND=0|1``): the
 model then gets real random weights from one seed (``model.safetensors``),
-in float32, the same model at every size, and the reference is a TP-1 instance; push
-scenarios across sizes are refused by aiokvcache (not run).
+in float32, the same model at every size, and the reference is a TP-1 instance (a
+decode-first client says the prefill's size in its params).
 NixlConnector's instances then use the same binding.
 ``--multiprocess`` runs vLLM's default engine processes instead (an
 EngineCore and a Worker process per instance; vLLM binds the Worker's
@@ -460,7 +460,7 @@ class Bench:
         if not a.no_warmup:
             try:
                 driver.disaggregated(
-                    p, d, [self.prompts[0]] * c, a.max_tokens, mode, order, addr, timed=True
+                    p, d, [self.prompts[0]] * c, a.max_tokens, mode, order, addr, True, a.tp[0]
                 )
             except Exception as exc:
                 self.log(f"  {name} c={c}: warm-up failed: {exc!r}")
@@ -482,7 +482,9 @@ class Bench:
             ps = [self.prompts[i] for i in idx]
             want_blocks += sum(blocks(len(x)) for x in ps)
             try:
-                out = driver.disaggregated(p, d, ps, a.max_tokens, mode, order, addr, timed=True)
+                out = driver.disaggregated(
+                    p, d, ps, a.max_tokens, mode, order, addr, timed=True, p_tp=a.tp[0]
+                )
                 rows = out["rows"]
                 prefill.append(out["prefill_seconds"])
                 firsts = [r["times"][0] for r in rows if r["times"]]
@@ -770,8 +772,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.pinned:
             ap.error("--tp other than 1,1 takes --default-binding (one core a rank)")
         args.nixl_binding = "default"  # NixlConnector's instances alike
-        if args.tp[0] != args.tp[1]:
-            names = [x for x in names if SCENARIOS[x][1] == "pull"]
     cfg = dict(driver.TINY_LLAMA if args.tiny else BIG_LLAMA)
     if args.layers:
         cfg["num_hidden_layers"] = args.layers

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -518,5 +519,142 @@ async def test_a_registration_that_waited_for_its_key_keeps_its_deadline() -> No
         agent.push_sender.step("x", "p-req", [1, 2, 3], BS, 4, False, "ck")  # not final
         (ld,) = agent.push_sender.transfers["x"].loads.values()
         assert ld.accepted and ld.deadline == ld.arrived + 1.0, (ld.deadline, ld.arrived)
+    finally:
+        await close_agent(agent)
+
+
+# ------------------------------------------------------------ KV cache groups (hybrid models)
+
+#: A window group of 8 tokens (2 blocks of 4) beside a full-attention one; a
+#: prompt of 22 tokens (6 blocks): the decode's next token attends to tokens
+#: 15..22, positions from (22 - 8 + 1) // 4 = 3 of the window group.
+WINDOWS, PROMPT = (8, 0), 22
+P_GROUPS = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]]
+
+
+def record_units(rec: Any) -> list[tuple[list[int], list[int]]]:
+    """Make ``rec`` record each push's source and destination units."""
+    calls: list[tuple[list[int], list[int]]] = []
+    push = rec.push_blocks
+
+    async def record(key: Any, cache: Any, src: Any, dst: Any, **kw: Any) -> None:
+        calls.append((list(src), list(dst)))
+        await push(key, cache, src, dst, **kw)
+
+    rec.push_blocks = record
+    return calls
+
+
+def step_groups(agent: Any, groups: list[list[int]], xid: str = "x") -> None:
+    """The engine computes the whole prompt in one step, every layer."""
+    agent.push_sender.step(xid, "p-req", groups[0], BS, PROMPT, True, None, groups, PROMPT)
+    for layer in range(LAYERS):
+        agent.push_sender.layer_saved([xid], layer)
+
+
+def reg_groups(agent: Any, runs: list[list[int]], groups: Any, nonce: str = "n1") -> list[Any]:
+    args = reg_args(agent, ["x", 0, 1, runs, 0, 5.0], nonce=nonce)
+    return [*args, None, 1, groups]
+
+
+@pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
+async def test_each_group_pushes_its_positions_into_the_decodes_blocks(order: str) -> None:
+    """A registration of both groups: the window's positions from where the
+    decode's next token attends, every full-attention position. Each layer
+    is one push of both groups' pairs, then ``pushed``."""
+    agent, rec = await make_agent(windows=WINDOWS)
+    calls = record_units(rec)
+    try:
+        reg = reg_groups(agent, [[40, 3], [50, 6]], [[3, 3], [0, 6]])
+        if order == "decode-first":
+            agent.deliver(D_ID, "reg", reg)
+            step_groups(agent, P_GROUPS)
+        else:
+            step_groups(agent, P_GROUPS)
+            agent.deliver(D_ID, "reg", reg)
+        await until(lambda: "pushed" in rec.kinds(D_ID))
+        want = ([13, 14, 15, *P_GROUPS[1]], [40, 41, 42, *range(50, 56)])
+        assert calls and all(c == want for c in calls), calls
+    finally:
+        await close_agent(agent)
+
+
+@pytest.mark.parametrize(
+    ("runs", "groups", "why"),
+    [
+        # The window from position 2: the prefill pushes from 3, block 2 would hold nothing.
+        ([[39, 4], [50, 6]], [[2, 4], [0, 6]], "its window from block 3"),
+        ([[40, 3], [50, 5]], [[3, 3], [0, 5]], "6 needed"),  # one block short
+        ([[40, 3], [50, 6]], [[3, 3], [0, 5]], "6 needed"),  # counts that lie
+    ],
+)
+async def test_a_registration_whose_groups_do_not_cover_the_request_is_never_told_pushed(
+    runs: list[list[int]], groups: list[list[int]], why: str
+) -> None:
+    agent, rec = await make_agent(windows=WINDOWS)
+    try:
+        agent.deliver(D_ID, "reg", reg_groups(agent, runs, groups))
+        step_groups(agent, P_GROUPS)
+        await until(lambda: "pushfail" in rec.kinds(D_ID))
+        got = next(m for c, m in rec.sent if m[0] == "pushfail")[3]
+        assert why in got and "pushed" not in rec.kinds(D_ID)
+    finally:
+        await close_agent(agent)
+
+
+@pytest.mark.parametrize(
+    "groups",
+    [None, [[3, 3]], [[3, 3], [0, 6], [0, 0]], [[3, 3], [0, "6"]], [[3, 3], [0, -1]], "3,3"],
+)
+async def test_a_registration_without_its_groups_positions_is_refused(groups: Any) -> None:
+    """A model of two groups takes only registrations that give both groups'
+    positions, as ``[first, count]`` ints."""
+    agent, rec = await make_agent(windows=WINDOWS)
+    try:
+        agent.deliver(D_ID, "reg", reg_groups(agent, [[40, 3], [50, 6]], groups))
+        step_groups(agent, P_GROUPS)
+        await until(lambda: "pushfail" in rec.kinds(D_ID))
+        assert not rec.pushes
+    finally:
+        await close_agent(agent)
+
+
+async def test_window_blocks_the_prefill_freed_as_it_finished_are_never_pushed() -> None:
+    """Prefill first, after a request that decoded on past its prompt: vLLM
+    freed window position 3 as it finished (null block 0 in the lists the
+    release carries). A decode that needs it gets ``pushfail``; nothing is
+    read from the freed block."""
+    agent, rec = await make_agent(windows=WINDOWS)
+    try:
+        step_groups(agent, P_GROUPS)
+        freed = [[0, 0, 0, 0, 14, 15], P_GROUPS[1]]
+        agent.push_sender.release("x", "p-req", False, freed)
+        agent.deliver(D_ID, "reg", reg_groups(agent, [[40, 3], [50, 6]], [[3, 3], [0, 6]]))
+        await until(lambda: "pushfail" in rec.kinds(D_ID))
+        assert not rec.pushes
+    finally:
+        await close_agent(agent)
+
+
+async def test_settle_returns_once_the_running_pushes_ended() -> None:
+    """What the engine's thread waits for before a step that may reuse a
+    transfer's freed window blocks: the pushes running now, not cancelled."""
+    agent, rec = await make_agent(windows=WINDOWS)
+    gate = asyncio.Event()
+
+    async def held(layer: int) -> None:
+        await gate.wait()
+
+    rec.push = held
+    try:
+        agent.deliver(D_ID, "reg", reg_groups(agent, [[40, 3], [50, 6]], [[3, 3], [0, 6]]))
+        step_groups(agent, P_GROUPS)
+        await until(lambda: len(rec.pushes) >= 1)
+        settle = asyncio.ensure_future(agent.push_sender.settle(["x"]))
+        await asyncio.sleep(0.2)
+        assert not settle.done()
+        gate.set()
+        await asyncio.wait_for(settle, 5)
+        await until(lambda: "pushed" in rec.kinds(D_ID))  # none was cancelled
     finally:
         await close_agent(agent)

@@ -7,13 +7,14 @@ agents over tcp and shared memory, NumPy "KV caches" in a head-major layout
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import numpy as np
 import pytest
 
-from aiokvcache.integrations.agent.kvtypes import HeadSpan, Source
+from aiokvcache.integrations.agent.kvtypes import HeadSpan, KVLayout, Peer, Source
 from support.agent_pair import BS, LAYERS, Side, fill, wait_for
 from support.kvlink_harness import D_ID, close_agent, make_agent, reg_args, step_all, until
 
@@ -294,5 +295,139 @@ async def test_a_push_of_a_head_range_writes_those_units_only() -> None:
         step_all(agent)
         await until(lambda: "pushed" in rec.kinds(D_ID))
         assert calls and all(c == ([3, 5, 7], [10, 11, 12]) for c in calls)
+    finally:
+        await close_agent(agent)
+
+
+# ------------------------------------------------------------ attack review of push across sizes
+
+
+def _route(frm: Any, frm_id: int, to: Any, to_id: int) -> None:
+    """What agent ``frm`` (cluster ``frm_id``) notifies to cluster ``to_id``
+    reaches agent ``to`` once its Recorder took it (after its delay)."""
+    rec = frm.links.cm
+    sent = rec.notify
+
+    async def notify(cluster: int, tag: str, timeout: float | None = None) -> None:
+        await sent(cluster, tag, timeout)
+        if cluster == to_id:
+            msg = json.loads(tag)[1:]
+            to.deliver(frm_id, msg[0], msg[1:])
+
+    rec.notify = notify
+
+
+async def _half_agent() -> tuple[Any, Any]:
+    """A harness agent of one head a block of a two-head model, its heads
+    as long as those of ``make_agent(heads=2, total_heads=2)``'s (the same
+    model at twice the tensor-parallel size)."""
+    agent, rec = await make_agent(heads=1, total_heads=2)
+    lay = agent.layout
+    half = KVLayout(
+        LAYERS, 1, lay.num_blocks, 32, lay.block_size, lay.addrs, "u8", heads=1, total_heads=2
+    )
+    agent.layout = agent.push_sender.layout = agent.receiver.layout = half
+    return agent, rec
+
+
+async def test_a_registration_cut_off_by_the_other_workers_failure_neither_hangs_nor_unlinks() -> (
+    None
+):
+    """Decode TP 1 registers with prefill workers 0 and 1 (P2 -> D1). Worker
+    0 refuses at once (a wrong key) while the registration to worker 1 is
+    still being sent (its notification not yet taken: a busy link). The
+    task group cancels that send: worker 1 never hears of the load, drops
+    the decode's ``cancel`` (a load it does not know), and the decode waits
+    its whole deadline and grace, then unlinks worker 1 (every other
+    transfer on that link fails with it). The load should fail at once."""
+    d, drec = await make_agent(timeout=3.0, grace=1.0, heads=2, total_heads=2)
+    p0, _ = await _half_agent()
+    p1, _ = await _half_agent()
+    unlinked: list[int] = []
+
+    async def quiesce(cluster_id: int) -> None:
+        unlinked.append(cluster_id)
+
+    d.links.quiesce = quiesce  # type: ignore[method-assign]
+    P0, P1 = 11, 33
+    _route(d, D_ID, p0, P0)
+    _route(d, D_ID, p1, P1)
+    _route(p0, P0, d, D_ID)
+    _route(p1, P1, d, D_ID)
+    drec.notify_delay = lambda m: 0.5 if m[0] == "reg" and m[1] == "x/1" else 0.0
+    try:
+        step_all(p0, "x/0")
+        step_all(p1, "x/1")
+        sources = [
+            Source(Peer("h", 1, P0), "forged", HeadSpan(1, 0, 0, 1), rank=0),
+            Source(Peer("h", 2, P1), p1.push_key("x/1"), HeadSpan(1, 0, 1, 1), rank=1),
+        ]
+        t0 = time.monotonic()
+        d.expect_push("d-req", None, "x", [5, 6, 3], layout=d.layout.digest(), sources=sources)
+        failed: set[str] = set()
+
+        def reported() -> bool:
+            failed.update(d.take_results().failed_recving)
+            return "d-req" in failed
+
+        await until(reported)
+        took = time.monotonic() - t0
+        assert not unlinked, f"prefill worker 1 unlinked after {took:.1f} s"
+        assert took < 2.0, f"the load failed only after {took:.1f} s (deadline + grace)"
+    finally:
+        for a in (d, p0, p1):
+            await close_agent(a)
+
+
+@pytest.mark.parametrize(
+    ("heads", "children"),
+    [(4, 5), (32, 1)],
+    ids=["P1-D4-n5", "P1-D32"],
+)
+async def test_a_prefill_pushing_to_k_decode_workers_takes_every_load(
+    heads: int, children: int
+) -> None:
+    """Prefill TP 1 pushes to decode TP k (``readers`` k, each decode worker
+    its head): P takes loads until k clusters registered and ended. With
+    vLLM's ``n > 1`` children (the same params, one load each) a transfer
+    gets k x n loads; readers up to 64 are accepted, but the prefill takes
+    at most MAX_LOADS (16) loads a transfer and answers the rest "too many
+    loads of one transfer": with equal sizes n children took n loads."""
+    agent, rec = await make_agent(heads=heads, total_heads=heads)
+    try:
+        step_all(agent)
+        n = 0
+        for r in range(heads):
+            for c in range(children):
+                args = reg_args(
+                    agent,
+                    ["x", 0, 1, [[3 * c, 3]], 0, 5.0],
+                    f"n{r}-{c}",
+                    layout=agent.layout.digest(),
+                )
+                agent.deliver(100 + r, "reg", [*args, [heads, r, 1, 1, 0], heads])
+                n += 1
+        await until(lambda: len([m for c, m in rec.sent if m[0] in ("pushed", "pushfail")]) >= n)
+        fails = [m[3] for c, m in rec.sent if m[0] == "pushfail"]
+        assert not fails, f"{len(fails)} of {n} loads refused: {fails[0]}"
+    finally:
+        await close_agent(agent)
+
+
+async def test_registration_parts_that_disagree_on_their_heads_are_refused() -> None:
+    """A registration's parts each say its heads (and readers); a part count
+    that changes between parts is refused, but heads that change are not:
+    the load takes whatever the part that came last said (here head 1 of
+    each block, where part 0 asked for head 0), and is pushed."""
+    agent, rec = await make_agent(heads=2, total_heads=2)
+    try:
+        step_all(agent)
+        lay = agent.layout.digest()
+        a0 = reg_args(agent, ["x", 0, 2, [[10, 1]], 0, 5.0], layout=lay)
+        a1 = reg_args(agent, ["x", 1, 2, [[20, 2]], 0, 5.0], layout=lay)
+        agent.deliver(D_ID, "reg", [*a0, [2, 0, 1, 1, 0], 2])
+        agent.deliver(D_ID, "reg", [*a1, [2, 1, 1, 1, 0], 1])
+        await until(lambda: bool({"pushed", "pushfail"} & set(rec.kinds(D_ID))))
+        assert "pushfail" in rec.kinds(D_ID) and not rec.pushes, rec.kinds(D_ID)
     finally:
         await close_agent(agent)

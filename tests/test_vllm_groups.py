@@ -194,3 +194,20 @@ def test_pair_a_window_by_position_when_the_prefill_holds_blocks_past_the_decode
         src_pos = src - 10 if src < 20 else src - 20
         dst_pos = dst - 100 if dst < 200 else dst - 200
         assert src_pos == dst_pos, f"decode position {dst_pos} reads prefill position {src_pos}"
+
+
+def test_push_registers_the_window_from_the_block_the_next_token_attends_to() -> None:
+    """Push: a full-attention group from the prefix-cache hit, a window of 8
+    tokens (blocks of 4) from ``(end - 8 + 1) // 4``: the blocks vLLM keeps
+    until the prefill request ends, and all the decode's next token reads."""
+    g = KVGroups((3, 0), "sw8,full", (8, 0), 4)
+    local = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23, 24, 25]]
+    assert g.push_spans(local, 0, 6, 22) == ([13, 14, 15, *local[1]], [[3, 3], [0, 6]])
+    assert g.push_spans(local, 0, 6, 23) == ([14, 15, *local[1]], [[4, 2], [0, 6]])
+    # A prefix hit past the window's start: both groups from the hit.
+    assert g.push_spans(local, 4, 6, 22) == ([14, 15, 24, 25], [[4, 2], [4, 2]])
+    assert g.push_spans(local, 0, 2, 5) == ([10, 11, 20, 21], [[0, 2], [0, 2]])
+    with pytest.raises(ValueError, match="no block of its own"):
+        g.push_spans([[10, 11, 12, 0, 14, 15], local[1]], 0, 6, 22)
+    with pytest.raises(ValueError, match="block lists"):
+        g.push_spans(local[:1], 0, 6, 22)

@@ -5,6 +5,7 @@ is reported failed, its blocks invalid, without asking any peer."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,7 @@ class _Meta:
     holds: dict[str, Any] = field(default_factory=dict)
     push_steps: dict[str, Any] = field(default_factory=dict)
     push_release: dict[str, Any] = field(default_factory=dict)
+    push_settle: dict[str, Any] = field(default_factory=dict)
     cancel_recv: set[str] = field(default_factory=set)
     renew_start: dict[str, Any] = field(default_factory=dict)
     renew_stop: set[str] = field(default_factory=set)
@@ -259,3 +261,28 @@ def test_a_push_takes_each_prefill_workers_heads_under_its_transfer_id_and_key()
     assert [(s.rank, s.key) for s in client] == [(0, "client-key"), (1, "client-key")]
     one = heads_binding(1, 2).push_sources(PEERS4[:2], 2, [], "client-key")
     assert [(s.rank, s.key, s.span) for s in one] == [(1, "client-key", None)]
+
+
+async def test_push_params_that_list_one_prefill_worker_for_two_ranks_fail_at_once() -> None:
+    """Decode TP 1, prefill TP 2: params whose ``aiokv_peers`` name worker 0
+    twice (a sloppy client or proxy) have the right length, so the decode
+    registers with worker 0 twice, once under ``x/1`` with worker 1's key.
+    Worker 0 never computes ``x/1``: the load fails only at its deadline
+    ("not pushed within"), worker 0 holds a registration it cannot serve
+    and worker 1's blocks wait for a load that never comes. Like a list of
+    the wrong length, it should fail at once, asking no peer."""
+    agent, rec = await make_agent(heads=4, total_heads=4)
+    try:
+        r = _Recv("push", [PEERS4[0], PEERS4[0]], 2, push_keys=["k0", "k1"])
+        heads_binding(0, 1).bind(agent, _Meta({"d-req": r}))
+        failed: set[str] = set()
+
+        def reported() -> bool:
+            failed.update(agent.take_results().failed_recving)
+            return "d-req" in failed
+
+        await asyncio.sleep(0.5)
+        regs = [(c, m[1]) for c, m in rec.sent if m[0] == "reg"]
+        assert reported() and not regs, f"not refused; registered {regs}"
+    finally:
+        await close_agent(agent)

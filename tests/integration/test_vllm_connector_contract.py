@@ -913,9 +913,8 @@ def sliding_tail(ids: list[int]) -> list[int]:
     return [b for b in ids if b != 0][-n:]
 
 
-@pytest.mark.parametrize("asked", ["pull", "push"])
 def test_a_hybrid_model_moves_each_group_and_only_the_window(
-    engines: Callable[..., Engine], asked: str
+    engines: Callable[..., Engine],
 ) -> None:
     """A model whose layer 0 slides over a window and layer 1 attends to
     everything gets two KV cache groups from vLLM's hybrid allocator, laid
@@ -923,14 +922,12 @@ def test_a_hybrid_model_moves_each_group_and_only_the_window(
     full-attention block, and of the sliding window only the blocks that can
     still be in it (vLLM freed the earlier ones); the decode loads each into
     its own group's blocks, and each layer then holds the prefill's bytes
-    (the sliding layer: every position of the next token's window). A
-    request that asks for push is moved by pull: push needs one
-    full-attention group."""
+    (the sliding layer: every position of the next token's window)."""
     p = engines("kv_producer", "pull", hybrid=True)
     d = engines("kv_consumer", "pull", hybrid=True)
     assert p.worker is not None and p.agent.layout.num_layers == 1  # one tensor: moved once
     tokens = prompt(23, 5 * BS + 9)  # six blocks; the window reaches into the last three
-    p.add("pre", tokens, 1, {"do_remote_decode": True, "transfer_mode": asked})
+    p.add("pre", tokens, 1, {"do_remote_decode": True})
     run([p], lambda: "pre" in p.finished)
     params = p.finished["pre"].kv_transfer_params
     assert params is not None and params["transfer_mode"] == "pull"
@@ -952,16 +949,65 @@ def test_a_hybrid_model_moves_each_group_and_only_the_window(
     run([d], lambda: "dec" in d.finished)
 
 
-def test_a_hybrid_model_refuses_push_and_a_peer_grouped_otherwise(
+@pytest.mark.parametrize("order", ["prefill-first", "decode-first"])
+def test_a_hybrid_model_pushes_each_group_and_only_the_window(
+    engines: Callable[..., Engine], order: str
+) -> None:
+    """Push on the same model: the decode registers every full-attention
+    block and, of the window, the blocks its next token attends to (those
+    vLLM keeps until the prefill request ends); the prefill pushes each
+    layer's blocks of both groups, and each layer of the decode's blocks then
+    holds the prefill's bytes."""
+    p = engines("kv_producer", "push", hybrid=True)
+    d = engines("kv_consumer", "push", hybrid=True)
+    tokens = prompt(31, 5 * BS + 9)
+    if order == "decode-first":
+        d.add("dec", tokens, 2, decode_first_params(*p.address, "x1", "k" * 32))
+        run([d], lambda: bool(d.agent.receiver.pending()))
+        first = {"aiokv_transfer_id": "x1", "aiokv_transfer_key": "k" * 32}
+        p.add("pre", tokens, 1, {"do_remote_decode": True, "transfer_mode": "push", **first})
+    else:
+        p.add("pre", tokens, 1, {"do_remote_decode": True, "transfer_mode": "push"})
+        run([p], lambda: "pre" in p.finished)
+        params = p.finished["pre"].kv_transfer_params
+        assert params is not None and params["transfer_mode"] == "push"
+        d.add("dec", tokens, 2, json.loads(json.dumps(params)))
+    run([p, d], lambda: "dec" in d.loads and "pre" in p.sent)
+    assert d.loads["dec"] == (True, True)
+    # 3 window blocks (from position (169 - 64 + 1) // 32) and 6 of full attention.
+    assert (d.agent.stats["pushes_received"], d.agent.stats["blocks_loaded"]) == (1, 9)
+    run([d], lambda: "dec" in d.finished)
+
+
+@pytest.mark.parametrize(("max_tokens", "loads"), [(4, True), (40, False)])
+def test_a_hybrid_prefill_that_decodes_on_pushes_only_the_window_it_still_holds(
+    engines: Callable[..., Engine], max_tokens: int, loads: bool
+) -> None:
+    """A prefill request that goes on decoding past its prompt has vLLM free
+    its window's earlier blocks as it goes. Pushed after it finished
+    (prefill first): 3 more tokens leave every block the decode's window
+    needs, and the load holds the prefill's bytes; 39 more free one of them,
+    and the load fails (nothing of a reused block is pushed, no load is
+    reported whole that is not)."""
+    p = engines("kv_producer", "push", hybrid=True)
+    d = engines("kv_consumer", "push", hybrid=True)
+    tokens = prompt(37, 5 * BS + 9)
+    p.add("pre", tokens, max_tokens, {"do_remote_decode": True, "transfer_mode": "push"})
+    run([p], lambda: "pre" in p.finished)
+    params = p.finished["pre"].kv_transfer_params
+    assert params is not None
+    params["remote_num_tokens"] = len(tokens)  # the decode loads the prompt
+    d.add("dec", tokens, 2, params)
+    run([p, d], lambda: "dec" in d.loads and "pre" in p.sent)
+    assert d.loads["dec"] == (loads, loads)
+
+
+def test_a_hybrid_model_refuses_a_peer_grouped_otherwise(
     engines: Callable[..., Engine],
 ) -> None:
-    """Push mode cannot move a sliding-window group: configuring it is an
-    error naming the groups. A decode request whose params come from a
-    prefill grouped otherwise (one group) or ask for a push (a client's
-    decode-first params) fails its load at once, its blocks reported
-    invalid; the next request loads."""
-    with pytest.raises(ValueError, match=r"push mode needs one full-attention KV cache group"):
-        engines("kv_consumer", "push", hybrid=True)
+    """A decode request whose params come from a prefill grouped otherwise
+    (one group) fails its load at once, its blocks reported invalid; the
+    next request loads."""
     plain = engines("kv_producer", "pull")
     p = engines("kv_producer", "pull", hybrid=True)
     d = engines("kv_consumer", "pull", hybrid=True)
@@ -969,11 +1015,8 @@ def test_a_hybrid_model_refuses_push_and_a_peer_grouped_otherwise(
     plain.add("pre", tokens, 1, {"do_remote_decode": True})
     run([plain], lambda: "pre" in plain.finished)
     d.add("from-plain", tokens, 2, plain.finished["pre"].kv_transfer_params)
-    host, port, cid = p.address
-    d.add("decode-first", tokens, 2, decode_first_params(host, port, cid, "x1", "k" * 32))
-    run([plain, d], lambda: {"from-plain", "decode-first"} <= set(d.loads))
+    run([plain, d], lambda: "from-plain" in d.loads)
     assert d.loads["from-plain"] == (False, False)
-    assert d.loads["decode-first"] == (False, False)
     p.add("pre", tokens, 1, {"do_remote_decode": True})
     run([p], lambda: "pre" in p.finished)
     d.add("dec", tokens, 2, p.finished["pre"].kv_transfer_params)

@@ -33,6 +33,8 @@ LENGTHS = [5, 40, 97, 150, 230]
 MAX_TOKENS = 6
 TIMEOUT = 4.0
 WINDOW_BLOCKS = 64 // driver.BLOCK_SIZE + 1  # what moves of the window: NixlConnector's clip
+#: Where the aiokv prefill listens (a decode-first client needs it).
+P_ADDRESS = ("127.0.0.1", driver.free_port(), 13000 + driver.free_port() % 1000)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -60,9 +62,11 @@ def pairs(model: str) -> Iterator[Callable[[str], Pair]]:
     def get(connector: str) -> Pair:
         if connector not in started:
             extra: dict[str, Any] = {}
+            p_extra: dict[str, Any] = {}
             if connector == "aiokv":
                 extra = {"timeout": TIMEOUT, "transport": "tcp", "record_digests": True}
-            p = driver.Instance(model, "kv_producer", connector, extra=extra)
+                p_extra = {**extra, "port": P_ADDRESS[1], "cluster_id": P_ADDRESS[2]}
+            p = driver.Instance(model, "kv_producer", connector, extra=p_extra)
             try:
                 started[connector] = (p, driver.Instance(model, "kv_consumer", connector, extra))
             except BaseException:
@@ -84,8 +88,9 @@ def test_a_hybrid_model_disaggregated_equals_a_single_instance(
 ) -> None:
     """Both groups move (the prefill hands over two block lists: the window's
     last blocks and every full-attention one), the decode loads them and
-    generates what a single instance does. A push request moves by pull on
-    this model (push needs one full-attention group). NixlConnector, which
+    generates what a single instance does, by pull and by push (the window's
+    blocks from the first its next token attends to: those vLLM still holds
+    when the prefill ends, here the same blocks). NixlConnector, which
     pulls, passes the same checks."""
     if connector == "nixl" and importlib.util.find_spec("nixl") is None:
         pytest.skip("NIXL is not installed here")
@@ -108,12 +113,20 @@ def test_a_hybrid_model_disaggregated_equals_a_single_instance(
         if connector == "aiokv":
             after, loaded = d.stats(), d.digests()
             assert after["kv_units"] == 2  # four layers over two tensors
-            assert after["pulls"] - before["pulls"] == len(prompts)
+            key = "pulls" if mode == "pull" else "pushes_received"
+            assert after[key] - before[key] == len(prompts)
             moved = sum(len(w) + len(f) for w, f in (x["remote_block_ids"] for x in params))
             assert after["blocks_loaded"] - before["blocks_loaded"] == moved
             assert after["load_failures"] == before["load_failures"]
             # What each request loaded, every memory unit: the prefill's bytes.
             assert sorted(loaded[k] for k in set(loaded) - seen) == sorted(sent.values())
+    if connector == "aiokv":  # push with the decode's requests first: its layers overlap
+        before = d.stats()
+        out = driver.disaggregated(p, d, prompts, MAX_TOKENS, "push", "decode-first", P_ADDRESS)
+        assert tokens(out) == ref
+        after = d.stats()
+        assert after["pushes_received"] - before["pushes_received"] == len(prompts)
+        assert after["load_failures"] == before["load_failures"]
 
 
 def test_a_hybrid_models_failed_load_fails_its_requests_and_decode_goes_on(

@@ -65,11 +65,16 @@ async def make_agent(
     blocks: int = BLOCKS,
     heads: int = 1,
     total_heads: int = 0,
+    windows: tuple[int, ...] = (0,),
 ) -> tuple[TransferAgent, Recorder]:
     """An agent on the running loop, speaking through a Recorder; every peer
-    counts as linked. ``heads``/``total_heads``: a head-major layout."""
+    counts as linked. ``heads``/``total_heads``: a head-major layout;
+    ``windows``: its KV cache groups' sliding windows (0: full attention)."""
     addrs = tuple(range(1, LAYERS + 1))
-    layout = KVLayout(LAYERS, 1, blocks, 64, BS, addrs, "u8", heads=heads, total_heads=total_heads)
+    layout = KVLayout(
+        LAYERS, 1, blocks, 64, BS, addrs, "u8", heads=heads, total_heads=total_heads,
+        windows=windows,
+    )  # fmt: skip
     agent = TransferAgent(1, layout, timeout=timeout, grace=grace)
     rec = Recorder()
     agent.links.cm = rec  # type: ignore[assignment]

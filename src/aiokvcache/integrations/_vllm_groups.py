@@ -19,6 +19,10 @@ all groups' together, applied to every memory unit of the layout.
   block of its own position. A position the decode's window needs that the
   prefill no longer holds (the prefill ran past the decode's tokens) fails
   the load.
+- Push moves, of a sliding window of ``w`` tokens, the positions the
+  decode's next token attends to (from ``(end - w + 1) // block_size``):
+  those vLLM keeps until the prefill request ends (it frees earlier ones as
+  the prefill runs, so a push reading them could read a reused block).
 """
 
 from __future__ import annotations
@@ -27,10 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["NULL_BLOCK", "KVGroups", "block_groups", "flat_blocks"]
+from .agent.kvtypes import NULL_BLOCK
 
-#: vLLM's null block: a placeholder for a freed (out-of-window) block.
-NULL_BLOCK = 0
+__all__ = ["NULL_BLOCK", "KVGroups", "block_groups", "flat_blocks"]
 
 
 def block_groups(block_ids: Any) -> list[list[int]]:
@@ -130,6 +133,30 @@ class KVGroups:
         if not w:
             return ids
         return [b for b in ids if b != NULL_BLOCK][-w:]
+
+    def push_spans(
+        self, local: Sequence[Sequence[int]], first: int, last: int, end: int
+    ) -> tuple[list[int], list[list[int]]]:
+        """D, push: the blocks a decode request registers (``local``, one full
+        list per group, positions ``[first, last)`` to load, its tokens ending
+        at ``end``), one group's after another, and ``[first, count]`` of each
+        group's positions: a full-attention group's from ``first``, a sliding
+        window's from the first block its next token attends to (what the
+        prefill pushes of it). ``ValueError`` for a window block vLLM freed."""
+        if len(local) != len(self.windows):
+            raise ValueError(f"{len(local)} block lists for {len(self.windows)} KV cache groups")
+        flat: list[int] = []
+        spans: list[list[int]] = []
+        for g, w in enumerate(self.window_tokens):
+            f = min(last, max(first, (end - w + 1) // self.block_size)) if w else first
+            mine = list(local[g][f:last])
+            if len(mine) != last - f or (w and NULL_BLOCK in mine):
+                raise ValueError(
+                    f"group {g}: no block of its own at each of positions [{f}, {last})"
+                )
+            flat += mine
+            spans.append([f, last - f])
+        return flat, spans
 
     def pair(
         self,

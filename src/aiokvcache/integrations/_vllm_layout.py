@@ -38,12 +38,15 @@ def _block_tensors(name: str, t: torch.Tensor, num_blocks: int) -> list[torch.Te
 
 
 def kv_layout(
-    kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, groups: str = ""
+    kv_caches: dict[str, torch.Tensor],
+    num_blocks: int,
+    block_size: int,
+    groups: str = "",
+    windows: tuple[int, ...] = (0,),
 ) -> tuple[KVLayout, list[list[str]], list[torch.Tensor]]:
     """How vLLM's per-layer KV tensors map onto one aiokvcache blocks cache.
 
-    Accepted per-layer layouts (all layers alike), block ``b`` contiguous in
-    each tensor:
+    Per-layer layouts (all layers alike), block ``b`` contiguous in each tensor:
 
     - ``[num_blocks, ...]``: K and V of a block together (vLLM's CPU
       backend, ``[num_blocks, kv_heads, block_size, 2 * head_size]``;
@@ -55,14 +58,13 @@ def kv_layout(
     Layers whose tensors are the same memory (vLLM's hybrid allocator lays
     one layer of each KV cache group over one allocation: a block id belongs
     to one group at a time) are one *unit* of the layout, moved once.
-    ``groups`` describes the KV cache groups (it goes into the layout's
-    digest: both sides must group alike).
+    ``groups`` describes the KV cache groups (in the digest: both sides must
+    group alike), ``windows`` each one's sliding window in tokens (0: none).
 
     Returns the layout (a "layer" of it is a unit), each unit's layer names
-    (units in layer order) and the tensors (kept alive by the caller while
-    registered). Raises ``ValueError`` naming the layer for anything else,
-    for tensors that overlap without being the same, and for device memory:
-    aiokvcache moves host memory.
+    (units in layer order) and the tensors (kept alive while registered).
+    Raises ``ValueError`` naming the layer for anything else, for tensors that
+    overlap without being the same, and for device memory (host memory only).
     """
     if not kv_caches:
         raise ValueError("kv_caches is empty")
@@ -91,8 +93,9 @@ def kv_layout(
     _check_disjoint(parts, num_blocks * block_bytes, units, per_layer)
     addrs = tuple(p.data_ptr() for p in parts)
     layout = KVLayout(
-        len(units), per_layer, num_blocks, block_bytes, block_size, addrs, str(dtype), groups
-    )
+        len(units), per_layer, num_blocks, block_bytes, block_size, addrs, str(dtype), groups,
+        windows=tuple(windows),
+    )  # fmt: skip
     return layout, units, parts
 
 

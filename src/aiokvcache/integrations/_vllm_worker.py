@@ -59,12 +59,18 @@ class WorkerBinding:
 
     def _push_steps(self, agent: TransferAgent, meta: Any) -> list[str]:
         pushes = []
-        for rid, (xid, blocks, end, final, client_key) in meta.push_steps.items():
+        for rid, (xid, groups, end, final, client_key, prompt) in meta.push_steps.items():
             mine = xid + self.suffix
-            agent.push_step(mine, rid, blocks, self.block_size, end, final, client_key or None)
+            key = client_key or None
+            bs = self.block_size
+            agent.push_step(mine, rid, groups[0], bs, end, final, key, groups, prompt)
             pushes.append(mine)
-        for rid, (xid, aborted) in meta.push_release.items():
-            agent.push_release(xid + self.suffix, rid, aborted)
+        for rid, (xid, aborted, groups) in meta.push_release.items():
+            agent.push_release(xid + self.suffix, rid, aborted, groups)
+        if meta.push_settle:
+            # Their out-of-window blocks were freed for this step to reuse:
+            # a push still reading them ends before the step runs.
+            agent.push_settle([xid + self.suffix for xid in meta.push_settle.values()])
         return pushes
 
     def _loads(self, agent: TransferAgent, meta: Any) -> None:
@@ -91,6 +97,7 @@ class WorkerBinding:
                     r.first,
                     layout=r.layout,
                     sources=sources,
+                    groups=r.groups,
                 )
             else:
                 agent.pull(
@@ -208,6 +215,11 @@ class WorkerBinding:
             raise ValueError(
                 f"the params list {n} prefill workers for tensor parallel size {remote_tp}"
             )
+        try:
+            if len({int(p[2]) for p in peers}) != remote_tp:
+                raise ValueError("the params list one prefill worker for two ranks")
+        except (TypeError, LookupError, OverflowError) as exc:
+            raise ValueError(f"a prefill worker's address in the params is bad: {exc}") from exc
         theirs = total // remote_tp
         lo, hi = self.rank * mine, (self.rank + 1) * mine  # this rank's heads, of the model's
         out = []

@@ -37,8 +37,8 @@ the client gives both requests an ``aiokv_transfer_key`` of its choosing.
   first (``do_remote_prefill`` with the prefill's address, an
   ``aiokv_transfer_id`` and an ``aiokv_transfer_key`` it also gives the
   prefill request), pushes overlap the prefill's computation layer by layer.
-  Push needs one full-attention KV cache group: for any other model (vLLM's
-  hybrid allocator: sliding-window groups) every transfer is a pull.
+  A hybrid model's groups are pushed by position, a sliding window's from
+  the block the decode's next token attends to (see :mod:`._vllm_groups`).
 
 The scheduler-side connector starts nothing; each worker-side connector owns
 one aiokvcache engine on its own thread (:mod:`.kvlink`). No method blocks
@@ -199,6 +199,7 @@ class _Recv:
     tp_size: int = 0  # the prefill's tensor-parallel size, as its params say (0: not said)
     error: str = ""  # why its params cannot be loaded from ("": they can)
     picks: list[int] | None = None  # pull: the indexes in remote_block_ids read, in order
+    groups: list[list[int]] | None = None  # push, several groups: [first, count] of each
 
 
 @dataclass
@@ -297,9 +298,7 @@ def _recv_of(
         tp_size=_tp_size(params),
     )
     if mode == "push" and not groups.plain:
-        raise ValueError(
-            f"push needs one full-attention KV cache group; this model's are {groups.described}"
-        )
+        recv.local_block_ids, recv.groups = groups.push_spans(local, first, last, end)
     if mode == "pull":
         remote = block_groups(params.get("remote_block_ids") or [])
         said = params.get("remote_num_tokens")  # the prefill's tokens: where its lists end
@@ -328,9 +327,14 @@ class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     drops: list[_Drop] = field(default_factory=list)  # D: KV not needed after all
     # P pull: req id -> (lease in s, block ids, grant keys' expiry in ms)
     holds: dict[str, tuple[float, list[int], int]] = field(default_factory=dict)
-    # P push: req id -> (transfer id, block ids, token end of this step, last chunk,
-    # the client's push key or "")
-    push_steps: dict[str, tuple[str, list[int], int, bool, str]] = field(default_factory=dict)
+    # P push: req id -> (transfer id, block ids of each KV cache group, token end of
+    # this step, last chunk, the client's push key or "", prompt tokens)
+    push_steps: dict[str, tuple[str, list[list[int]], int, bool, str, int]] = field(
+        default_factory=dict
+    )
+    # P push, sliding-window groups: req ids stepped past their prompt -> transfer id
+    # (vLLM frees their out-of-window blocks: pushes reading them end first)
+    push_settle: dict[str, str] = field(default_factory=dict)
     # D pull: requests whose prefill hold the worker renews from now on, and
     # those whose renewals stop (their load started, or they ended)
     renew_start: dict[str, _Drop] = field(default_factory=dict)
@@ -339,7 +343,8 @@ class AioKVMetadata(KVConnectorMetadata):  # type: ignore[misc,unused-ignore]
     # the step reuses their blocks; the recompute pushes them again)
     push_preempted: dict[str, str] = field(default_factory=dict)
     # P push: req id -> (transfer id, aborted), once the engine finished the request
-    push_release: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    # and its blocks of each KV cache group then (vLLM freed its out-of-window ones)
+    push_release: dict[str, tuple[str, bool, list[list[int]]]] = field(default_factory=dict)
 
 
 class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unused-ignore]
@@ -356,11 +361,6 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
         self._engine_id: str = str(ktc.engine_id)
         self._block_size: int = int(vllm_config.cache_config.block_size)
         self._groups = KVGroups.of(kv_cache_config, self._block_size)
-        if self._mode == "push" and not self._groups.plain:
-            raise ValueError(
-                "AioKVConnector: push mode needs one full-attention KV cache group; this "
-                f"model's are {self._groups.described}: use mode 'pull' (docs/vllm.md)"
-            )
         pc = vllm_config.parallel_config
         self._tp_size = int(pc.tensor_parallel_size)
         if int(pc.pipeline_parallel_size) != 1:
@@ -390,8 +390,9 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         num_blocks = int(self._kv_cache_config.num_blocks)
+        g = self._groups
         layout, units, self._tensors = kv_layout(
-            kv_caches, num_blocks, self._block_size, self._groups.described
+            kv_caches, num_blocks, self._block_size, g.described, g.window_tokens
         )
         total = int(self._vllm_config.model_config.get_total_num_kv_heads())
         layout = by_heads(layout, kv_caches, total, self._tp_size)
@@ -598,10 +599,8 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
         return 0, False
 
     def _mode_of(self, params: dict[str, Any]) -> str:
-        """P: a request's transfer mode: its params', else the connector's; a
-        pull where push cannot move this model's groups."""
-        mode = str(params.get("transfer_mode") or self._mode)
-        return "pull" if mode == "push" and not self._groups.plain else mode
+        """P: a request's transfer mode: its params', else the connector's."""
+        return str(params.get("transfer_mode") or self._mode)
 
     def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
         return tuple(self._kv_cache_config.transfer_group_ids)
@@ -657,8 +656,10 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
             prompt = int(request.num_prompt_tokens)
             kvm = self._kv_cache_manager
             assert kvm is not None  # bound by the scheduler before it schedules
-            blocks = _transfer_groups(self._kv_cache_config, kvm.get_blocks(rid).get_block_ids())[0]
-            meta.push_steps[rid] = (xid, blocks, min(end, prompt), end >= prompt, key)
+            blocks = _transfer_groups(self._kv_cache_config, kvm.get_blocks(rid).get_block_ids())
+            meta.push_steps[rid] = (xid, blocks, min(end, prompt), end >= prompt, key, prompt)
+            if int(request.num_computed_tokens) > prompt and any(self._groups.window_tokens):
+                meta.push_settle[rid] = xid
         return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -695,24 +696,30 @@ class AioKVConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc,unus
             RequestStatus.FINISHED_STOPPED,
         )
         mode = self._mode_of(params)
-        groups = self._groups.clip(_transfer_groups(self._kv_cache_config, block_ids))
+        held = _transfer_groups(self._kv_cache_config, block_ids)
+        groups = self._groups.clip(held)
         if mode == "push":
-            return self._finish_push(request, groups, ok)
+            return self._finish_push(request, groups, ok, held)
         if not ok or not any(groups):
             return False, None
         return True, self._hand_over_pull(request, groups)
 
     def _finish_push(
-        self, request: Any, groups: list[list[int]], ok: bool
+        self, request: Any, groups: list[list[int]], ok: bool, held: list[list[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """P push: the request finished: its blocks are held until its pushes
+        """P push: the request finished: its blocks (``held``, of each group;
+        ``groups``, what the params hand over) are held until its pushes
         ended (quiescent), whether it finished or not."""
         rid = request.request_id
         entry = self._push_reqs.pop(rid, None)
         if entry is None:
             return False, None  # never scheduled: nothing was pushed
         xid = entry[1]
-        self._staged.push_release[rid] = (xid, not ok)
+        self._staged.push_release[rid] = (xid, not ok, held)
+        if request.num_computed_tokens > request.num_prompt_tokens and any(
+            self._groups.window_tokens
+        ):
+            self._staged.push_settle[rid] = xid  # it freed window blocks as it finished
         self._unreported_push.add(rid)
         if not ok:
             return True, None

@@ -350,13 +350,17 @@ class DecodeLoads:
         local_ids: list[int],
         first: int,
         layout: str | None,
+        groups: list[list[int]] | None = None,
     ) -> None:
         """One push load from each of ``sources`` (each a prefill worker and
         its transfer id: a prefill of another tensor-parallel size pushes
         from each worker its heads), all at once. The first to fail cancels
-        the others, and raises once every one is quiescent."""
+        the others, and raises once every one is quiescent. ``groups``: see
+        :class:`.wire.Reg`."""
         await _all(
-            self.expect_push(s.peer, xid, local_ids, first, s.key, layout, s.span, s.readers)
+            self.expect_push(
+                s.peer, xid, local_ids, first, s.key, layout, s.span, s.readers, groups
+            )
             for s, xid in sources
         )
 
@@ -370,6 +374,7 @@ class DecodeLoads:
         layout: str | None = None,
         span: HeadSpan | None = None,
         readers: int = 1,
+        groups: list[list[int]] | None = None,
     ) -> None:
         """Register, wait for ``pushed``.
 
@@ -385,7 +390,7 @@ class DecodeLoads:
         clock alone, since P's Python may be starved past any deadline.
         ``span``: the heads of each block P pushes (a prefill of another
         tensor-parallel size), ``readers`` the decode workers P pushes
-        them to (see :class:`.wire.Reg`)."""
+        them to, ``groups`` each KV cache group's positions (see :class:`.wire.Reg`)."""
         if layout is not None and layout != self.layout.digest():
             raise TransferFailed("the prefill instance's KV layout differs from ours", "layout")
         nonce = secrets.token_hex(8)
@@ -398,7 +403,7 @@ class DecodeLoads:
                 # from its send, not from before a link set-up.
                 await self._links.link(peer)
                 registered = True
-                shape = (span, readers)
+                shape = (span, readers, groups)
                 await self._register(peer, xid, nonce, key, local_ids, first, deadline, shape)
                 # Shielded: an abort must leave it for P's answer to the cancel.
                 answer = await asyncio.shield(fut)
@@ -426,7 +431,7 @@ class DecodeLoads:
         local_ids: list[int],
         first: int,
         deadline: float,
-        shape: tuple[HeadSpan | None, int] = (None, 1),
+        shape: tuple[HeadSpan | None, int, list[list[int]] | None] = (None, 1, None),
     ) -> None:
         """Send ``local_ids`` to ``peer`` for load ``nonce`` of transfer ``xid``,
         in parts (``shape``: the heads P pushes, and its readers)."""
@@ -439,7 +444,7 @@ class DecodeLoads:
             left = deadline - time.monotonic() - margin
             if left <= 0:
                 raise TimeoutError
-            msg = Reg(xid, i, len(parts), part, first, left, nonce, key, digest, heads, shape[1])
+            msg = Reg(xid, i, len(parts), part, first, left, nonce, key, digest, heads, *shape[1:])
             await self._links.send_to(peer, msg, deadline - time.monotonic())
 
     async def _stop_pushes(

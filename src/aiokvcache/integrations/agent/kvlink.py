@@ -323,14 +323,35 @@ class TransferAgent(LoopThread):
         end: int,
         final: bool,
         client_key: str | None = None,
+        groups: Sequence[Sequence[int]] | None = None,
+        prompt: int = 0,
     ) -> None:
         """P: this engine step computes ``xid``'s tokens up to ``end``
-        (``final``: its last prefill chunk); ``blocks`` are all its block ids.
-        ``client_key``: the push key a client gave both requests (decode
-        first), which registrations may carry instead of :meth:`push_key`."""
+        (``final``: its last prefill chunk) of a prompt of ``prompt`` tokens;
+        ``blocks`` are all its block ids (``groups``: those of each KV cache
+        group, a hybrid model's). ``client_key``: the push key a client gave
+        both requests (decode first), which registrations may carry instead
+        of :meth:`push_key`."""
+        each = [list(g) for g in groups] if groups is not None else None
         self._post(
-            self.push_sender.step, xid, req_id, list(blocks), block_size, end, final, client_key
+            self.push_sender.step,
+            xid,
+            req_id,
+            list(blocks),
+            block_size,
+            end,
+            final,
+            client_key,
+            each,
+            prompt,
         )
+
+    def push_settle(self, xids: Sequence[str], timeout: float = 60.0) -> None:
+        """P: vLLM freed blocks of these transfers' requests out of their
+        sliding windows, and the next step may reuse them: blocks until every
+        push of them running now ended (none is cancelled; a push started
+        later sees the freed blocks and fails its load)."""
+        self._wait_on_loop(self.push_sender.settle(list(xids)), xids, timeout)
 
     def push_preempt(self, xids: Sequence[str], timeout: float = 60.0) -> None:
         """P: the engine preempted these transfers' requests and reuses their
@@ -340,15 +361,20 @@ class TransferAgent(LoopThread):
         graces (seconds); past ``timeout`` this raises ``RuntimeError``: the
         step must not overwrite blocks a push may still read, and a push
         overtaken by its recompute could leave stale KV reported pushed."""
+        self._wait_on_loop(self.push_sender.preempt(list(xids)), xids, timeout)
+
+    def _wait_on_loop(self, coro: Any, xids: Sequence[str], timeout: float) -> None:
+        """Run ``coro`` on the loop and wait for it here (the engine's thread)."""
         loop = self._loop
         if loop is None or loop.is_closed():
+            coro.close()
             return
-        fut = asyncio.run_coroutine_threadsafe(self.push_sender.preempt(list(xids)), loop)
+        fut = asyncio.run_coroutine_threadsafe(coro, loop)
         try:
             fut.result(timeout)
         except TimeoutError:
             raise RuntimeError(
-                f"aiokvcache: the pushes of preempted transfers {list(xids)} did not stop "
+                f"aiokvcache: the pushes of transfers {list(xids)} did not stop "
                 f"within {timeout:g} s"
             ) from None
 
@@ -362,11 +388,19 @@ class TransferAgent(LoopThread):
         their blocks (one post for the whole batch: this runs once per layer)."""
         self._post(self.push_sender.layer_saved, list(xids), layer)
 
-    def push_release(self, xid: str, req_id: str, aborted: bool = False) -> None:
+    def push_release(
+        self,
+        xid: str,
+        req_id: str,
+        aborted: bool = False,
+        groups: Sequence[Sequence[int]] | None = None,
+    ) -> None:
         """P: the engine finished request ``req_id`` (transfer ``xid``) and waits
         for it to be reported sent (``aborted``: it ended before its prefill
-        did: stop pushing)."""
-        self._post(self.push_sender.release, xid, req_id, aborted)
+        did: stop pushing). ``groups``: its blocks of each KV cache group now
+        (vLLM frees a sliding window's earlier blocks as the request ends)."""
+        each = [list(g) for g in groups] if groups is not None else None
+        self._post(self.push_sender.release, xid, req_id, aborted, each)
 
     # ------------------------------------------------------------ D
 
@@ -428,6 +462,7 @@ class TransferAgent(LoopThread):
         key: str = "",
         layout: str | None = None,
         sources: Sequence[Source] = (),
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
         """D: register ``local_ids`` with ``peer`` for transfer ``xid`` (for the
         request's blocks ``first``, ``first + 1``... on the prefill side), with
@@ -435,14 +470,17 @@ class TransferAgent(LoopThread):
         its pushes; ``layout``: the prefill's KV layout digest, where the
         params carry it. ``sources`` (instead of ``peer`` and ``key``): the
         prefill workers that push, each its heads of every block under
-        transfer id ``xid/rank`` (a prefill of another tensor-parallel size)."""
+        transfer id ``xid/rank`` (a prefill of another tensor-parallel size).
+        ``groups``: ``[first, count]`` of each KV cache group's positions,
+        ``local_ids`` one group's after another (a hybrid model)."""
         if sources:
             each = [(s, f"{xid}/{s.rank}") for s in sources]
         elif peer is not None:
             each = [(Source(peer, key), xid)]
         else:
             raise ValueError("a push load needs a peer or sources")
-        load = self.receiver.expect_push_all(each, list(local_ids), int(first), layout)
+        spans = [[int(f), int(n)] for f, n in groups] if groups is not None else None
+        load = self.receiver.expect_push_all(each, list(local_ids), int(first), layout, spans)
         self._post(self.receiver.start, req_id, local_ids, load)
 
     def cancel_recv(self, req_id: str) -> None:

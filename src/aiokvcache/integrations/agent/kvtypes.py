@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "GRACE_S",
+    "NULL_BLOCK",
     "RUNS_PER_PART",
     "HeadSpan",
     "KVLayout",
@@ -25,6 +26,8 @@ __all__ = [
 GRACE_S = 5.0
 #: Block-id runs per registration notification (keeps each tag under 4 KiB).
 RUNS_PER_PART = 200
+#: vLLM's null block: a placeholder for a freed (out-of-window) block.
+NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class KVLayout:
     groups: str = ""
     heads: int = 1
     total_heads: int = 0
+    #: Each KV cache group's sliding window in tokens (0: full attention).
+    windows: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
         if len(self.addrs) != self.num_layers * self.tensors_per_layer:

@@ -16,7 +16,7 @@ from typing import Any
 from ... import BlocksCacheKey
 from .calls import Tally, counting
 from .handoff import MAX_READERS, BadMessage, Registration, push_key, push_key_ok
-from .kvtypes import RUNS_PER_PART, KVLayout, TransferFailed, head_units
+from .kvtypes import NULL_BLOCK, RUNS_PER_PART, KVLayout, TransferFailed, head_units
 from .links import PeerLinks
 from .results import Results
 from .wire import Cancel, Layer, Pushed, PushFail, Reg
@@ -31,7 +31,9 @@ MAX_ENDED = 65536
 #: Block ids registrations of transfers not computed here may hold, in
 #: multiples of this side's block count.
 MAX_UNKNOWN_BLOCKS = 4
-#: Loads one transfer may feed (vLLM's ``n > 1`` children, a proxy's retries).
+#: Loads one decode worker may have of one transfer (vLLM's ``n > 1``
+#: children, a proxy's retries); a transfer takes loads of at most
+#: ``MAX_READERS`` decode workers (a decode of a larger tensor-parallel size).
 MAX_LOADS = 16
 #: Loads of one transfer one peer may have that are not accepted yet (their
 #: parts still coming, or their key not checkable yet: decode first, before
@@ -69,6 +71,9 @@ class _Load:
     # None: whole blocks.
     heads: tuple[int, int, int, int] | None = None
     readers: int = 1  # decode workers that register for the transfer here (each its heads)
+    # Each KV cache group's registered positions: (first, count), its ids one
+    # group after another in reg_ids.
+    spans: list[tuple[int, int]] | None = None
 
     def running(self) -> bool:
         me = asyncio.current_task()
@@ -85,38 +90,58 @@ class _Load:
             raise BadMessage(f"a registration's first block index {first!r}")
         if not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and ttl > 0):
             raise BadMessage(f"a registration's deadline {ttl!r}")
-        self.heads, self.readers = _shape(m, layout)  # every part says them
+        shape = (*_shape(m, layout), _spans(m, len(layout.windows)))  # every part says it
+        if self.registration.parts is not None and shape != (self.heads, self.readers, self.spans):
+            raise BadMessage("the registration's parts disagree on their heads or groups")
+        self.heads, self.readers, self.spans = shape
         ids = self.registration.add(self.src, m.part, m.parts, m.runs)
         return ids, self.registration.count - before
 
     def moves(
-        self, layout: KVLayout, i0: int, i1: int, blocks: list[int]
+        self, layout: KVLayout, i0: int, i1: int, groups: list[list[int]], bounds: list[int]
     ) -> tuple[list[int], list[int]]:
-        """For the request's blocks ``[i0, i1)`` (of ``blocks``, this side's):
-        the units of this side's and of D's a push to this load moves, whole
-        blocks or its heads of each; none before its first registered block
-        (D has them in its prefix cache). :class:`TransferFailed` when it
-        registered too few."""
-        assert self.reg_ids is not None
-        if i1 - self.first > len(self.reg_ids) or i1 > len(blocks):
-            raise TransferFailed(
-                f"{len(self.reg_ids)} destination blocks registered from block "
-                f"{self.first}, {i1 - self.first} needed"
-            )
-        j0 = max(i0, self.first)
-        src, dst = blocks[j0:i1], self.reg_ids[j0 - self.first : i1 - self.first]
+        """For the request's block positions ``[i0, i1)`` (``groups``: this
+        side's blocks of each KV cache group; ``bounds``: the first position
+        of each a push moves, see :meth:`PushSender.bounds`): the units of
+        this side's and of D's a push to this load moves, whole blocks or its
+        heads of each; in each group none before its first registered
+        position (D has them in its prefix cache, or out of its window).
+        :class:`TransferFailed` when it registered too few."""
+        assert self.reg_ids is not None and self.spans is not None
+        src: list[int] = []
+        dst: list[int] = []
+        off = 0
+        for g, (f, n) in enumerate(self.spans):
+            mine = groups[g]
+            if i1 > f + n or i1 > len(mine) or off + n > len(self.reg_ids):
+                raise TransferFailed(
+                    f"{n} destination blocks registered from block {f}, {i1 - f} needed"
+                )
+            j0 = max(i0, f, bounds[g])
+            if layout.windows[g] and NULL_BLOCK in mine[j0:i1]:  # freed: out of its window
+                raise TransferFailed(f"window blocks [{j0}, {i1}): the prefill freed one")
+            src += mine[j0:i1]
+            dst += self.reg_ids[off + j0 - f : off + i1 - f]
+            off += n
         if self.heads is None:
             return layout.units(src), layout.units(dst)
         p_head, count, d_heads, d_head = self.heads
         return layout.units(src, p_head, count), head_units(dst, d_heads, d_head, count)
 
-    def miscount(self, n: int) -> str:
-        """Why its registered blocks are not exactly the request's ``n`` (from
-        its first on), or "": blocks nothing wrote must not be told pushed."""
-        assert self.reg_ids is not None
-        if self.first + len(self.reg_ids) == n:
-            return ""
-        return f"{len(self.reg_ids)} blocks registered from block {self.first}, the request has {n}"
+    def miscount(self, n: int, bounds: list[int]) -> str:
+        """Why its registered blocks are not exactly the request's ``n`` in
+        each group (from its first on, and no window position before what
+        this side pushes), or "": blocks nothing wrote must not be told
+        pushed."""
+        assert self.reg_ids is not None and self.spans is not None
+        if sum(c for _, c in self.spans) != len(self.reg_ids):
+            return f"{len(self.reg_ids)} blocks registered, its groups say otherwise"
+        for g, (f, c) in enumerate(self.spans):
+            if f + c != n or f < bounds[g]:
+                return f"{c} blocks registered from block {f}, the request has {n}" + (
+                    f" (its window from block {bounds[g]})" if bounds[g] else ""
+                )
+        return ""
 
 
 @dataclass
@@ -126,7 +151,8 @@ class _PushState:
 
     xid: str
     req_id: str | None = None
-    blocks: list[int] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)  # its blocks, per KV cache group
+    prompt: int = 0  # its prompt's tokens
     block_size: int = 0
     step_end: int = 0  # token end of the step being computed
     final_end: int | None = None  # prompt length, once its last chunk is scheduled
@@ -139,8 +165,34 @@ class _PushState:
     creator: int | None = None  # the peer whose registration created it (remote)
     reported: bool = False  # reported sent (once)
 
-    def registered(self) -> int:
-        return sum(ld.registration.count for ld in self.loads.values())
+    def bounds(self, windows: tuple[int, ...]) -> list[int]:
+        """The first block position of each KV cache group (``windows``: each
+        one's sliding window in tokens, 0 for full attention) a push moves:
+        0 for full attention; for a window of ``w`` tokens the first one the
+        decode's next token attends to, the one vLLM keeps from when the
+        prompt is computed until the request ends (it frees the earlier ones
+        while the request runs: they are never pushed)."""
+        bs = self.block_size or 1
+        return [max(0, (self.prompt - w + 1) // bs) if w else 0 for w in windows]
+
+    def takes(self, src: int) -> bool:
+        """Whether a new load of cluster ``src`` has a place (see ``MAX_LOADS``)."""
+        mine = [x for x in self.loads.values() if x.src == src]
+        pending = sum(1 for x in mine if not x.accepted)
+        clusters = {x.src for x in self.loads.values()} | {src}
+        return (
+            len(mine) < MAX_LOADS
+            and pending < MAX_PENDING_PER_PEER
+            and (len(clusters) <= MAX_READERS)
+        )
+
+    def close_if_done(self) -> None:
+        """Take no more loads once :meth:`closable`."""
+        self.closed = self.closed or self.closable()
+
+    def running(self) -> list[asyncio.Task[None]]:
+        """Its pushes that run now."""
+        return [t for ld in self.loads.values() for t in ld.tails.values() if not t.done()]
 
     def closable(self) -> bool:
         """Released, every load it has ended, and loads of as many decode
@@ -201,6 +253,35 @@ def _shape(m: Reg, layout: KVLayout) -> tuple[tuple[int, int, int, int] | None, 
     if not (0 < d_heads <= layout.total_heads and 0 <= d_head and d_head + count <= d_heads):
         raise BadMessage(f"heads [{d_head}, {d_head + count}) of a decode block of {d_heads}")
     return (p_head, count, d_heads, d_head), readers
+
+
+def _spans(m: Reg, groups: int) -> list[tuple[int, int]] | None:
+    """A registration part's KV cache groups' positions: ``(first, count)``
+    each (``m.groups``; None: one group, its ids from ``m.first``, the count
+    set once all parts are in). :class:`BadMessage` for any other shape, or
+    a model of another number of groups."""
+    g = m.groups
+    if g is None:
+        if groups != 1:
+            raise BadMessage(f"a registration without its {groups} KV cache groups' positions")
+        return None
+    if not (
+        isinstance(g, list)
+        and len(g) == groups
+        and all(isinstance(x, list) and len(x) == 2 for x in g)
+        and all(type(v) is int and 0 <= v < 1 << 40 for x in g for v in x)
+    ):
+        raise BadMessage(f"a registration's KV cache groups {str(g)[:80]}")
+    return [(f, n) for f, n in g]
+
+
+class _Recent(collections.OrderedDict[Any, None]):
+    """The last ``MAX_ENDED`` keys added."""
+
+    def add(self, key: Any) -> None:
+        self[key] = None
+        while len(self) > MAX_ENDED:
+            self.popitem(last=False)
 
 
 class _PeerBudget:
@@ -283,7 +364,8 @@ class PushSender:
         self.transfers: dict[str, _PushState] = {}
         self._remote_xids: set[str] = set()  # transfers only a peer's registration made
         self._budget = _PeerBudget(max_unknown, MAX_UNKNOWN_BLOCKS * layout.num_blocks)
-        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._ended = _Recent()  # transfers that ended
+        self._cancelled = _Recent()  # (cluster, xid, nonce) of loads cancelled before a part came
 
     def pending(self) -> int:
         """Transfers this side drives."""
@@ -304,12 +386,15 @@ class PushSender:
         end: int,
         final: bool,
         client_key: str | None = None,
+        groups: list[list[int]] | None = None,
+        prompt: int = 0,
     ) -> None:
         """This engine step computes ``xid``'s tokens up to ``end`` (see
         ``TransferAgent.push_step``)."""
         st = self._state(xid, remote=False)
         assert st is not None
-        st.req_id, st.blocks, st.block_size, st.step_end = req_id, blocks, bs, end
+        st.req_id, st.groups, st.block_size, st.step_end = req_id, groups or [blocks], bs, end
+        st.prompt = prompt or st.prompt or (end if final else 0)
         if final:
             st.final_end = end
         if client_key:
@@ -329,17 +414,20 @@ class PushSender:
                 if ld.reg_ids is not None:
                     self._push_layer(st, ld, layer)
 
-    def release(self, xid: str, req_id: str, aborted: bool) -> None:
+    def release(
+        self, xid: str, req_id: str, aborted: bool, groups: list[list[int]] | None = None
+    ) -> None:
         """The engine finished ``req_id`` (see ``TransferAgent.push_release``)."""
         st = self.transfers.get(xid)
         if st is None:
             # Never stepped here (finished before it was scheduled): nothing
             # was pushed, so its blocks go back at once.
             self._results.sent(req_id)
-            self._remember_ended(xid)
+            self._ended.add(xid)
             return
         st.req_id = req_id  # a registration may have made st before any step
         st.released = True
+        st.groups = groups or st.groups
         self._unremote(st)
         if aborted or st.final_end is None:
             # Aborted, or finished before its last chunk was stepped here:
@@ -348,7 +436,7 @@ class PushSender:
             for ld in st.loads.values():
                 self._end(st, ld, "the prefill request ended before its prefill did")
         else:
-            self._maybe_close(st)
+            st.close_if_done()
             if not st.closed:
                 # Computed; the decode side registers now (prefill first),
                 # or never: the blocks wait timeout + grace from here, not
@@ -356,16 +444,17 @@ class PushSender:
                 self._spawn(self._reap(st))
         self._maybe_report(st)
 
+    async def settle(self, xids: list[str]) -> None:
+        """Every push of these transfers running now has ended when this returns."""
+        running = [t for x in xids if (st := self.transfers.get(x)) for t in st.running()]
+        await asyncio.gather(*running, return_exceptions=True)
+
     async def preempt(self, xids: list[str]) -> None:
         """The engine preempted these transfers' requests and frees their
         blocks: every push from them is cancelled and quiescent when this
         returns, and what was saved is forgotten (the recompute saves, and
         pushes, every layer again). Their loads stay registered."""
-        tails: list[asyncio.Task[None]] = []
-        for xid in xids:
-            st = self.transfers.get(xid)
-            if st is not None:
-                tails += st.forget_progress()
+        tails = [t for x in xids if (st := self.transfers.get(x)) for t in st.forget_progress()]
         for t in tails:
             t.cancel()
         await asyncio.gather(*tails, return_exceptions=True)
@@ -382,6 +471,9 @@ class PushSender:
             log.warning("aiokvcache: push %s from cluster %d: nonce %.80r", m.xid, src, nonce)
             return
         st = self.transfers.get(m.xid)
+        if (src, m.xid, nonce) in self._cancelled:
+            self._fail_load(src, m.xid, nonce, "cancelled")
+            return
         if st is None and m.xid in self._ended:
             # Too late (the request ended here): tell D now, not at its deadline.
             self._fail_load(src, m.xid, nonce, "the prefill request ended")
@@ -395,8 +487,7 @@ class PushSender:
             if st.closed:
                 self._fail_load(src, m.xid, nonce, "the prefill request ended")
                 return
-            pending = sum(1 for x in st.loads.values() if x.src == src and not x.accepted)
-            if len(st.loads) >= MAX_LOADS or pending >= MAX_PENDING_PER_PEER:
+            if not st.takes(src):
                 self._fail_load(src, m.xid, nonce, "too many loads of one transfer")
                 return
             reg = Registration(self.layout.num_blocks, RUNS_PER_PART)
@@ -414,6 +505,7 @@ class PushSender:
         if ids is None:
             return
         ld.first, ld.ttl, ld.reg_ids = m.first, float(m.ttl), ids
+        ld.spans = ld.spans or [(m.first, len(ids))]
         ld.arrived = time.monotonic()
         ld.key, ld.waiting_key = m.key, True
         self._accept(st, ld)
@@ -434,7 +526,7 @@ class PushSender:
             # D needs none of it (a local prefix hit, or it was aborted).
             log.debug("push %s: load %s takes nothing", st.xid, ld.nonce)
             ld.ended = True
-            self._maybe_close(st)
+            st.close_if_done()
             self._maybe_report(st)
             return
         # The load's pushes end by D's deadline (carried in the registration,
@@ -474,10 +566,11 @@ class PushSender:
         st = self.transfers.get(m.xid)
         ld = None if st is None else st.loads.get((src, m.nonce))
         if st is None or ld is None:
-            # Not a load of that cluster's (or one this side forgot: its
-            # pushes ended before; D's wait ends with the answer it got).
-            self._stats["dropped_messages"] += 1
-            log.info("aiokvcache: cluster %d cancelled a push %s it has no load of", src, m.xid)
+            # No such load (its registration was cut off before a part came,
+            # or its pushes ended): nothing is pushed to it; a later part of
+            # it is refused.
+            self._cancelled.add((src, m.xid, str(m.nonce)))
+            self._fail_load(src, m.xid, m.nonce, "no such load (cancelled)")
             return
         self._end(st, ld, "the decode side cancelled it")
 
@@ -556,7 +649,7 @@ class PushSender:
             # The decode instance that registered is gone (a restart with the
             # same cluster id links anew): never write into its successor.
             raise TransferFailed("the link the load was registered on is gone")
-        src, dst = ld.moves(self.layout, i0, i1, st.blocks)
+        src, dst = ld.moves(self.layout, i0, i1, st.groups, st.bounds(self.layout.windows))
         if src:
             left = None if ld.deadline is None else max(0.001, ld.deadline - time.monotonic())
             ld.tally = ld.tally or Tally(self._results.called)
@@ -580,7 +673,7 @@ class PushSender:
             return
         if any(ld.landed.get(layer, 0) < st.final_end for layer in range(self.layout.num_layers)):
             return
-        wrong = ld.miscount(-(-st.final_end // st.block_size))
+        wrong = ld.miscount(-(-st.final_end // st.block_size), st.bounds(self.layout.windows))
         if wrong:
             self._end(st, ld, wrong)
             return
@@ -590,7 +683,7 @@ class PushSender:
         self._spawn(
             self._links.send(ld.src, Pushed(st.xid, ld.nonce, moved.nbytes, moved.segments))
         )
-        self._maybe_close(st)
+        st.close_if_done()
         self._maybe_report(st)
 
     def _end(self, st: _PushState, ld: _Load, why: str) -> None:
@@ -615,7 +708,7 @@ class PushSender:
             await asyncio.gather(*tails, return_exceptions=True)
         finally:
             ld.quiescing = False
-        self._maybe_close(st)
+        st.close_if_done()
         self._maybe_report(st)  # its blocks may go back: nothing writes from them any more
         await self._links.send(ld.src, PushFail(st.xid, ld.nonce, why[:512]))
 
@@ -638,10 +731,6 @@ class PushSender:
         """Answer a registration this side takes no load for."""
         self._spawn(self._links.send(src, PushFail(xid, nonce, why)))
 
-    def _maybe_close(self, st: _PushState) -> None:
-        if st.closable():
-            st.closed = True
-
     def _maybe_report(self, st: _PushState) -> None:
         """Report the request sent, once: released by the engine, closed to
         new loads, and no push of it running."""
@@ -657,12 +746,7 @@ class PushSender:
         self._unremote(st)
         if self.transfers.get(st.xid) is st:
             del self.transfers[st.xid]
-        self._remember_ended(st.xid)
-
-    def _remember_ended(self, xid: str) -> None:
-        self._ended[xid] = None
-        while len(self._ended) > MAX_ENDED:
-            self._ended.popitem(last=False)
+        self._ended.add(st.xid)
 
     async def _deadline(self, st: _PushState, ld: _Load) -> None:
         assert ld.deadline is not None

@@ -201,7 +201,11 @@ class Reg(_Message):
     hold ``p_heads``) into heads ``[d_head, d_head + count)`` of D's blocks
     (of ``d_heads``); ``None``: whole blocks, one size. ``readers``: how many
     decode workers register for the transfer with this prefill worker (each
-    its heads); P takes loads until that many decode workers' ended."""
+    its heads); P takes loads until that many decode workers' ended.
+    ``groups``: a model of several KV cache groups (vLLM's hybrid
+    allocator): ``[first, count]`` of each group's positions, whose block
+    ids ``runs`` lists one group after another (``None``: one group, from
+    ``first``)."""
 
     OP = Op.REG
     ARITY = 9
@@ -216,10 +220,11 @@ class Reg(_Message):
     layout: Any
     heads: Any = None
     readers: Any = 1
+    groups: Any = None
 
     @classmethod
     def from_args(cls, a: list[Any]) -> Reg:
-        return cls(str(a[0]), a[1], a[2], a[3], a[4], a[5], str(a[6]), a[7], a[8], *a[9:11])
+        return cls(str(a[0]), a[1], a[2], a[3], a[4], a[5], str(a[6]), a[7], a[8], *a[9:12])
 
 
 @dataclass(frozen=True)
