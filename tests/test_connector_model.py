@@ -235,7 +235,8 @@ class PushHandoff(RuleBasedStateMachine):
         self.loads[rid] = (cluster, blocks, good)
         key = self.agents[P].push_key(XID) if good else "wrong" * 6
         agent = self.agents[cluster]
-        coro = agent.receiver.expect_push(Peer("p", 1, P), XID, blocks, 0, key, readers=readers)
+        shape = (None, readers, None, None)
+        coro = agent.receiver.expect_push(Peer("p", 1, P), XID, blocks, 0, key, shape=shape)
         self.call(agent.receiver.start, rid, blocks, coro)
         self.run()
 

@@ -658,3 +658,48 @@ async def test_settle_returns_once_the_running_pushes_ended() -> None:
         await until(lambda: "pushed" in rec.kinds(D_ID))  # none was cancelled
     finally:
         await close_agent(agent)
+
+
+async def test_a_chunked_prefill_pushes_each_chunk_of_both_groups() -> None:
+    """Decode first, the prompt computed in two chunks (vLLM's chunked
+    prefill: 8 tokens, then the rest). The first chunk's blocks (positions
+    0 and 1) end before the window's first registered position (3): its push
+    moves the full-attention group's two pairs and no window pair. Every
+    push pairs as many sources as destinations (aiokvcache refuses any
+    other call), and the load is told ``pushed``.
+
+    Before, the window group (listed first) took ``reg_ids[0 : 2 - 3]``, a
+    negative end: 8 destination ids for no source. Each first-chunk push
+    had 2 sources and 10 destinations, aiokvcache refused it, and the load
+    failed: push of a hybrid model failed whenever a chunk ended before
+    the window (every prompt longer than the step's token budget)."""
+    agent, rec = await make_agent(windows=WINDOWS)
+    calls = record_units(rec)
+    push = rec.push_blocks
+
+    async def checked(key: Any, cache: Any, src: Any, dst: Any, **kw: Any) -> None:
+        if len(src) != len(dst):  # what CacheManager.push_blocks raises
+            raise LLMException(
+                f"src_blocks has {len(src)} blocks but dst_blocks has {len(dst)}",
+                LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        await push(key, cache, src, dst, **kw)
+
+    rec.push_blocks = checked
+    try:
+        agent.deliver(D_ID, "reg", reg_groups(agent, [[40, 3], [50, 6]], [[3, 3], [0, 6]]))
+        await settle()
+        s = agent.push_sender
+        s.step("x", "p-req", P_GROUPS[0], BS, 8, False, None, P_GROUPS, PROMPT)
+        for layer in range(LAYERS):
+            s.layer_saved(["x"], layer)
+        await until(lambda: len(calls) >= LAYERS or "pushfail" in rec.kinds(D_ID))
+        s.step("x", "p-req", P_GROUPS[0], BS, PROMPT, True, None, P_GROUPS, PROMPT)
+        for layer in range(LAYERS):
+            s.layer_saved(["x"], layer)
+        await until(lambda: {"pushed", "pushfail"} & set(rec.kinds(D_ID)))
+        assert "pushfail" not in rec.kinds(D_ID), [m for _, m in rec.sent]
+        assert all(len(a) == len(b) for a, b in calls), calls
+        assert calls[0] == ([20, 21], [50, 51]), calls[0]
+    finally:
+        await close_agent(agent)

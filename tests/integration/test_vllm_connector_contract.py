@@ -979,6 +979,57 @@ def test_a_hybrid_model_pushes_each_group_and_only_the_window(
     run([d], lambda: "dec" in d.finished)
 
 
+def test_a_hybrid_decode_first_push_lands_while_the_prefill_computes_in_chunks(
+    engines: Callable[..., Engine],
+) -> None:
+    """Decode first, its registration in at the prefill before the prefill's
+    first step: the prompt (169 tokens, 64 a step) is computed in three
+    chunks and each chunk's layers are pushed as they are saved. The first
+    chunk ends (position 2) before the window's first registered position
+    (3): its push moves the full-attention pairs only, and the load lands.
+
+    Before, the window group (vLLM's group 0 here) sliced the registered ids
+    with a negative end, each first-chunk push paired 2 sources with 10
+    destinations, aiokvcache refused it and the load failed."""
+    p = engines("kv_producer", "push", hybrid=True)
+    d = engines("kv_consumer", "push", hybrid=True)
+    tokens = prompt(41, 5 * BS + 9)
+    d.add("dec", tokens, 2, decode_first_params(*p.address, "xc", "k" * 32))
+    run([d], lambda: bool(d.agent.receiver.pending()))
+    xfers = p.agent.push_sender.transfers
+    wait(lambda: "xc/0" in xfers and any(ld.reg_ids for ld in xfers["xc/0"].loads.values()))
+    first = {"aiokv_transfer_id": "xc", "aiokv_transfer_key": "k" * 32}
+    p.add("pre", tokens, 1, {"do_remote_decode": True, "transfer_mode": "push", **first})
+    run([p, d], lambda: "dec" in d.loads and "pre" in p.sent)
+    assert d.loads["dec"] == (True, True)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_decode_first_push_never_reports_tokens_the_prefill_did_not_compute(
+    engines: Callable[..., Engine], hybrid: bool
+) -> None:
+    """Decode first, the client's decode request two tokens longer than its
+    prefill request (61 and 63 tokens: two blocks each). The prefill computes
+    61 tokens and pushes its two blocks of both groups; the decode counts 63
+    loaded and recomputes only the last (62): position 61 was never written.
+    The load must fail, or hold every position it reports.
+
+    The registration says how many blocks, not how many tokens: the prefill
+    checks the block count only, tells it ``pushed``, and the decode reports
+    a load whole that is not (one KV cache group or two alike)."""
+    p = engines("kv_producer", "push", hybrid=hybrid)
+    d = engines("kv_consumer", "push", hybrid=hybrid)
+    tokens = prompt(43, 2 * BS - 1)
+    d.add("dec", tokens, 2, decode_first_params(*p.address, "xt", "k" * 32))
+    run([d], lambda: bool(d.agent.receiver.pending()))
+    first = {"aiokv_transfer_id": "xt", "aiokv_transfer_key": "k" * 32}
+    pre = {"do_remote_decode": True, "transfer_mode": "push", **first}
+    p.add("pre", tokens[:-2], 1, pre)
+    run([p, d], lambda: "dec" in d.loads and "pre" in p.sent)
+    ok, holds = d.loads["dec"]
+    assert holds or not ok, "reported loaded, position 61 never written"
+
+
 @pytest.mark.parametrize(("max_tokens", "loads"), [(4, True), (40, False)])
 def test_a_hybrid_prefill_that_decodes_on_pushes_only_the_window_it_still_holds(
     engines: Callable[..., Engine], max_tokens: int, loads: bool

@@ -98,6 +98,7 @@ class WorkerBinding:
                     layout=r.layout,
                     sources=sources,
                     groups=r.groups,
+                    tokens=r.end or None,
                 )
             else:
                 agent.pull(

@@ -200,6 +200,7 @@ class _Recv:
     error: str = ""  # why its params cannot be loaded from ("": they can)
     picks: list[int] | None = None  # pull: the indexes in remote_block_ids read, in order
     groups: list[list[int]] | None = None  # push, several groups: [first, count] of each
+    end: int = 0  # the tokens it takes the request to hold (it computes from there)
 
 
 @dataclass
@@ -296,6 +297,7 @@ def _recv_of(
         push_keys=_strs(params.get("aiokv_push_keys")),
         transfer_key=str(params.get("aiokv_transfer_key") or ""),
         tp_size=_tp_size(params),
+        end=end,
     )
     if mode == "push" and not groups.plain:
         recv.local_block_ids, recv.groups = groups.push_spans(local, first, last, end)

@@ -351,15 +351,16 @@ class DecodeLoads:
         first: int,
         layout: str | None,
         groups: list[list[int]] | None = None,
+        tokens: int | None = None,
     ) -> None:
         """One push load from each of ``sources`` (each a prefill worker and
         its transfer id: a prefill of another tensor-parallel size pushes
         from each worker its heads), all at once. The first to fail cancels
-        the others, and raises once every one is quiescent. ``groups``: see
-        :class:`.wire.Reg`."""
+        the others, and raises once every one is quiescent. ``groups`` and
+        ``tokens``: see :class:`.wire.Reg`."""
         await _all(
             self.expect_push(
-                s.peer, xid, local_ids, first, s.key, layout, s.span, s.readers, groups
+                s.peer, xid, local_ids, first, s.key, layout, (s.span, s.readers, groups, tokens)
             )
             for s, xid in sources
         )
@@ -372,9 +373,12 @@ class DecodeLoads:
         first: int,
         key: str = "",
         layout: str | None = None,
-        span: HeadSpan | None = None,
-        readers: int = 1,
-        groups: list[list[int]] | None = None,
+        shape: tuple[HeadSpan | None, int, list[list[int]] | None, int | None] = (
+            None,
+            1,
+            None,
+            None,
+        ),
     ) -> None:
         """Register, wait for ``pushed``.
 
@@ -388,9 +392,9 @@ class DecodeLoads:
         only once P answered that its pushes to it are quiescent, or once the
         link to P was unlinked with P's confirmation (or cut off): never on a
         clock alone, since P's Python may be starved past any deadline.
-        ``span``: the heads of each block P pushes (a prefill of another
-        tensor-parallel size), ``readers`` the decode workers P pushes
-        them to, ``groups`` each KV cache group's positions (see :class:`.wire.Reg`)."""
+        ``shape``: the heads of each block P pushes (a prefill of another
+        tensor-parallel size), the decode workers P pushes them to, each KV
+        cache group's positions and the tokens loaded (see :class:`.wire.Reg`)."""
         if layout is not None and layout != self.layout.digest():
             raise TransferFailed("the prefill instance's KV layout differs from ours", "layout")
         nonce = secrets.token_hex(8)
@@ -403,7 +407,6 @@ class DecodeLoads:
                 # from its send, not from before a link set-up.
                 await self._links.link(peer)
                 registered = True
-                shape = (span, readers, groups)
                 await self._register(peer, xid, nonce, key, local_ids, first, deadline, shape)
                 # Shielded: an abort must leave it for P's answer to the cancel.
                 answer = await asyncio.shield(fut)
@@ -411,7 +414,7 @@ class DecodeLoads:
             if not isinstance(answer, Pushed):
                 raise TransferFailed(f"the prefill instance failed: {answer}", "prefill")
             self._stats["pushes_received"] += 1
-            _count_pushed(self.layout, answer, local_ids, span)
+            _count_pushed(self.layout, answer, local_ids, shape[0])
         except TimeoutError:
             raise TransferFailed(f"not pushed within {self.timeout:g} s", "timeout") from None
         finally:
@@ -431,7 +434,7 @@ class DecodeLoads:
         local_ids: list[int],
         first: int,
         deadline: float,
-        shape: tuple[HeadSpan | None, int, list[list[int]] | None] = (None, 1, None),
+        shape: tuple[HeadSpan | None, int, list[list[int]] | None, int | None],
     ) -> None:
         """Send ``local_ids`` to ``peer`` for load ``nonce`` of transfer ``xid``,
         in parts (``shape``: the heads P pushes, and its readers)."""

@@ -346,12 +346,14 @@ class TransferAgent(LoopThread):
             prompt,
         )
 
-    def push_settle(self, xids: Sequence[str], timeout: float = 60.0) -> None:
+    def push_settle(self, xids: Sequence[str]) -> None:
         """P: vLLM freed blocks of these transfers' requests out of their
         sliding windows, and the next step may reuse them: blocks until every
         push of them running now ended (none is cancelled; a push started
-        later sees the freed blocks and fails its load)."""
-        self._wait_on_loop(self.push_sender.settle(list(xids)), xids, timeout)
+        later sees the freed blocks and fails its load). Each ends by its
+        load's deadline (``timeout``) and its cancel's grace."""
+        wait = self.timeout + self.grace + 30.0
+        self._wait_on_loop(self.push_sender.settle(list(xids)), xids, wait)
 
     def push_preempt(self, xids: Sequence[str], timeout: float = 60.0) -> None:
         """P: the engine preempted these transfers' requests and reuses their
@@ -463,6 +465,7 @@ class TransferAgent(LoopThread):
         layout: str | None = None,
         sources: Sequence[Source] = (),
         groups: Sequence[Sequence[int]] | None = None,
+        tokens: int | None = None,
     ) -> None:
         """D: register ``local_ids`` with ``peer`` for transfer ``xid`` (for the
         request's blocks ``first``, ``first + 1``... on the prefill side), with
@@ -472,7 +475,9 @@ class TransferAgent(LoopThread):
         prefill workers that push, each its heads of every block under
         transfer id ``xid/rank`` (a prefill of another tensor-parallel size).
         ``groups``: ``[first, count]`` of each KV cache group's positions,
-        ``local_ids`` one group's after another (a hybrid model)."""
+        ``local_ids`` one group's after another (a hybrid model); ``tokens``:
+        the tokens this side takes the request to hold (the prefill fails a
+        load of more than it computed)."""
         if sources:
             each = [(s, f"{xid}/{s.rank}") for s in sources]
         elif peer is not None:
@@ -480,7 +485,9 @@ class TransferAgent(LoopThread):
         else:
             raise ValueError("a push load needs a peer or sources")
         spans = [[int(f), int(n)] for f, n in groups] if groups is not None else None
-        load = self.receiver.expect_push_all(each, list(local_ids), int(first), layout, spans)
+        load = self.receiver.expect_push_all(
+            each, list(local_ids), int(first), layout, spans, tokens
+        )
         self._post(self.receiver.start, req_id, local_ids, load)
 
     def cancel_recv(self, req_id: str) -> None:

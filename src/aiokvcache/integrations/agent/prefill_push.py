@@ -74,6 +74,7 @@ class _Load:
     # Each KV cache group's registered positions: (first, count), its ids one
     # group after another in reg_ids.
     spans: list[tuple[int, int]] | None = None
+    tokens: int | None = None  # the tokens D takes the request to hold (None: not said)
 
     def running(self) -> bool:
         me = asyncio.current_task()
@@ -90,10 +91,18 @@ class _Load:
             raise BadMessage(f"a registration's first block index {first!r}")
         if not (isinstance(ttl, (int, float)) and math.isfinite(ttl) and ttl > 0):
             raise BadMessage(f"a registration's deadline {ttl!r}")
-        shape = (*_shape(m, layout), _spans(m, len(layout.windows)))  # every part says it
-        if self.registration.parts is not None and shape != (self.heads, self.readers, self.spans):
+        tokens = m.tokens
+        if not (tokens is None or (type(tokens) is int and 0 < tokens < 1 << 40)):
+            raise BadMessage(f"a registration's token count {str(tokens)[:40]}")
+        shape = (*_shape(m, layout), _spans(m, len(layout.windows)), tokens)  # every part says it
+        if self.registration.parts is not None and shape != (
+            self.heads,
+            self.readers,
+            self.spans,
+            self.tokens,
+        ):
             raise BadMessage("the registration's parts disagree on their heads or groups")
-        self.heads, self.readers, self.spans = shape
+        self.heads, self.readers, self.spans, self.tokens = shape
         ids = self.registration.add(self.src, m.part, m.parts, m.runs)
         return ids, self.registration.count - before
 
@@ -118,6 +127,9 @@ class _Load:
                     f"{n} destination blocks registered from block {f}, {i1 - f} needed"
                 )
             j0 = max(i0, f, bounds[g])
+            if j0 >= i1:  # nothing of this group in [i0, i1)
+                off += n
+                continue
             if layout.windows[g] and NULL_BLOCK in mine[j0:i1]:  # freed: out of its window
                 raise TransferFailed(f"window blocks [{j0}, {i1}): the prefill freed one")
             src += mine[j0:i1]
@@ -128,12 +140,14 @@ class _Load:
         p_head, count, d_heads, d_head = self.heads
         return layout.units(src, p_head, count), head_units(dst, d_heads, d_head, count)
 
-    def miscount(self, n: int, bounds: list[int]) -> str:
+    def miscount(self, n: int, bounds: list[int], computed: int) -> str:
         """Why its registered blocks are not exactly the request's ``n`` in
         each group (from its first on, and no window position before what
-        this side pushes), or "": blocks nothing wrote must not be told
-        pushed."""
+        this side pushes), or D takes more tokens than the ``computed``
+        ones, or "": what nothing wrote must not be told pushed."""
         assert self.reg_ids is not None and self.spans is not None
+        if self.tokens is not None and self.tokens > computed:
+            return f"the decode loads {self.tokens} tokens, the prefill computed {computed}"
         if sum(c for _, c in self.spans) != len(self.reg_ids):
             return f"{len(self.reg_ids)} blocks registered, its groups say otherwise"
         for g, (f, c) in enumerate(self.spans):
@@ -673,7 +687,8 @@ class PushSender:
             return
         if any(ld.landed.get(layer, 0) < st.final_end for layer in range(self.layout.num_layers)):
             return
-        wrong = ld.miscount(-(-st.final_end // st.block_size), st.bounds(self.layout.windows))
+        n = -(-st.final_end // st.block_size)
+        wrong = ld.miscount(n, st.bounds(self.layout.windows), st.final_end)
         if wrong:
             self._end(st, ld, wrong)
             return

@@ -205,7 +205,9 @@ class Reg(_Message):
     ``groups``: a model of several KV cache groups (vLLM's hybrid
     allocator): ``[first, count]`` of each group's positions, whose block
     ids ``runs`` lists one group after another (``None``: one group, from
-    ``first``)."""
+    ``first``). ``tokens``: the tokens D takes the request to hold (it
+    computes from there on): P fails a load that takes more than it
+    computed (``None``: not said)."""
 
     OP = Op.REG
     ARITY = 9
@@ -221,10 +223,11 @@ class Reg(_Message):
     heads: Any = None
     readers: Any = 1
     groups: Any = None
+    tokens: Any = None
 
     @classmethod
     def from_args(cls, a: list[Any]) -> Reg:
-        return cls(str(a[0]), a[1], a[2], a[3], a[4], a[5], str(a[6]), a[7], a[8], *a[9:12])
+        return cls(str(a[0]), a[1], a[2], a[3], a[4], a[5], str(a[6]), a[7], a[8], *a[9:13])
 
 
 @dataclass(frozen=True)
