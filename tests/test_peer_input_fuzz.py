@@ -810,6 +810,8 @@ def connector_messages(key: str, until_ms: int) -> list[list[Any]]:
         w.Reg("x1", 0, 1, [[0, 4]], 0, 5.0, "n1", "k" * 32, "0" * 16),
         # Across tensor-parallel sizes: the heads of each block, and the readers.
         w.Reg("x1", 0, 1, [[0, 4]], 0, 5.0, "n3", "k" * 32, "0" * 16, [2, 0, 1, 1, 0], 2),
+        # A hybrid model's: each KV cache group's positions, and the tokens loaded.
+        w.Reg("x1", 0, 1, [[0, 4]], 0, 5.0, "n4", "k" * 32, "0" * 16, None, 1, [[0, 2], [0, 2]], 9),
         w.Cancel("x1", "n1"),
         w.Grant("r9", "n9"),
         w.Refused("r9", "n9", "no"),
