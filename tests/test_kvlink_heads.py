@@ -59,6 +59,16 @@ def test_a_decode_of_one_worker_reads_both_prefill_workers_into_its_halves(
             s.agent.close()
 
 
+def holds_head(d: Side, p: Side, r: int) -> None:
+    """Decode worker ``d`` (one head a block) loaded head ``r`` of each of
+    prefill ``p``'s blocks, every layer."""
+    wait_for(lambda: "d-req" in d.poll().finished_recving)
+    assert not d.got.failed_recving
+    for layer in range(LAYERS):
+        want = p.kv[layer][REMOTE][:, r * UNIT : (r + 1) * UNIT]
+        assert np.array_equal(d.kv[layer][LOCAL], want)
+
+
 def test_a_prefill_read_by_two_decode_workers_holds_until_both_are_done(
     transport: str,
 ) -> None:
@@ -73,11 +83,7 @@ def test_a_prefill_read_by_two_decode_workers_holds_until_both_are_done(
         for r, d in enumerate((d0, d1)):
             src = Source(p.peer, key, HeadSpan(2, r, 0, 1), readers=2)
             d.agent.pull("d-req", None, "p-req", REMOTE, LOCAL, until_ms=UNTIL, sources=[src])
-            wait_for(lambda d=d: "d-req" in d.poll().finished_recving)
-            assert not d.got.failed_recving
-            for layer in range(LAYERS):
-                want = p.kv[layer][REMOTE][:, r * UNIT : (r + 1) * UNIT]
-                assert np.array_equal(d.kv[layer][LOCAL], want)
+            holds_head(d, p, r)
             if r == 0:
                 time.sleep(0.3)
                 assert not p.poll().finished_sending, "freed before the second reader"
@@ -183,11 +189,7 @@ def test_a_prefill_pushing_to_two_decode_workers_holds_until_both_registered(
         for r, d in enumerate((d0, d1)):
             src = Source(p.peer, key, HeadSpan(2, r, 0, 1), readers=2, rank=0)
             d.agent.expect_push("d-req", None, "x", LOCAL, layout=layout, sources=[src])
-            wait_for(lambda d=d: "d-req" in d.poll().finished_recving)
-            assert not d.got.failed_recving
-            for layer in range(LAYERS):
-                want = p.kv[layer][REMOTE][:, r * UNIT : (r + 1) * UNIT]
-                assert np.array_equal(d.kv[layer][LOCAL], want)
+            holds_head(d, p, r)
             if r == 0:
                 time.sleep(0.3)
                 assert "p-req" not in p.poll().finished_sending
