@@ -18,19 +18,9 @@ def _generate(
     """Greedy tokens for ``prompts``, request ``i`` with ``kv_transfer_params``
     ``params[i]``: per row ``tokens``, ``finish``, the ``params`` the engine
     returned, ``ttft`` (vLLM's own figure); and the call's ``seconds``."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sps = [
-        SamplingParams(
-            temperature=0,
-            max_tokens=max_tokens,
-            detokenize=False,
-            ignore_eos=True,
-            extra_args={"kv_transfer_params": dict(p)} if p is not None else None,
-        )
-        for p in params
-    ]
+    sps = [_greedy(max_tokens, p) for p in params]
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
     took = time.perf_counter() - t0
@@ -67,7 +57,6 @@ def _generate_timed(
     (the prompt tokens this request did not compute: loaded through the
     connector, prefix caching being off).
     """
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
@@ -76,14 +65,8 @@ def _generate_timed(
     order: list[tuple[str, str]] = []
     rows: dict[str, dict[str, Any]] = {}
     for prompt, p in zip(prompts, params, strict=True):
-        sp = SamplingParams(
-            temperature=0,
-            max_tokens=max_tokens,
-            detokenize=False,
-            ignore_eos=True,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": _own_cache_count(p)} if p is not None else None,
-        )
+        own = _own_cache_count(p) if p is not None else None
+        sp = _greedy(max_tokens, own, output_kind=RequestOutputKind.DELTA)
         rid = f"timed-{next(_timed_ids)}"
         internal = engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
         order.append((rid, internal))
@@ -119,6 +102,21 @@ def _stamp(row: dict[str, Any], out: Any, now: float) -> None:
         row["params"] = out.kv_transfer_params
 
 
+def _greedy(max_tokens: int, params: dict[str, Any] | None, **kw: Any) -> Any:
+    """Greedy ``SamplingParams`` of ``max_tokens`` tokens (EOS ignored),
+    carrying ``params`` as the request's ``kv_transfer_params``."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0,
+        max_tokens=max_tokens,
+        detokenize=False,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": dict(params)} if params is not None else None,
+        **kw,
+    )
+
+
 def _own_cache_count(params: dict[str, Any]) -> dict[str, Any]:
     """A decode request's params without ``remote_prefill_cached_tokens``.
 
@@ -141,7 +139,6 @@ def _generate_aborting(
     client that gave up: vLLM's engine aborts it, whatever its KV load is
     doing). Rows of aborted requests have ``finish`` ``"abort"``; the call
     returns once no request is left, the aborted ones gone."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
@@ -149,13 +146,7 @@ def _generate_aborting(
     ids: list[str] = []
     rows: dict[str, dict[str, Any]] = {}
     for prompt, p in zip(prompts, params, strict=True):
-        sp = SamplingParams(
-            temperature=0,
-            max_tokens=max_tokens,
-            detokenize=False,
-            ignore_eos=True,
-            extra_args={"kv_transfer_params": dict(p)} if p is not None else None,
-        )
+        sp = _greedy(max_tokens, p)
         rid = f"aborting-{next(_timed_ids)}"
         engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), sp)
         ids.append(rid)
